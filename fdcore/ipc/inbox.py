@@ -1,0 +1,196 @@
+"""An actor's inbox: many producers, one consumer, no shared lock.
+
+Design (the choice the ring layer was built for): one single-producer
+:class:`~fdcore.ipc.ring.Ring` per producer link, all sharing one
+:class:`~fdcore.ipc.doorbell.Doorbell` that the consumer sleeps on.
+
+Why not one multi-producer ring? Producers would have to agree on who writes
+where, through a lock or an atomic reservation. A producer SIGKILLed while
+holding the lock wedges everyone; one killed between reserving space and
+filling it leaves a hole the consumer cannot tell from a slow writer. With one
+ring per link, a producer owns its ring's tail outright: killed at any
+instruction, it leaves at most an unpublished partial record in *its own*
+ring, invisible to the consumer, and every other link carries on untouched. A
+restarted producer re-attaches and continues from the published tail.
+
+The consumer takes records round-robin across links (no link can starve the
+others) and drains in batches with :meth:`Inbox.get_many`.
+
+Names: the doorbell is ``<inbox name>`` (segment and semaphore), each link's
+ring ``<inbox name>.<producer>``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from fdcore.ipc.doorbell import Doorbell
+from fdcore.ipc.ring import DEFAULT_CAPACITY, DEFAULT_SPIN, Ring, RingEmpty, RingStatistics
+
+BELL_WAITING_OFF = 0
+
+
+@dataclass(frozen=True)
+class InboxStatistics:
+    name: str
+    links: dict[str, RingStatistics]
+    sleeps: int
+
+
+class Inbox:
+    """The consumer's view of all its links (or the owner's, who creates and unlinks them)."""
+
+    def __init__(self, name: str, bell: Doorbell, owner: bool, capacity: int, spin: float):
+        self.name = name
+        self.owner = owner
+        self.capacity = capacity
+        self.spin = spin
+        self._bell = bell
+        self._links: dict[str, Ring] = {}
+        self._order: list[Ring] = []
+        self._next = 0
+        self._sleeps = 0
+
+    @classmethod
+    def create(cls, name: str, producers=(), *, capacity: int = DEFAULT_CAPACITY,
+               spin: float = DEFAULT_SPIN) -> "Inbox":
+        """Create the doorbell and one ring per producer; this handle owns them all."""
+        inbox = cls(name, Doorbell.standalone(name, create=True), True, capacity, spin)
+        try:
+            for producer in producers:
+                inbox.add_link(producer)
+        except BaseException:
+            inbox.close()
+            inbox.unlink()
+            raise
+        return inbox
+
+    @classmethod
+    def attach(cls, name: str, producers=(), *, spin: float = DEFAULT_SPIN) -> "Inbox":
+        """Open an existing inbox as its consumer, with the named links."""
+        inbox = cls(name, Doorbell.standalone(name, create=False), False, 0, spin)
+        try:
+            for producer in producers:
+                inbox.attach_link(producer)
+        except BaseException:
+            inbox.close()
+            raise
+        return inbox
+
+    def link_name(self, producer: str) -> str:
+        """The ring a producer attaches to (``Ring.attach(inbox.link_name(p))``)."""
+        return f"{self.name}.{producer}"
+
+    def add_link(self, producer: str, capacity: int | None = None) -> str:
+        """Create a new link (owner side); returns its ring name."""
+        self._check_new(producer)
+        ring = Ring.create(capacity or self.capacity, name=self.link_name(producer),
+                           doorbell=self._bell, spin=self.spin)
+        self._add(producer, ring)
+        return ring.name
+
+    def attach_link(self, producer: str) -> None:
+        """Start consuming an existing link (consumer side)."""
+        self._check_new(producer)
+        self._add(producer, Ring.attach(self.link_name(producer), doorbell=self._bell,
+                                        spin=self.spin))
+
+    def _check_new(self, producer: str) -> None:
+        if producer in self._links:
+            raise ValueError(f"{self.name}: link {producer!r} exists already")
+
+    def _add(self, producer: str, ring: Ring) -> None:
+        self._links[producer] = ring
+        self._order.append(ring)
+
+    def remove_link(self, producer: str) -> None:
+        """Stop consuming a link; the owner also unlinks its ring."""
+        ring = self._links.pop(producer)
+        self._order.remove(ring)
+        ring.close()
+        if self.owner:
+            ring.unlink()
+
+    @property
+    def links(self) -> list[str]:
+        return list(self._links)
+
+    # --------------------------------------------------------------- consuming
+    def get_nowait(self) -> bytes:
+        """One record from the next non-empty link, or :class:`RingEmpty`."""
+        order = self._order
+        count = len(order)
+        for i in range(count):
+            ring = order[(self._next + i) % count]
+            data = ring._try_get()
+            if data is not None:
+                self._next = (self._next + i + 1) % count
+                return data
+        raise RingEmpty(self.name)
+
+    def get(self, timeout: float | None = None) -> bytes:
+        """One record, waiting up to ``timeout`` seconds (None: forever)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            try:
+                return self.get_nowait()
+            except RingEmpty:
+                if not self._wait(deadline):
+                    raise RingEmpty(f"{self.name}: no record within {timeout} s") from None
+
+    def get_many_nowait(self, max_per_link: int | None = None) -> list[bytes]:
+        """Everything available now (at most ``max_per_link`` from each link)."""
+        out: list[bytes] = []
+        for ring in self._order:
+            out += ring.get_many_nowait(max_per_link)
+        return out
+
+    def get_many(self, max_per_link: int | None = None, timeout: float | None = None) -> list[bytes]:
+        """Wait up to ``timeout`` for at least one record, then drain every link."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            out = self.get_many_nowait(max_per_link)
+            if out:
+                return out
+            if not self._wait(deadline):
+                raise RingEmpty(f"{self.name}: no record within {timeout} s")
+
+    def readable(self) -> bool:
+        return any(ring.readable() for ring in self._order)
+
+    def _wait(self, deadline: float | None) -> bool:
+        for ring in self._order:
+            ring._publish_head()
+        spin_end = time.monotonic() + self.spin
+        while time.monotonic() < spin_end:
+            if self.readable():
+                return True
+        self._sleeps += 1
+        return self._bell.wait(self.readable, deadline)
+
+    # --------------------------------------------------------------- lifecycle
+    def statistics(self) -> InboxStatistics:
+        return InboxStatistics(self.name, {p: r.statistics() for p, r in self._links.items()},
+                               self._sleeps)
+
+    def close(self) -> None:
+        for ring in self._order:
+            ring.close()
+        self._bell.close()
+
+    def unlink(self) -> None:
+        """Remove every name of the inbox (owner only)."""
+        if not self.owner:
+            raise ValueError(f"{self.name}: only the creating handle may unlink the inbox")
+        for ring in self._order:
+            ring.unlink()
+        self._bell.unlink()
+
+    def __enter__(self) -> "Inbox":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+        if self.owner:
+            self.unlink()

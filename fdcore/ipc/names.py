@@ -1,0 +1,113 @@
+"""Names and ownership of fdcore's POSIX shared-memory segments and semaphores.
+
+Every object is named ``fdcore-<instance id>-<link>`` where the instance id is
+``<12 random hex digits>.<owner pid>``: the random part makes names unguessable
+(no other user can pre-create or squat on them), the pid lets :func:`sweep`
+find instances whose owner is gone. Objects are created with ``O_CREAT|O_EXCL``
+and mode 0600; exactly one owner (the process that created the instance)
+unlinks them, everyone else only closes.
+
+On Linux, segments appear in ``/dev/shm/<name>`` and semaphores in
+``/dev/shm/sem.<name>``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+from dataclasses import dataclass
+
+import posix_ipc
+
+PREFIX = "fdcore-"
+SHM_DIR = "/dev/shm"
+_INSTANCE_RE = re.compile(r"^(?:sem\.)?fdcore-([0-9a-f]{12})\.(\d+)-")
+_LINK_RE = re.compile(r"^[A-Za-z0-9_.]+$")
+
+
+def new_instance_id(pid: int | None = None) -> str:
+    """A fresh, unguessable instance id owned by ``pid`` (default: this process)."""
+    return f"{secrets.token_hex(6)}.{os.getpid() if pid is None else pid}"
+
+
+def object_name(instance_id: str, link: str) -> str:
+    """The POSIX name (leading slash) of one object of an instance."""
+    if not _LINK_RE.match(link):
+        raise ValueError(f"link name {link!r} may only hold letters, digits, '_' and '.'")
+    return f"/{PREFIX}{instance_id}-{link}"
+
+
+@dataclass(frozen=True)
+class ShmEntry:
+    """One fdcore object found in /dev/shm."""
+
+    filename: str
+    instance_id: str
+    owner_pid: int
+
+    @property
+    def is_semaphore(self) -> bool:
+        return self.filename.startswith("sem.")
+
+    @property
+    def posix_name(self) -> str:
+        return "/" + self.filename.removeprefix("sem.")
+
+
+def list_entries(shm_dir: str = SHM_DIR) -> list[ShmEntry]:
+    """Every fdcore object currently in ``shm_dir``."""
+    entries = []
+    for filename in sorted(os.listdir(shm_dir)):
+        match = _INSTANCE_RE.match(filename)
+        if match:
+            token, pid = match.groups()
+            entries.append(ShmEntry(filename, f"{token}.{pid}", int(pid)))
+    return entries
+
+
+def pid_alive(pid: int) -> bool:
+    """True when a process with this pid exists (zombies count as gone)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return not _is_zombie(pid)
+
+
+def _is_zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] == b"Z"
+    except (OSError, IndexError):
+        return False
+
+
+def unlink_entry(entry: ShmEntry) -> bool:
+    """Unlink one object; False when it was already gone."""
+    unlink = posix_ipc.unlink_semaphore if entry.is_semaphore else posix_ipc.unlink_shared_memory
+    try:
+        unlink(entry.posix_name)
+    except posix_ipc.ExistentialError:
+        return False
+    return True
+
+
+def unlink_instance(instance_id: str, shm_dir: str = SHM_DIR) -> int:
+    """Unlink every object of one instance; returns how many were removed."""
+    return sum(unlink_entry(e) for e in list_entries(shm_dir) if e.instance_id == instance_id)
+
+
+def sweep(shm_dir: str = SHM_DIR) -> list[str]:
+    """Unlink the objects of every instance whose owner process is gone.
+
+    Returns the filenames removed. Objects of live owners are left alone, so it
+    is safe to call while other fdcore instances run.
+    """
+    removed = []
+    for entry in list_entries(shm_dir):
+        if not pid_alive(entry.owner_pid) and unlink_entry(entry):
+            removed.append(entry.filename)
+    return removed

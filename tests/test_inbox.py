@@ -1,0 +1,140 @@
+"""Many producers into one inbox: nothing lost, duplicated or reordered; a killed producer harms no one."""
+
+from __future__ import annotations
+
+import os
+import signal
+import zlib
+
+import pytest
+
+from fdcore.ipc import Inbox, Receiver, Ring, RingEmpty, Sender, names
+from fdcore.ipc.channel import ProtocolError
+from fdcore.protocol import ClientMessage, Ping, Stop, TokenDelta
+
+
+def _record(producer: int, seq: int) -> bytes:
+    body = os.urandom(8 + (seq * 7 + producer) % 300)
+    head = producer.to_bytes(2, "little") + seq.to_bytes(6, "little")
+    return head + zlib.crc32(head + body).to_bytes(4, "little") + body
+
+
+def _check(record: bytes) -> tuple[int, int]:
+    head, crc, body = record[:8], record[8:12], record[12:]
+    assert zlib.crc32(head + body).to_bytes(4, "little") == crc, "record corrupted in transit"
+    return int.from_bytes(head[:2], "little"), int.from_bytes(head[2:], "little")
+
+
+def _produce(ring_name: str, producer: int, count: int, batch: int):
+    ring = Ring.attach(ring_name)
+    seq = 0
+    while count is None or seq < count:
+        n = batch if count is None else min(batch, count - seq)
+        ring.put_many([_record(producer, seq + i) for i in range(n)])
+        seq += n
+    ring.close()
+
+
+@pytest.fixture
+def inbox():
+    box = Inbox.create(names.object_name(names.new_instance_id(), "engine"), capacity=16384)
+    yield box
+    box.close()
+    box.unlink()
+
+
+@pytest.mark.parametrize("batch", [1, 64])
+def test_several_producer_processes_lose_duplicate_and_reorder_nothing(inbox, spawn, batch):
+    producers, count = 4, 5000
+    for p in range(producers):
+        spawn(_produce, inbox.add_link(f"p{p}"), p, count, batch)
+    next_seq = [0] * producers
+    while sum(next_seq) < producers * count:
+        for record in inbox.get_many(timeout=30):
+            producer, seq = _check(record)
+            assert seq == next_seq[producer], f"producer {producer}: got {seq}, expected {next_seq[producer]}"
+            next_seq[producer] += 1
+    assert next_seq == [count] * producers
+    with pytest.raises(RingEmpty):
+        inbox.get_nowait()
+
+
+def test_a_producer_killed_mid_stream_leaves_the_others_whole(inbox, spawn):
+    count = 20000
+    victim = spawn(_produce, inbox.add_link("victim"), 0, None, 1)  # never stops on its own
+    others = [spawn(_produce, inbox.add_link(f"p{p}"), p, count, 16) for p in (1, 2, 3)]
+    next_seq = [0] * 4
+    killed = False
+    while sum(next_seq[1:]) < 3 * count:
+        for record in inbox.get_many(timeout=30):
+            producer, seq = _check(record)
+            assert seq == next_seq[producer]
+            next_seq[producer] += 1
+        if not killed and next_seq[0] > 500:
+            os.killpg(victim.pid, signal.SIGKILL)  # anywhere, mid-write included
+            victim.join(10)
+            killed = True
+    assert killed and next_seq[1:] == [count] * 3
+    for record in inbox.get_many_nowait():  # what the victim published before dying
+        producer, seq = _check(record)
+        assert producer == 0 and seq == next_seq[0]
+        next_seq[0] += 1
+    # A restarted producer attaches to the same link and carries on.
+    spawn(_produce, inbox.link_name("victim"), 9, 10, 1).join(10)
+    assert [_check(r) for r in inbox.get_many(timeout=10)] == [(9, i) for i in range(10)]
+
+
+def test_round_robin_keeps_a_busy_link_from_starving_another(inbox):
+    busy, quiet = (Ring.attach(inbox.add_link(n)) for n in ("busy", "quiet"))
+    try:
+        busy.put_many([b"busy"] * 50)
+        quiet.put_nowait(b"quiet")
+        assert b"quiet" in [inbox.get_nowait() for _ in range(2)]
+    finally:
+        busy.close()
+        quiet.close()
+
+
+def test_typed_channel_round_trips_structs_and_rejects_garbage(inbox):
+    ring = Ring.attach(inbox.add_link("client"))
+    sender, receiver = Sender(ring), Receiver(inbox, ClientMessage)
+    try:
+        message = TokenDelta("req-1", 3, [1, 2, 3], finished=True)
+        sender.send(message)
+        sender.send_many([TokenDelta("req-2", 0, [7]), TokenDelta("req-2", 1, [8])])
+        assert receiver.recv(timeout=5) == message
+        assert [m.token_ids for m in receiver.recv_many(timeout=5)] == [[7], [8]]
+        sender.send(Stop("not a client message"))
+        with pytest.raises(ProtocolError, match="undecodable record"):
+            receiver.recv(timeout=5)
+        ring.put_nowait(b"\xc1 garbage")
+        with pytest.raises(ProtocolError, match=inbox.name):
+            receiver.recv_nowait()
+        sender.send(Ping(nonce=5))
+        with pytest.raises(ProtocolError):
+            receiver.recv_nowait()
+    finally:
+        ring.close()
+
+
+def test_consumer_attaches_by_name_and_producer_wakes_it(inbox, spawn):
+    link = inbox.add_link("p")
+    consumer = Inbox.attach(inbox.name, ["p"])
+    try:
+        spawn(_produce, link, 5, 3, 1)
+        got = [_check(consumer.get(timeout=10)) for _ in range(3)]
+        assert got == [(5, 0), (5, 1), (5, 2)]
+        with pytest.raises(ValueError, match="only the creating handle"):
+            consumer.unlink()
+    finally:
+        consumer.close()
+
+
+def test_removing_a_link_unlinks_its_ring(inbox):
+    name = inbox.add_link("gone")
+    inbox.remove_link("gone")
+    assert not os.path.exists("/dev/shm" + name)
+    assert inbox.links == []
+    with pytest.raises(ValueError, match="exists already"):
+        inbox.add_link("x")
+        inbox.add_link("x")
