@@ -138,3 +138,21 @@ def test_removing_a_link_unlinks_its_ring(inbox):
     with pytest.raises(ValueError, match="exists already"):
         inbox.add_link("x")
         inbox.add_link("x")
+
+
+def test_a_batch_is_one_record_and_recv_hands_it_out_one_by_one(inbox):
+    ring = Ring.attach(inbox.add_link("engine"))
+    sender, receiver = Sender(ring), Receiver(inbox, ClientMessage)
+    try:
+        batch = [TokenDelta(f"req-{i}", i, [i]) for i in range(100)]
+        sender.send_many(batch)
+        sender.send(TokenDelta("tail", 0, []))
+        assert ring.statistics().records_put == 2
+        assert [receiver.recv(timeout=5) for _ in range(3)] == batch[:3]
+        rest = receiver.recv_many(timeout=5)
+        assert rest == batch[3:] + [TokenDelta("tail", 0, [])]
+        sender.send_many([])
+        sender.send(TokenDelta("after-empty", 0, []))
+        assert receiver.recv(timeout=5).request_id == "after-empty"
+    finally:
+        ring.close()

@@ -4,6 +4,11 @@ The sender encodes into one reusable ``bytearray`` (no allocation per message)
 and copies it into the ring; the receiver decodes with a decoder built once for
 the inbox's union type. A record that does not decode is reported as a
 :class:`ProtocolError` naming the link, never silently dropped.
+
+Batches (``send_many``) travel as *one* record: the byte ``BATCH`` followed by a
+msgpack array of the messages, encoded and decoded in one msgspec call each.
+A single message never starts with that byte (msgpack Structs start with an
+array header, 0x90-0x9f or 0xdc-0xdd), so the receiver can tell them apart.
 """
 
 from __future__ import annotations
@@ -11,6 +16,8 @@ from __future__ import annotations
 import msgspec
 
 from fdcore.protocol import ENCODER, decoder_for
+
+BATCH = 0x01
 
 
 class ProtocolError(ValueError):
@@ -23,6 +30,7 @@ class Sender:
     def __init__(self, ring):
         self.ring = ring
         self._buffer = bytearray(256)
+        self._batch_buffer = bytearray([BATCH])
         self._encode_into = ENCODER.encode_into
 
     def send(self, message, timeout: float | None = None) -> None:
@@ -34,9 +42,10 @@ class Sender:
         self._encode_into(message, self._buffer)
         self.ring.put_nowait(self._buffer)
 
-    def send_many(self, messages, timeout: float | None = None) -> int:
-        """Put a batch with one publish (see ``Ring.put_many``)."""
-        return self.ring.put_many([ENCODER.encode(m) for m in messages], timeout)
+    def send_many(self, messages, timeout: float | None = None) -> None:
+        """Send a list of messages as one record (one copy, one publish, one wake-up)."""
+        self._encode_into(messages, self._batch_buffer, 1)
+        self.ring.put(self._batch_buffer, timeout)
 
     def close(self) -> None:
         self.ring.close()
@@ -48,26 +57,49 @@ class Receiver:
     def __init__(self, source, union):
         self.source = source
         self._decode = decoder_for(union).decode
+        self._decode_batch = decoder_for(list[union]).decode
+        self._pending: list = []  # rest of a batch that recv() is handing out one by one
 
-    def _decoded(self, raw: bytes):
+    def _decoded(self, raw: bytes) -> list:
+        """The messages of one record (a batch record holds several)."""
         try:
-            return self._decode(raw)
+            if raw[:1] == b"\x01":
+                return self._decode_batch(memoryview(raw)[1:])
+            return [self._decode(raw)]
         except msgspec.DecodeError as exc:
             raise ProtocolError(f"{self.source.name}: undecodable record ({exc}); "
-                                f"first bytes {raw[:16]!r}") from None
+                                f"first bytes {bytes(raw[:16])!r}") from None
 
     def recv(self, timeout: float | None = None):
-        return self._decoded(self.source.get(timeout))
+        """One message, waiting up to ``timeout`` seconds (None: forever)."""
+        while not self._pending:
+            self._pending = self._decoded(self.source.get(timeout))[::-1]
+        return self._pending.pop()
 
     def recv_nowait(self):
-        return self._decoded(self.source.get_nowait())
+        while not self._pending:
+            self._pending = self._decoded(self.source.get_nowait())[::-1]
+        return self._pending.pop()
 
-    def recv_many(self, timeout: float | None = None) -> list:
-        """Wait up to ``timeout`` for at least one message, then everything available."""
-        return [self._decoded(raw) for raw in self.source.get_many(timeout=timeout)]
+    def recv_many(self, timeout: float | None = None, max_records: int = 64) -> list:
+        """Wait up to ``timeout`` for at least one message, then what is available.
 
-    def recv_many_nowait(self) -> list:
-        return [self._decoded(raw) for raw in self.source.get_many_nowait()]
+        At most ``max_records`` records (each a message or a batch) per link and
+        call: bounded work per call keeps an actor's loop responsive and its
+        allocations young.
+        """
+        if self._pending:
+            return self.recv_many_nowait(max_records)
+        return self._flatten(self.source.get_many(max_records, timeout))
+
+    def recv_many_nowait(self, max_records: int = 64) -> list:
+        out, self._pending = self._pending[::-1], []
+        return out + self._flatten(self.source.get_many_nowait(max_records))
+
+    def _flatten(self, records) -> list:
+        if len(records) == 1:
+            return self._decoded(records[0])
+        return [message for raw in records for message in self._decoded(raw)]
 
     def close(self) -> None:
         self.source.close()

@@ -17,7 +17,7 @@ nap is a short ``SETTLE`` wait after which it re-checks. The only wake-up a
 producer can miss is one whose publish raced that first check; its store leaves
 the store buffer within nanoseconds, so the re-check after ``SETTLE`` finds it.
 Later naps are longer but bounded (``MAX_NAP``), so nothing ever hangs on a
-lost post, and an idle consumer wakes about twice a second, ~0.01% of a core.
+lost post, and an idle consumer wakes once a second, ~0.01% of a core.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import posix_ipc
 from fdcore.ipc.shm import map_segment, open_semaphore, unlink_quietly
 
 SETTLE = 200e-6  # first nap: longer than any store-buffer drain
-MAX_NAP = 0.5  # longest nap; the sleeper re-checks after each
+MAX_NAP = 1.0  # longest nap; the sleeper re-checks after each
 SEGMENT_SIZE = 64
 _barrier_lock = threading.Lock()
 

@@ -139,18 +139,19 @@ class Inbox:
                 if not self._wait(deadline):
                     raise RingEmpty(f"{self.name}: no record within {timeout} s") from None
 
-    def get_many_nowait(self, max_per_link: int | None = None) -> list[bytes]:
-        """Everything available now (at most ``max_per_link`` from each link)."""
+    def get_many_nowait(self, max_records: int | None = None) -> list[bytes]:
+        """Everything available now (at most ``max_records`` from each link)."""
         out: list[bytes] = []
         for ring in self._order:
-            out += ring.get_many_nowait(max_per_link)
+            out += ring.get_many_nowait(max_records)
         return out
 
-    def get_many(self, max_per_link: int | None = None, timeout: float | None = None) -> list[bytes]:
-        """Wait up to ``timeout`` for at least one record, then drain every link."""
+    def get_many(self, max_records: int | None = None, timeout: float | None = None) -> list[bytes]:
+        """Wait up to ``timeout`` for at least one record, then drain every link
+        (at most ``max_records`` from each)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
-            out = self.get_many_nowait(max_per_link)
+            out = self.get_many_nowait(max_records)
             if out:
                 return out
             if not self._wait(deadline):

@@ -276,7 +276,7 @@ class Ring:
                 raise err
         return written
 
-    def _try_put(self, data, publish: bool = True) -> bool:
+    def _try_put(self, data) -> bool:
         """Write one record (and ring the doorbell); False when there is no room now.
 
         The hot path: kept flat, every extra call here costs ~5% of throughput.
@@ -296,10 +296,9 @@ class Ring:
             self._write_split(pos + 8, data)
         self._tail = tail = tail + size
         self._puts += 1
-        if publish:
-            self._words[TAIL] = tail
-            if self._bell_mm[self._bell_off]:
-                self._bell.ring()
+        self._words[TAIL] = tail
+        if self._bell_mm[self._bell_off]:
+            self._bell.ring()
         return True
 
     def _write_split(self, start: int, data) -> None:
@@ -310,14 +309,32 @@ class Ring:
         self._mm[HEADER_SIZE:HEADER_SIZE + len(view) - first] = view[first:]
 
     def _try_put_batch(self, records, start: int) -> int:
-        """Write records from ``start`` until one does not fit; publish and ring once."""
-        count = 0
-        for record in records[start:] if start else records:
-            if not self._try_put(record, publish=False):
-                break
+        """Write records from ``start`` until one does not fit; publish and ring once.
+
+        ``_try_put`` inlined: this loop is the engine's per-step hot path.
+        """
+        mm, cap, mask, pack = self._mm, self._capacity, self._mask, _HDR.pack_into
+        tail, head_seen, count = self._tail, self._head_seen, 0
+        for data in records[start:] if start else records:
+            n = len(data)
+            size = (n + 15) & ~7
+            if tail + size - head_seen > cap:
+                if not self._refresh_head(tail, n, size):
+                    break
+                head_seen = self._head_seen
+            pos = tail & mask
+            off = HEADER_SIZE + pos
+            pack(mm, off, n, (tail >> 3) & CHECK_MASK)
+            if pos + size <= cap:
+                mm[off + 8:off + 8 + n] = data
+            else:
+                self._write_split(pos + 8, data)
+            tail += size
             count += 1
         if count:
-            self._words[TAIL] = self._tail
+            self._tail = tail
+            self._puts += count
+            self._words[TAIL] = tail
             if self._bell_mm[self._bell_off]:
                 self._bell.ring()
         return count
@@ -337,10 +354,14 @@ class Ring:
 
     def _wait_for_space(self, deadline: float | None) -> bool:
         """Sleep until the consumer publishes a new head; False once ``deadline`` passes."""
+        head_seen, words = self._head_seen, self._words
+        spin_end = time.monotonic() + self.spin
+        while time.monotonic() < spin_end:
+            if words[HEAD] != head_seen:
+                return True
         self._producer_waits += 1
-        head_seen = self._head_seen
         return sleep_until(self._mm, PRODUCER_WAITING_OFF, self._space,
-                           lambda: self._words[HEAD] != head_seen, deadline)
+                           lambda: words[HEAD] != head_seen, deadline)
 
     # --------------------------------------------------------------- consumer
     def get_nowait(self) -> bytes:
@@ -360,15 +381,32 @@ class Ring:
         return data
 
     def get_many_nowait(self, max_records: int | None = None) -> list[bytes]:
-        """Take every available record (at most ``max_records``); [] when empty."""
-        out = []
-        try_get = self._try_get
+        """Take every available record (at most ``max_records``); [] when empty.
+
+        Reads ``tail`` once and publishes ``head`` once: ``_try_get`` inlined.
+        """
+        head = self._head
+        tail = self._read_tail()
+        if head == tail:
+            return []
+        mm, cap, mask, unpack = self._mm, self._capacity, self._mask, _HDR.unpack_from
         limit = (1 << 62) if max_records is None else max_records
-        while len(out) < limit:
-            data = try_get(False)
-            if data is None:
-                break
-            out.append(data)
+        out = []
+        while head < tail and len(out) < limit:
+            pos = head & mask
+            off = HEADER_SIZE + pos
+            n, check = unpack(mm, off)
+            size = (n + 15) & ~7
+            if check != (head >> 3) & CHECK_MASK or head + size > tail:
+                self._head = head
+                self._raise_corrupted(head, n, check)
+            if pos + size <= cap:
+                out.append(mm[off + 8:off + 8 + n])
+            else:
+                out.append(self._read_split(pos + 8, n))
+            head += size
+        self._head = head
+        self._gets += len(out)
         self._publish_head()
         return out
 
@@ -399,11 +437,10 @@ class Ring:
         self._consumer_waits += 1
         return self._bell.wait(self.readable, deadline)
 
-    def _try_get(self, publish: bool = True):
-        """Read one record; None when empty. The hot path: keep it flat."""
+    def _try_get(self):
+        """Read one record; None when empty. The hot path: kept flat."""
         head = self._head
         if head == self._tail_seen and head == self._read_tail():
-            self._publish_head()
             return None
         mm = self._mm
         pos = head & self._mask
@@ -411,20 +448,29 @@ class Ring:
         n, check = _HDR.unpack_from(mm, off)
         size = (n + 15) & ~7
         if check != (head >> 3) & CHECK_MASK or head + size > self._tail_seen:
-            raise RingCorrupted(
-                f"{self.name}: bad record header at data offset {pos} (length {n}, check "
-                f"{check:#x}, expected {(head >> 3) & CHECK_MASK:#x}; "
-                f"{self._tail_seen - head} bytes published)")
+            self._raise_corrupted(head, n, check)
         if pos + size <= self._capacity:
             data = mm[off + 8:off + 8 + n]
         else:
-            first = self._capacity - pos - 8
-            data = mm[off + 8:HEADER_SIZE + self._capacity] + mm[HEADER_SIZE:HEADER_SIZE + n - first]
-        self._head = head + size
+            data = self._read_split(pos + 8, n)
+        self._head = self._head_published = head = head + size
+        self._words[HEAD] = head
         self._gets += 1
-        if publish:
-            self._publish_head()
+        if mm[PRODUCER_WAITING_OFF]:
+            self._wake_producer()
         return data
+
+    def _read_split(self, start: int, n: int) -> bytes:
+        """Read a payload that runs past the end of the data area on from offset 0."""
+        first = self._capacity - start
+        mm = self._mm
+        return mm[HEADER_SIZE + start:HEADER_SIZE + self._capacity] + mm[HEADER_SIZE:HEADER_SIZE + n - first]
+
+    def _raise_corrupted(self, head: int, n: int, check: int):
+        raise RingCorrupted(
+            f"{self.name}: bad record header at data offset {head & self._mask} (length {n}, "
+            f"check {check:#x}, expected {(head >> 3) & CHECK_MASK:#x}; "
+            f"{self._tail_seen - head} bytes published)")
 
     def _read_tail(self) -> int:
         tail = self._words[TAIL]
@@ -436,14 +482,14 @@ class Ring:
 
     def _publish_head(self) -> None:
         """Make consumed space visible to the producer, waking it if it waits."""
-        if self._head == self._head_published:
-            return
-        mm = self._mm
-        self._words[HEAD] = self._head
-        self._head_published = self._head
-        if mm[PRODUCER_WAITING_OFF]:
-            mm[PRODUCER_WAITING_OFF] = 0
-            self._space.release()
+        if self._head != self._head_published:
+            self._words[HEAD] = self._head_published = self._head
+            if self._mm[PRODUCER_WAITING_OFF]:
+                self._wake_producer()
+
+    def _wake_producer(self) -> None:
+        self._mm[PRODUCER_WAITING_OFF] = 0
+        self._space.release()
 
     # ------------------------------------------------------------- lifecycle
     def statistics(self) -> RingStatistics:
