@@ -61,8 +61,8 @@ def sleep_until(mm: mmap.mmap, offset: int, semaphore: posix_ipc.Semaphore, read
                 return False
             try:
                 semaphore.acquire(nap if remaining is None else min(nap, remaining))
-            except posix_ipc.BusyError:
-                pass
+            except (posix_ipc.BusyError, posix_ipc.SignalError):
+                pass  # timed out, or a signal: its Python handler runs next and may raise
             nap = MAX_NAP if nap == SETTLE else nap
             if ready():
                 return True

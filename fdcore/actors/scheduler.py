@@ -1,0 +1,8 @@
+"""The scheduler actor (fdcore:scheduler). For now it answers the control messages; its policy lands
+with the serving path."""
+
+from fdcore.actors.runtime import Actor
+
+
+class SchedulerActor(Actor):
+    pass

@@ -1,0 +1,182 @@
+"""fdcore's configuration: one TOML file decoded by msgspec into typed Structs.
+
+Every key has a default, so an empty file is valid wherever the defaults can
+serve. Unknown keys and wrong types are rejected with a message that names the
+file, the key and the expected type (:class:`ConfigError`).
+
+Example (every key shown with its default)::
+
+    [model]
+    path = ""                 # HF-format checkpoint directory; "" = the bundled tiny model
+    dtype = "auto"            # auto | float32 | bfloat16 | float16
+
+    [cache]
+    block_size = 16           # tokens per KV-cache block
+    num_blocks = 1024         # KV-cache blocks per worker
+    enable_prefix_caching = true
+
+    [scheduler]
+    max_num_seqs = 128
+    max_num_batched_tokens = 2048
+    max_model_len = 2048
+
+    [workers]
+    count = 1
+    omp_threads = 1
+
+    [supervisor]
+    strategy = "one_for_one"  # one_for_one | one_for_all | rest_for_one
+    max_restarts = 5          # more than this many restarts ...
+    period = 60.0             # ... within this many seconds stops the whole tree
+    start_timeout = 120.0     # seconds a child has to report ready
+    shutdown_timeout = 5.0    # seconds a child has to stop after Stop, then SIGTERM, then SIGKILL
+    heartbeat_interval = 0.5  # an idle actor still ticks this often
+    hang_timeout = 10.0       # no tick (or no progress while busy) this long = hung: killed, restarted
+    ring_capacity = 1048576   # bytes per inbox link
+
+    [server]
+    enabled = false
+    host = "127.0.0.1"
+    port = 8000
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Literal
+
+import msgspec
+
+
+class ConfigError(ValueError):
+    """A configuration file that cannot be used, with the reason."""
+
+
+class _Section(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    pass
+
+
+class ModelConfig(_Section):
+    path: str = ""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+
+
+class CacheConfig(_Section):
+    block_size: int = 16
+    num_blocks: int = 1024
+    enable_prefix_caching: bool = True
+
+
+class SchedulerConfig(_Section):
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 2048
+
+
+class WorkersConfig(_Section):
+    count: int = 1
+    omp_threads: int = 1
+
+
+class SupervisorConfig(_Section):
+    strategy: Literal["one_for_one", "one_for_all", "rest_for_one"] = "one_for_one"
+    max_restarts: int = 5
+    period: float = 60.0
+    start_timeout: float = 120.0
+    shutdown_timeout: float = 5.0
+    heartbeat_interval: float = 0.5
+    hang_timeout: float = 10.0
+    ring_capacity: int = 1 << 20
+
+
+class ServerConfig(_Section):
+    enabled: bool = False
+    host: str = "127.0.0.1"
+    port: int = 8000
+
+
+class Config(_Section):
+    model: ModelConfig = msgspec.field(default_factory=ModelConfig)
+    cache: CacheConfig = msgspec.field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = msgspec.field(default_factory=SchedulerConfig)
+    workers: WorkersConfig = msgspec.field(default_factory=WorkersConfig)
+    supervisor: SupervisorConfig = msgspec.field(default_factory=SupervisorConfig)
+    server: ServerConfig = msgspec.field(default_factory=ServerConfig)
+
+
+_SECTIONS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
+             "workers": WorkersConfig, "supervisor": SupervisorConfig, "server": ServerConfig}
+
+# (section, key, lowest allowed value) for every number that must be positive
+_MINIMA = [
+    ("cache", "block_size", 1), ("cache", "num_blocks", 1),
+    ("scheduler", "max_num_seqs", 1), ("scheduler", "max_num_batched_tokens", 1),
+    ("scheduler", "max_model_len", 1), ("workers", "count", 1), ("workers", "omp_threads", 1),
+    ("supervisor", "max_restarts", 0), ("supervisor", "period", 0.001),
+    ("supervisor", "start_timeout", 0.001), ("supervisor", "shutdown_timeout", 0.0),
+    ("supervisor", "heartbeat_interval", 0.001), ("supervisor", "hang_timeout", 0.001),
+    ("supervisor", "ring_capacity", 4096), ("server", "port", 0),
+]
+
+
+def load_config(path: str, *, check_model: bool = True) -> Config:
+    """Read, decode and validate a configuration file."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read the configuration ({exc.strerror})") from None
+    return parse_config(raw, source=path, check_model=check_model)
+
+
+def parse_config(raw: bytes | str, *, source: str = "<config>", check_model: bool = True) -> Config:
+    """Decode TOML text into a validated :class:`Config`."""
+    try:
+        config = msgspec.toml.decode(raw, type=Config)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"{source}: {_explain(str(exc))}") from None
+    except msgspec.DecodeError as exc:
+        raise ConfigError(f"{source}: not valid TOML ({exc})") from None
+    _check_ranges(config, source)
+    if check_model:
+        check_model_path(config, source)
+    return config
+
+
+def _explain(message: str) -> str:
+    """msgspec says '... - at `$.cache.block_sise`'; say it in config terms."""
+    text, _, where = message.partition(" - at `$")
+    key = where.rstrip("`").lstrip(".")
+    if text.startswith("Object contains unknown field"):
+        name = text.split("`")[1]
+        place = f"section [{key}]" if key else "the top level"
+        return f"unknown key {name!r} in {place} (known keys: {_known_keys(key)})"
+    return f"key {key!r}: {text}" if key else text
+
+
+def _known_keys(section: str) -> str:
+    return ", ".join((_SECTIONS[section] if section else Config).__struct_fields__)
+
+
+def _check_ranges(config: Config, source: str) -> None:
+    for section, key, lowest in _MINIMA:
+        value = getattr(getattr(config, section), key)
+        if value < lowest:
+            raise ConfigError(f"{source}: key '{section}.{key}' is {value}, must be >= {lowest}")
+    if config.server.port > 65535:
+        raise ConfigError(f"{source}: key 'server.port' is {config.server.port}, must be <= 65535")
+
+
+def default_model_path() -> str:
+    """Where the bundled tiny model lives (made by ``python -m fdcore.models.tiny``)."""
+    return os.path.join(os.path.dirname(os.path.abspath(__file__)), "models", "tiny-llama")
+
+
+def model_path(config: Config) -> str:
+    return config.model.path or default_model_path()
+
+
+def check_model_path(config: Config, source: str = "<config>") -> None:
+    path = model_path(config)
+    if not os.path.isdir(path):
+        raise ConfigError(f"{source}: key 'model.path': directory {path!r} does not exist")

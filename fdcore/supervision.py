@@ -1,0 +1,67 @@
+"""Supervision policy, OTP-style, as plain objects with no processes inside.
+
+- :class:`ChildSpec`: a child as data (id, what to start, restart type, shutdown timeout).
+- :func:`to_restart`: which children a strategy restarts when one fails.
+- :func:`should_restart`: whether a child's restart type wants a restart after an exit.
+- :class:`RestartIntensity`: more than ``max_restarts`` restarts within ``period``
+  seconds means the tree cannot heal itself: stop everything and exit with the reason.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from typing import Callable, Literal
+
+import msgspec
+
+Strategy = Literal["one_for_one", "one_for_all", "rest_for_one"]
+RestartType = Literal["permanent", "transient", "temporary"]
+
+
+class ChildSpec(msgspec.Struct, frozen=True):
+    id: str
+    kind: str
+    restart: RestartType = "permanent"
+    shutdown_timeout: float = 5.0
+
+
+def to_restart(strategy: Strategy, order: list[str], failed: str) -> list[str]:
+    """The children to restart, in start order, when ``failed`` has died."""
+    if strategy == "one_for_one":
+        return [failed]
+    if strategy == "one_for_all":
+        return list(order)
+    if strategy == "rest_for_one":
+        return order[order.index(failed):]
+    raise ValueError(f"unknown strategy {strategy!r}")
+
+
+def should_restart(restart: RestartType, abnormal: bool) -> bool:
+    """permanent: always; transient: only after an abnormal exit; temporary: never."""
+    return restart == "permanent" or (restart == "transient" and abnormal)
+
+
+class RestartIntensity:
+    """A sliding window of restart times."""
+
+    def __init__(self, max_restarts: int, period: float, clock: Callable[[], float] = time.monotonic):
+        self.max_restarts = max_restarts
+        self.period = period
+        self.clock = clock
+        self._times: collections.deque[float] = collections.deque()
+
+    def record(self) -> bool:
+        """Note one restart; True while still within the allowed intensity."""
+        now = self.clock()
+        self._times.append(now)
+        while self._times and self._times[0] <= now - self.period:
+            self._times.popleft()
+        return len(self._times) <= self.max_restarts
+
+    @property
+    def recent(self) -> int:
+        return len(self._times)
+
+    def describe(self) -> str:
+        return f"{self.recent} restarts within {self.period:g} s (at most {self.max_restarts} allowed)"

@@ -1,0 +1,366 @@
+"""The supervisor: ``python -m fdcore.supervisor --config FILE.toml [--check]``.
+
+It owns everything: every shared-memory object of the instance (created at
+start, unlinked at exit), and every actor process, each started in a process
+group of its own so that a kill reaches whatever the actor started too.
+
+- Start: sweep the leftovers of dead instances, create the inboxes and the
+  health board, start the children in order, each within ``start_timeout`` of
+  reporting READY; a child that fails to start stops the whole tree with its
+  error (never a wait forever, never a restart loop).
+- Run: a child that exits, or hangs (health board), is handled by its restart
+  type and the strategy (:mod:`fdcore.supervision`); too many restarts within
+  the period stop the tree with a non-zero exit and the reason.
+- Stop (SIGINT / SIGTERM): children in reverse order, each by a Stop message,
+  then SIGTERM, then SIGKILL, ``shutdown_timeout`` apart. A second Ctrl-C kills
+  at once. If the supervisor itself is SIGKILLed, the kernel SIGKILLs every
+  actor (``PR_SET_PDEATHSIG``) and the next start sweeps the segments.
+
+Events go to stderr as ``fdcore.supervisor: event=NAME key=value ...`` lines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+
+from fdcore.actors import health, topology
+from fdcore.actors.health import HealthBoard, State
+from fdcore.config import Config, ConfigError, load_config
+from fdcore.ipc import Inbox, Ring, Sender, names
+from fdcore.protocol import Stop
+from fdcore.supervision import ChildSpec, RestartIntensity, should_restart, to_restart
+
+POLL = 0.05  # seconds between looks at the health board when nothing else happens
+
+
+class StartFailure(Exception):
+    """A child that did not become ready."""
+
+
+class ShutdownRequested(Exception):
+    """SIGINT or SIGTERM arrived while waiting for something else."""
+
+
+class Child:
+    """A running child: its spec, process, slot and what hang detection last saw."""
+
+    def __init__(self, spec: ChildSpec, slot: int, proc: subprocess.Popen):
+        self.spec = spec
+        self.slot = slot
+        self.proc = proc
+        self.last_progress = 0
+        self.progress_since = time.monotonic_ns()
+
+
+class Supervisor:
+    def __init__(self, config: Config, config_path: str):
+        self.config = config
+        self.config_path = os.path.abspath(config_path)
+        self.instance = names.new_instance_id()
+        sup = config.supervisor
+        self.specs = [ChildSpec(cid, topology.kind_of(cid), shutdown_timeout=sup.shutdown_timeout)
+                      for cid in topology.child_ids(config)]
+        self.slots = {spec.id: i for i, spec in enumerate(self.specs)}
+        self.intensity = RestartIntensity(sup.max_restarts, sup.period)
+        self.children: dict[str, Child] = {}
+        self.generation = 0
+        self.exit_code = 0
+        self.stopping = False
+        self._signals: list[int] = []
+        self._wake_r = self._wake_w = -1
+        self.board: HealthBoard | None = None
+        self.inboxes: list[Inbox] = []
+        self.senders: dict[str, Sender] = {}
+
+    # ------------------------------------------------------------------ main
+    def run(self) -> int:
+        started = time.monotonic()
+        self._install_signals()
+        try:
+            self._create_ipc()
+            self._start_all()
+            log("ready", instance=self.instance, children=len(self.children),
+                seconds=f"{time.monotonic() - started:.2f}")
+            self._loop()
+        except StartFailure as exc:
+            log("start_failed", reason=str(exc))
+            self.exit_code = 1
+        except ShutdownRequested:
+            pass
+        finally:
+            stop_started = time.monotonic()
+            self._stop_all()
+            self._destroy_ipc()
+            log("stopped", exit_code=self.exit_code, seconds=f"{time.monotonic() - stop_started:.2f}")
+        return self.exit_code
+
+    def _loop(self) -> None:
+        while not self.stopping:
+            self._wait_events(POLL)
+            for child in list(self.children.values()):
+                if child.proc.poll() is not None:
+                    self._on_exit(child, _exit_reason(child.proc.returncode),
+                                  abnormal=child.proc.returncode != 0)
+                elif (reason := self._stall_reason(child)) is not None:
+                    log("hung", id=child.spec.id, pid=child.proc.pid, reason=reason)
+                    self._kill(child)
+                    self._on_exit(child, f"hung ({reason})", abnormal=True)
+                if self.stopping:
+                    break
+
+    # --------------------------------------------------------------- failures
+    def _on_exit(self, child: Child, reason: str, abnormal: bool) -> None:
+        log("exited", id=child.spec.id, pid=child.proc.pid, reason=reason)
+        del self.children[child.spec.id]
+        if not should_restart(child.spec.restart, abnormal):
+            return
+        order = [s.id for s in self.specs if s.id in self.children or s.id == child.spec.id]
+        affected = to_restart(self.config.supervisor.strategy, order, child.spec.id)
+        if not self.intensity.record():
+            log("intensity_exceeded", id=child.spec.id, reason=self.intensity.describe())
+            self.exit_code = 1
+            self.stopping = True
+            return
+        for cid in reversed(affected):
+            if cid in self.children:
+                self._stop_child(self.children.pop(cid))
+        self.generation += 1
+        for cid in affected:
+            self._restart(cid)
+
+    def _restart(self, cid: str) -> None:
+        spec = next(s for s in self.specs if s.id == cid)
+        try:
+            self._start_child(spec)
+            log("restarted", id=cid, pid=self.children[cid].proc.pid, generation=self.generation)
+        except StartFailure as exc:
+            log("restart_failed", id=cid, reason=str(exc))
+            if not self.intensity.record():
+                log("intensity_exceeded", id=cid, reason=self.intensity.describe())
+                self.exit_code = 1
+                self.stopping = True
+            else:
+                self._restart(cid)
+
+    def _stall_reason(self, child: Child) -> str | None:
+        board, slot = self.board, child.slot
+        if board.read(slot, health.STATE) != State.READY:
+            return None
+        now = time.monotonic_ns()
+        progress = board.read(slot, health.PROGRESS)
+        if progress != child.last_progress:
+            child.last_progress, child.progress_since = progress, now
+        return health.stall_reason(board.read(slot, health.HEARTBEAT), progress,
+                                   bool(board.read(slot, health.BUSY)), child.last_progress,
+                                   child.progress_since, now,
+                                   int(self.config.supervisor.hang_timeout * 1e9))
+
+    # ------------------------------------------------------------- starting
+    def _start_all(self) -> None:
+        for spec in self.specs:
+            self._start_child(spec)
+            log("started", id=spec.id, pid=self.children[spec.id].proc.pid)
+
+    def _start_child(self, spec: ChildSpec) -> None:
+        slot = self.slots[spec.id]
+        self.board.reset(slot, self.generation)
+        cmd = [sys.executable, "-m", "fdcore.actors", spec.kind, "--id", spec.id,
+               "--instance", self.instance, "--slot", str(slot), "--config", self.config_path,
+               "--parent", str(os.getpid())]
+        proc = subprocess.Popen(cmd, process_group=0, env=self._child_env(), stdin=subprocess.DEVNULL)
+        child = self.children[spec.id] = Child(spec, slot, proc)
+        try:
+            self._wait_ready(child)
+        except StartFailure:
+            self._kill(child)
+            del self.children[spec.id]
+            raise
+
+    def _wait_ready(self, child: Child) -> None:
+        deadline = time.monotonic() + self.config.supervisor.start_timeout
+        while self.board.read(child.slot, health.STATE) != State.READY:
+            if child.proc.poll() is not None:
+                raise StartFailure(f"{child.spec.id} exited during start-up "
+                                   f"({_exit_reason(child.proc.returncode)}); its error is above")
+            if time.monotonic() > deadline:
+                raise StartFailure(f"{child.spec.id} did not report ready within "
+                                   f"{self.config.supervisor.start_timeout:g} s")
+            self._wait_events(POLL)
+            if self.stopping:
+                raise ShutdownRequested()
+
+    def _child_env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env["OMP_NUM_THREADS"] = str(self.config.workers.omp_threads)
+        package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
+        return env
+
+    # -------------------------------------------------------------- stopping
+    def _stop_all(self) -> None:
+        for spec in reversed(self.specs):
+            child = self.children.pop(spec.id, None)
+            if child is not None:
+                self._stop_child(child)
+
+    def _stop_child(self, child: Child) -> None:
+        """Stop message, then SIGTERM, then SIGKILL, ``shutdown_timeout`` apart."""
+        t0 = time.monotonic()
+        timeout = child.spec.shutdown_timeout
+        how = "stop message"
+        if not self._kill_now:
+            self._send(child.spec.id, Stop("supervisor shutdown"))
+            if not self._wait_exit(child, timeout):
+                how = "SIGTERM"
+                _killpg(child.proc.pid, signal.SIGTERM)
+                if not self._wait_exit(child, timeout):
+                    how = "SIGKILL"
+        if child.proc.poll() is None:
+            how = "SIGKILL"
+            self._kill(child)
+        log("child_stopped", id=child.spec.id, pid=child.proc.pid, by=how,
+            seconds=f"{time.monotonic() - t0:.2f}")
+
+    def _wait_exit(self, child: Child, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while child.proc.poll() is None:
+            if self._kill_now or time.monotonic() > deadline:
+                return False
+            self._wait_events(min(POLL, max(0.0, deadline - time.monotonic())))
+        return True
+
+    def _kill(self, child: Child) -> None:
+        _killpg(child.proc.pid, signal.SIGKILL)
+        child.proc.wait()
+
+    def _send(self, cid: str, message) -> None:
+        try:
+            self.senders[cid].send(message, timeout=0.5)
+        except Exception as exc:  # a full or broken inbox must not stop the shutdown
+            log("send_failed", id=cid, error=repr(exc))
+
+    # -------------------------------------------------------------- signals
+    @property
+    def _kill_now(self) -> bool:
+        return self._signals.count(signal.SIGINT) + self._signals.count(signal.SIGTERM) >= 2
+
+    def _install_signals(self) -> None:
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        signal.set_wakeup_fd(self._wake_w)
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._on_signal)
+        signal.signal(signal.SIGCHLD, lambda *_: None)  # only to wake select()
+
+    def _on_signal(self, signum, frame) -> None:
+        self._signals.append(signum)
+        if not self.stopping:
+            log("signal", name=signal.Signals(signum).name, action="stopping")
+        self.stopping = True
+        if self._kill_now:
+            log("signal", name=signal.Signals(signum).name, action="killing now")
+
+    def _wait_events(self, timeout: float) -> None:
+        try:
+            select.select([self._wake_r], [], [], timeout)
+        except InterruptedError:
+            pass
+        try:
+            while os.read(self._wake_r, 4096):
+                pass
+        except BlockingIOError:
+            pass
+
+    # ------------------------------------------------------------------ ipc
+    def _create_ipc(self) -> None:
+        removed = names.sweep()
+        if removed:
+            log("swept", objects=len(removed))
+        self.board = HealthBoard.create(topology.health_name(self.instance), len(self.specs))
+        capacity = self.config.supervisor.ring_capacity
+        own = Inbox.create(topology.inbox_name(self.instance, topology.SUPERVISOR),
+                           [s.id for s in self.specs], capacity=capacity)
+        self.inboxes.append(own)
+        for spec in self.specs:
+            inbox = Inbox.create(topology.inbox_name(self.instance, spec.id),
+                                 topology.producers_of(spec.id, self.config), capacity=capacity)
+            self.inboxes.append(inbox)
+            self.senders[spec.id] = Sender(Ring.attach(inbox.link_name(topology.SUPERVISOR)))
+
+    def _destroy_ipc(self) -> None:
+        for sender in self.senders.values():
+            sender.close()
+        for inbox in self.inboxes:
+            inbox.close()
+        if self.board is not None:
+            self.board.close()
+        names.unlink_instance(self.instance)
+
+
+def _killpg(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _exit_reason(returncode: int) -> str:
+    if returncode < 0:
+        return f"killed by {signal.Signals(-returncode).name}"
+    return f"exit code {returncode}"
+
+
+def log(event: str, **fields) -> None:
+    text = " ".join(f"{k}={_quote(v)}" for k, v in fields.items())
+    sys.stderr.write(f"fdcore.supervisor: event={event} {text}\n")
+    sys.stderr.flush()
+
+
+def _quote(value) -> str:
+    text = str(value)
+    return json.dumps(text) if (" " in text or not text) else text
+
+
+def render_config(config: Config) -> str:
+    """The effective configuration as TOML (every section and key)."""
+    lines = []
+    for section in Config.__struct_fields__:
+        lines.append(f"[{section}]")
+        part = getattr(config, section)
+        for key in part.__struct_fields__:
+            value = getattr(part, key)
+            text = json.dumps(value) if not isinstance(value, bool) else str(value).lower()
+            lines.append(f"{key} = {text}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m fdcore.supervisor", description=__doc__.splitlines()[0])
+    parser.add_argument("--config", required=True, help="TOML configuration file")
+    parser.add_argument("--check", action="store_true", help="validate, print the effective configuration, exit")
+    args = parser.parse_args(argv)
+    try:
+        config = load_config(args.config)
+    except ConfigError as exc:
+        print(f"fdcore: configuration error: {exc}", file=sys.stderr)
+        return 2
+    if args.check:
+        print(render_config(config))
+        return 0
+    import setproctitle
+
+    setproctitle.setproctitle("fdcore:supervisor")
+    return Supervisor(config, args.config).run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,105 @@
+"""A supervisor tree under test: started as a real process, watched through its event log."""
+
+from __future__ import annotations
+
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import psutil
+
+from fdcore.ipc import names
+
+EVENT = re.compile(r"^fdcore\.supervisor: event=(\w+)(.*)$")
+FIELD = re.compile(r'(\w+)=("(?:[^"\\]|\\.)*"|\S+)')
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def make_model_dir(tmp_path) -> str:
+    path = tmp_path / "model"
+    path.mkdir()
+    (path / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')
+    return str(path)
+
+
+class Tree:
+    """``python -m fdcore.supervisor`` in a session of its own, its events parsed from stderr."""
+
+    def __init__(self, config_path: str):
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "fdcore.supervisor", "--config", config_path],
+            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, cwd=ROOT,
+            start_new_session=True)
+        self.events: queue.Queue = queue.Queue()
+        self.log: list[str] = []
+        self.pids: dict[str, int] = {}
+        self.seen_pids: set[int] = set()
+        self.instance = None
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stderr:
+            self.log.append(line.rstrip())
+            match = EVENT.match(line.strip())
+            if match:
+                fields = {k: v.strip('"') for k, v in FIELD.findall(match.group(2))}
+                self.events.put((match.group(1), fields))
+        self.events.put(("eof", {}))
+
+    def wait(self, event: str, timeout: float = 60, **match) -> dict:
+        """The next event of that name (and fields); earlier other events are recorded."""
+        deadline = time.monotonic() + timeout
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise AssertionError(f"no event {event} {match} within {timeout} s; log:\n" + "\n".join(self.log))
+            try:
+                name, fields = self.events.get(timeout=remaining)
+            except queue.Empty:
+                continue
+            self._track(name, fields)
+            if name == event and all(fields.get(k) == str(v) for k, v in match.items()):
+                return fields
+            if name == "eof":
+                raise AssertionError(f"supervisor ended before {event} {match}; log:\n" + "\n".join(self.log))
+
+    def _track(self, name: str, fields: dict) -> None:
+        if name in ("started", "restarted"):
+            self.pids[fields["id"]] = int(fields["pid"])
+            self.seen_pids.add(int(fields["pid"]))
+        if name == "ready":
+            self.instance = fields["instance"]
+
+    def kill_child(self, cid: str, sig=signal.SIGKILL) -> int:
+        pid = self.pids[cid]
+        os.kill(pid, sig)
+        return pid
+
+    def exit_code(self, timeout: float = 60) -> int:
+        return self.proc.wait(timeout)
+
+    def destroy(self) -> None:
+        """Kill whatever is left, however the test ended."""
+        procs = []
+        try:
+            procs = psutil.Process(self.proc.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            pass
+        for pid in [self.proc.pid, *self.seen_pids, *(p.pid for p in procs)]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        self.proc.wait(10)
+        psutil.wait_procs([p for p in procs if p.is_running()], timeout=5)
+        if self.instance:
+            names.unlink_instance(self.instance)
+
+    def alive_children(self) -> list[int]:
+        return [pid for pid in self.seen_pids if psutil.pid_exists(pid)
+                and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]

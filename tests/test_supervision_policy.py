@@ -1,0 +1,74 @@
+"""Supervision policy as plain objects: strategies, restart types, intensity (fake clock), stalls."""
+
+from __future__ import annotations
+
+import pytest
+
+from fdcore.actors.health import stall_reason
+from fdcore.supervision import RestartIntensity, should_restart, to_restart
+
+ORDER = ["cache", "worker0", "scheduler", "engine"]
+
+
+@pytest.mark.parametrize("strategy, failed, expected", [
+    ("one_for_one", "scheduler", ["scheduler"]),
+    ("one_for_all", "scheduler", ORDER),
+    ("rest_for_one", "worker0", ["worker0", "scheduler", "engine"]),
+    ("rest_for_one", "engine", ["engine"]),
+    ("rest_for_one", "cache", ORDER),
+])
+def test_strategies_choose_the_children_to_restart(strategy, failed, expected):
+    assert to_restart(strategy, ORDER, failed) == expected
+
+
+def test_unknown_strategy_is_an_error():
+    with pytest.raises(ValueError, match="unknown strategy"):
+        to_restart("one_for_some", ORDER, "cache")
+
+
+@pytest.mark.parametrize("restart, abnormal, expected", [
+    ("permanent", False, True), ("permanent", True, True),
+    ("transient", False, False), ("transient", True, True),
+    ("temporary", False, False), ("temporary", True, False),
+])
+def test_restart_types(restart, abnormal, expected):
+    assert should_restart(restart, abnormal) is expected
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self):
+        return self.now
+
+
+def test_intensity_allows_max_restarts_within_the_period_then_refuses():
+    clock = FakeClock()
+    window = RestartIntensity(max_restarts=3, period=10.0, clock=clock)
+    assert [window.record() for _ in range(3)] == [True, True, True]
+    assert window.record() is False
+    assert window.describe() == "4 restarts within 10 s (at most 3 allowed)"
+
+
+def test_intensity_forgets_restarts_older_than_the_period():
+    clock = FakeClock()
+    window = RestartIntensity(max_restarts=2, period=10.0, clock=clock)
+    window.record()
+    clock.now += 6
+    window.record()
+    clock.now += 5  # the first one is now 11 s old
+    assert window.record() is True and window.recent == 2
+    assert RestartIntensity(0, 10.0, clock).record() is False
+
+
+S = 1_000_000_000
+
+
+def test_stall_reason_sees_a_stopped_heartbeat_and_busy_without_progress():
+    assert stall_reason(heartbeat_ns=100 * S, progress=5, busy=False, last_progress=5,
+                        progress_since_ns=0, now_ns=105 * S, hang_timeout_ns=10 * S) is None
+    assert "no heartbeat for 11.0 s" == stall_reason(100 * S, 5, False, 5, 0, 111 * S, 10 * S)
+    assert "busy without progress for 12.0 s" == stall_reason(110 * S, 5, True, 5, 98 * S, 110 * S, 10 * S)
+    assert stall_reason(110 * S, 5, False, 5, 98 * S, 110 * S, 10 * S) is None  # idle: no progress owed
+    assert stall_reason(0, 0, False, 0, 0, 110 * S, 10 * S) is None  # not ticking yet

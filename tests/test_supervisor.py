@@ -1,0 +1,181 @@
+"""The supervisor with real processes: restarts by strategy, intensity, signals, hangs, orphans."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import psutil
+import pytest
+
+from fdcore.ipc import names
+from tests.supervised import ROOT, Tree, make_model_dir
+
+CHILDREN = ["cache", "worker0", "scheduler", "engine"]
+
+
+@pytest.fixture
+def tree_factory(tmp_path):
+    trees: list[Tree] = []
+    model = make_model_dir(tmp_path)
+
+    def start(supervisor: str = "", model_path: str | None = None) -> Tree:
+        path = tmp_path / f"fdcore-{len(trees)}.toml"
+        path.write_text(f'[model]\npath = "{model_path or model}"\n\n[supervisor]\n'
+                        f'shutdown_timeout = 2.0\n{supervisor}\n')
+        tree = Tree(str(path))
+        trees.append(tree)
+        return tree
+
+    yield start
+    for tree in trees:
+        tree.destroy()
+        assert not tree.alive_children(), "a child outlived its test"
+
+
+def _ready(tree: Tree) -> dict:
+    tree.wait("ready")
+    return dict(tree.pids)
+
+
+@pytest.mark.parametrize("victim", CHILDREN)
+def test_one_for_one_restarts_only_the_killed_child(tree_factory, victim):
+    tree = tree_factory()
+    before = _ready(tree)
+    tree.kill_child(victim)
+    exited = tree.wait("exited", id=victim)
+    assert exited["reason"] == "killed by SIGKILL"
+    tree.wait("restarted", id=victim)
+    assert tree.pids[victim] != before[victim]
+    assert {c: p for c, p in tree.pids.items() if c != victim} == {c: p for c, p in before.items() if c != victim}
+    assert all(psutil.pid_exists(pid) for pid in tree.pids.values())
+    os.kill(tree.proc.pid, signal.SIGTERM)
+    assert tree.exit_code() == 0
+
+
+def test_rest_for_one_restarts_the_killed_child_and_those_started_after_it(tree_factory):
+    tree = tree_factory('strategy = "rest_for_one"')
+    before = _ready(tree)
+    tree.kill_child("scheduler")
+    tree.wait("exited", id="scheduler")
+    tree.wait("child_stopped", id="engine")
+    tree.wait("restarted", id="scheduler")
+    tree.wait("restarted", id="engine")
+    assert tree.pids["cache"] == before["cache"] and tree.pids["worker0"] == before["worker0"]
+    assert tree.pids["scheduler"] != before["scheduler"] and tree.pids["engine"] != before["engine"]
+    os.kill(tree.proc.pid, signal.SIGTERM)
+    assert tree.exit_code() == 0
+
+
+def test_one_for_all_restarts_every_child(tree_factory):
+    tree = tree_factory('strategy = "one_for_all"')
+    before = _ready(tree)
+    tree.kill_child("worker0")
+    for cid in CHILDREN:
+        tree.wait("restarted", id=cid)
+    assert all(tree.pids[c] != before[c] for c in CHILDREN)
+    os.kill(tree.proc.pid, signal.SIGTERM)
+    assert tree.exit_code() == 0
+
+
+def test_restart_intensity_exceeded_stops_the_tree_with_a_reason(tree_factory):
+    tree = tree_factory("max_restarts = 1\nperiod = 60.0")
+    _ready(tree)
+    tree.kill_child("engine")
+    tree.wait("restarted", id="engine")
+    tree.kill_child("engine")
+    exceeded = tree.wait("intensity_exceeded", id="engine")
+    assert "2 restarts within 60 s (at most 1 allowed)" in exceeded["reason"]
+    assert tree.exit_code() == 1
+    assert not tree.alive_children()
+    assert not [e for e in names.list_entries() if e.instance_id == tree.instance]
+
+
+def test_sigterm_stops_children_in_reverse_order_within_the_timeout(tree_factory):
+    tree = tree_factory()
+    _ready(tree)
+    os.kill(tree.proc.pid, signal.SIGTERM)
+    stopped = [tree.wait("child_stopped") for _ in CHILDREN]
+    assert [s["id"] for s in stopped] == list(reversed(CHILDREN))
+    assert all(s["by"] == "stop message" and float(s["seconds"]) < 2.0 for s in stopped)
+    assert tree.exit_code() == 0
+    assert not tree.alive_children()
+
+
+def test_a_child_ignoring_stop_gets_sigterm_then_sigkill(tree_factory):
+    tree = tree_factory()
+    _ready(tree)
+    tree.kill_child("worker0", signal.SIGSTOP)  # a stopped process neither reads Stop nor dies of SIGTERM
+    os.kill(tree.proc.pid, signal.SIGINT)
+    worker = tree.wait("child_stopped", id="worker0")
+    assert worker["by"] == "SIGKILL" and float(worker["seconds"]) >= 4.0
+    assert tree.exit_code() == 0
+
+
+def test_sigkill_of_the_supervisor_leaves_no_actor_and_the_next_start_sweeps(tree_factory):
+    tree = tree_factory()
+    pids = _ready(tree)
+    instance = tree.instance
+    os.kill(tree.proc.pid, signal.SIGKILL)
+    procs = [psutil.Process(pid) for pid in pids.values()]
+    gone, alive = psutil.wait_procs(procs, timeout=2)
+    assert not alive, f"actors outlived the supervisor by 2 s: {alive}"
+    assert [e for e in names.list_entries() if e.instance_id == instance], "expected stale segments"
+    second = tree_factory()
+    swept = second.wait("swept")
+    assert int(swept["objects"]) > 0
+    second.wait("ready")
+    assert not [e for e in names.list_entries() if e.instance_id == instance]
+    os.kill(second.proc.pid, signal.SIGTERM)
+    assert second.exit_code() == 0
+
+
+def test_a_hung_actor_is_detected_killed_and_restarted(tree_factory):
+    tree = tree_factory("heartbeat_interval = 0.1\nhang_timeout = 1.0")
+    before = _ready(tree)
+    tree.kill_child("scheduler", signal.SIGSTOP)  # alive, but its heartbeat stops
+    hung = tree.wait("hung", id="scheduler", timeout=30)
+    assert "no heartbeat" in hung["reason"]
+    tree.wait("restarted", id="scheduler")
+    assert tree.pids["scheduler"] != before["scheduler"]
+    os.kill(tree.proc.pid, signal.SIGTERM)
+    assert tree.exit_code() == 0
+
+
+def test_a_child_that_fails_to_start_is_reported_not_waited_on(tree_factory, tmp_path):
+    broken = tmp_path / "broken-model"
+    broken.mkdir()  # no config.json
+    tree = tree_factory(model_path=str(broken))
+    failed = tree.wait("start_failed")
+    assert "worker0 exited during start-up" in failed["reason"]
+    assert tree.exit_code() == 1
+    assert any("config.json" in line for line in tree.log), "the worker's error reached the log"
+
+
+def _check(tmp_path, text: str) -> subprocess.CompletedProcess:
+    path = tmp_path / "c.toml"
+    path.write_text(text)
+    return subprocess.run([sys.executable, "-m", "fdcore.supervisor", "--config", str(path), "--check"],
+                          capture_output=True, text=True, cwd=ROOT, timeout=60)
+
+
+@pytest.mark.parametrize("text, message", [
+    ('[cache]\nblock_sise = 16\n', "unknown key 'block_sise' in section [cache]"),
+    ('[scheduler]\nmax_num_seqs = "many"\n', "key 'scheduler.max_num_seqs': Expected `int`, got `str`"),
+    ('[model]\npath = "/nonexistent/model"\n', "key 'model.path': directory '/nonexistent/model' does not exist"),
+    ('[supervisor]\nstrategy = "one_for_none"\n', "key 'supervisor.strategy': Invalid enum value 'one_for_none'"),
+    ('[cache]\nblock_size = 0\n', "key 'cache.block_size' is 0, must be >= 1"),
+])
+def test_bad_configs_are_rejected_naming_the_key_and_file(tmp_path, text, message):
+    result = _check(tmp_path, text)
+    assert result.returncode == 2
+    assert message in result.stderr and "c.toml" in result.stderr
+
+
+def test_check_prints_the_effective_configuration(tmp_path):
+    model = make_model_dir(tmp_path)
+    result = _check(tmp_path, f'[model]\npath = "{model}"\n[workers]\ncount = 2\n')
+    assert result.returncode == 0, result.stderr
+    assert "[workers]\ncount = 2" in result.stdout and "[server]\nenabled = false" in result.stdout
