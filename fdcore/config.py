@@ -7,7 +7,8 @@ file, the key and the expected type (:class:`ConfigError`).
 Example (every key shown with its default)::
 
     [model]
-    path = ""                 # HF-format checkpoint directory; "" = the bundled tiny model
+    path = ""                 # HF-format checkpoint directory; "" = the bundled tiny model,
+                              # made on first use in $FDCORE_HOME (default ~/.cache/fdcore)
     dtype = "auto"            # auto | float32 | bfloat16 | float16
 
     [cache]
@@ -168,8 +169,12 @@ def _check_ranges(config: Config, source: str) -> None:
 
 
 def default_model_path() -> str:
-    """Where the bundled tiny model lives (made by ``python -m fdcore.models.tiny``)."""
-    return os.path.join(os.path.dirname(os.path.abspath(__file__)), "models", "tiny-llama")
+    """Where the bundled tiny model is made on first use: ``$FDCORE_HOME/models/tiny-llama-v<N>``
+    (``FDCORE_HOME`` defaults to ``~/.cache/fdcore``)."""
+    from fdcore.models.tiny import VERSION
+
+    home = os.environ.get("FDCORE_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "fdcore")
+    return os.path.join(home, "models", f"tiny-llama-v{VERSION}")
 
 
 def model_path(config: Config) -> str:
@@ -177,6 +182,11 @@ def model_path(config: Config) -> str:
 
 
 def check_model_path(config: Config, source: str = "<config>") -> None:
-    path = model_path(config)
-    if not os.path.isdir(path):
-        raise ConfigError(f"{source}: key 'model.path': directory {path!r} does not exist")
+    """The model directory must exist; the bundled tiny model (empty path) is made if missing."""
+    if not config.model.path:
+        from fdcore.models.tiny import ensure_tiny_model
+
+        ensure_tiny_model(default_model_path())
+        return
+    if not os.path.isdir(config.model.path):
+        raise ConfigError(f"{source}: key 'model.path': directory {config.model.path!r} does not exist")

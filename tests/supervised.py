@@ -30,11 +30,11 @@ def make_model_dir(tmp_path) -> str:
 class Tree:
     """``python -m fdcore.supervisor`` in a session of its own, its events parsed from stderr."""
 
-    def __init__(self, config_path: str):
+    def __init__(self, config_path: str, env: dict | None = None):
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "fdcore.supervisor", "--config", config_path],
             stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, cwd=ROOT,
-            start_new_session=True)
+            start_new_session=True, env={**os.environ, **(env or {})})
         self.events: queue.Queue = queue.Queue()
         self.log: list[str] = []
         self.pids: dict[str, int] = {}

@@ -179,3 +179,20 @@ def test_check_prints_the_effective_configuration(tmp_path):
     result = _check(tmp_path, f'[model]\npath = "{model}"\n[workers]\ncount = 2\n')
     assert result.returncode == 0, result.stderr
     assert "[workers]\ncount = 2" in result.stdout and "[server]\nenabled = false" in result.stdout
+
+
+def test_the_readme_example_config_starts_the_tree_and_ctrl_c_stops_it(tmp_path):
+    tree = Tree(os.path.join(ROOT, "examples", "fdcore.toml"), env={"FDCORE_HOME": str(tmp_path)})
+    try:
+        ready = tree.wait("ready", timeout=120)
+        assert int(ready["children"]) == 4
+        titles = sorted(psutil.Process(pid).cmdline()[0] for pid in tree.pids.values())
+        assert titles == ["fdcore:cache", "fdcore:engine", "fdcore:scheduler", "fdcore:worker:0"]
+        assert psutil.Process(tree.proc.pid).cmdline()[0] == "fdcore:supervisor"
+        os.kill(tree.proc.pid, signal.SIGINT)
+        stopped = tree.wait("stopped")
+        assert stopped["exit_code"] == "0"
+        assert tree.exit_code() == 0
+        assert not tree.alive_children()
+    finally:
+        tree.destroy()
