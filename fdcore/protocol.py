@@ -35,6 +35,33 @@ class Pong(Message):
     sender: str
 
 
+# ----------------------------------------------------------------- sampling
+class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
+    """How to pick each token of one request (the seed's / vLLM's field names).
+
+    ``temperature == 0`` is greedy. ``top_k == 0`` and ``top_p == 1`` and
+    ``min_p == 0`` switch those filters off. ``seed`` makes sampling a pure
+    function of (seed, position): the same tokens whatever shares the batch and
+    however often the request is recomputed. ``logprobs = N`` returns the top-N.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    max_tokens: int = 16
+    min_tokens: int = 0
+    stop: list[str] = []
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    logprobs: int | None = None
+
+
 # ----------------------------------------------------------- request tracking
 class TokenDelta(Message):
     """New tokens of one request (engine -> client), sent as a delta."""

@@ -71,17 +71,24 @@ FILES = ["config.json", "generation_config.json", "model.safetensors", "tokenize
          "tokenizer_config.json"]
 
 
-def weights(seed: int = SEED) -> dict[str, np.ndarray]:
-    """Every tensor, in HF Llama names and shapes ([out, in] for projections)."""
+QWEN2_CONFIG = {**CONFIG, "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2",
+                "tie_word_embeddings": True, "use_sliding_window": False, "attention_bias": True}
+
+
+def weights(seed: int = SEED, config: dict = CONFIG) -> dict[str, np.ndarray]:
+    """Every tensor, in HF names and shapes ([out, in] for projections)."""
     rng = np.random.default_rng(seed)
-    c = CONFIG
+    c = config
     hidden, inter, head_dim = c["hidden_size"], c["intermediate_size"], c["head_dim"]
     q_out, kv_out = c["num_attention_heads"] * head_dim, c["num_key_value_heads"] * head_dim
 
     def normal(*shape, std=0.02):
         return (rng.standard_normal(shape, dtype=np.float32) * std).astype(np.float32)
 
-    tensors = {"model.embed_tokens.weight": normal(c["vocab_size"], hidden, std=1.0)}
+    # Tied embeddings double as the output head: a small scale keeps the model from
+    # simply predicting its last input token again.
+    embed_std = 0.05 if c["tie_word_embeddings"] else 1.0
+    tensors = {"model.embed_tokens.weight": normal(c["vocab_size"], hidden, std=embed_std)}
     for i in range(c["num_hidden_layers"]):
         p = f"model.layers.{i}."
         tensors[p + "self_attn.q_proj.weight"] = normal(q_out, hidden, std=hidden ** -0.5)
@@ -93,26 +100,34 @@ def weights(seed: int = SEED) -> dict[str, np.ndarray]:
         tensors[p + "mlp.down_proj.weight"] = normal(hidden, inter, std=inter ** -0.5)
         tensors[p + "input_layernorm.weight"] = np.ones(hidden, np.float32)
         tensors[p + "post_attention_layernorm.weight"] = np.ones(hidden, np.float32)
+        if c["attention_bias"]:
+            for name, size in (("q", q_out), ("k", kv_out), ("v", kv_out)):
+                tensors[p + f"self_attn.{name}_proj.bias"] = normal(size, std=0.1)
     tensors["model.norm.weight"] = np.ones(hidden, np.float32)
-    tensors["lm_head.weight"] = normal(c["vocab_size"], hidden, std=hidden ** -0.5)
+    if not c["tie_word_embeddings"]:
+        tensors["lm_head.weight"] = normal(c["vocab_size"], hidden, std=hidden ** -0.5)
     return tensors
 
 
-def make_tiny_model(path: str, seed: int = SEED) -> str:
-    """Write the checkpoint to ``path`` (atomically: a complete directory or none)."""
-    from safetensors.numpy import save_file
+def make_tiny_model(path: str, seed: int = SEED, *, arch: str = "llama", shards: int = 1) -> str:
+    """Write the checkpoint to ``path`` (atomically: a complete directory or none).
 
+    ``arch="qwen2"`` makes the Qwen2 variant (q/k/v biases, tied embeddings);
+    ``shards > 1`` splits the weights into ``model-0000k-of-0000n.safetensors``
+    files with their index, as large checkpoints are published.
+    """
+    config = QWEN2_CONFIG if arch == "qwen2" else CONFIG
     parent = os.path.dirname(os.path.abspath(path)) or "."
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".tiny-", dir=parent)
     try:
-        _write_json(os.path.join(tmp, "config.json"), CONFIG)
+        _write_json(os.path.join(tmp, "config.json"), config)
         _write_json(os.path.join(tmp, "generation_config.json"),
                     {"bos_token_id": 1, "eos_token_id": 2, "do_sample": False})
         _write_json(os.path.join(tmp, "tokenizer_config.json"), TOKENIZER_CONFIG)
         shutil.copyfile(TOKENIZER, os.path.join(tmp, "tokenizer.json"))
-        save_file(weights(seed), os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
-        for name in FILES:
+        _save_weights(tmp, weights(seed, config), shards)
+        for name in os.listdir(tmp):
             os.chmod(os.path.join(tmp, name), 0o644)
         os.chmod(tmp, 0o755)
         if os.path.isdir(path):
@@ -122,6 +137,24 @@ def make_tiny_model(path: str, seed: int = SEED) -> str:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return path
+
+
+def _save_weights(directory: str, tensors: dict[str, np.ndarray], shards: int) -> None:
+    from safetensors.numpy import save_file
+
+    if shards == 1:
+        save_file(tensors, os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
+        return
+    names = list(tensors)
+    weight_map = {}
+    for k in range(shards):
+        file = f"model-{k + 1:05d}-of-{shards:05d}.safetensors"
+        part = {n: tensors[n] for n in names[k::shards]}
+        save_file(part, os.path.join(directory, file), metadata={"format": "pt"})
+        weight_map.update({n: file for n in part})
+    total = sum(t.nbytes for t in tensors.values())
+    _write_json(os.path.join(directory, "model.safetensors.index.json"),
+                {"metadata": {"total_size": total}, "weight_map": weight_map})
 
 
 def is_complete(path: str) -> bool:

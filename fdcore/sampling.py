@@ -1,0 +1,130 @@
+"""Token sampling as a pure function of (logits, request state): no processes, no model.
+
+Order of operations (vLLM's): penalties on the raw logits (repetition over
+prompt and output, presence and frequency over the output), EOS and stop
+tokens masked until ``min_tokens``; then greedy argmax, or temperature, top-k,
+top-p and min-p filters and one draw.
+
+NOTE: a seeded draw uses a generator keyed by ``(seed, position)``, and picks
+by inverse CDF over the surviving tokens in vocabulary order, so the token
+depends only on the request's own logits, seed and position: never on what
+else is in the batch, nor on how often the request was recomputed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from fdcore.protocol import SamplingParams
+
+
+@dataclass
+class SamplerRequest:
+    """What the sampler needs of one request at one step."""
+
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int] = field(default_factory=list)
+    eos_token_ids: tuple[int, ...] = ()
+
+    @property
+    def position(self) -> int:
+        """Index (in prompt + output) of the token about to be drawn."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+
+@dataclass
+class Sampled:
+    token_id: int
+    logprob: float
+    top_logprobs: list[tuple[int, float]] | None = None
+
+
+def sample(logits: np.ndarray, requests: list[SamplerRequest]) -> list[Sampled]:
+    """One token for each row of ``logits`` ([batch, vocab], float32)."""
+    logits = np.asarray(logits, dtype=np.float32)
+    logprobs = _log_softmax(logits)
+    plain = [i for i, r in enumerate(requests) if _is_plain_greedy(r)]
+    tokens = np.empty(len(requests), dtype=np.int64)
+    if plain:
+        tokens[plain] = np.argmax(logits[plain], axis=1)
+    plain_rows = set(plain)
+    for i, request in enumerate(requests):
+        if i not in plain_rows:
+            tokens[i] = _sample_one(logits[i].copy(), request)
+    return [_result(int(tokens[i]), logprobs[i], r.params.logprobs) for i, r in enumerate(requests)]
+
+
+def _is_plain_greedy(request: SamplerRequest) -> bool:
+    p = request.params
+    return (p.temperature == 0 and p.repetition_penalty == 1 and not p.presence_penalty
+            and not p.frequency_penalty and len(request.output_token_ids) >= p.min_tokens)
+
+
+def _sample_one(row: np.ndarray, request: SamplerRequest) -> int:
+    p = request.params
+    apply_penalties(row, request)
+    if len(request.output_token_ids) < p.min_tokens:
+        banned = [t for t in (*request.eos_token_ids, *p.stop_token_ids) if 0 <= t < row.size]
+        row[banned] = -np.inf
+    if p.temperature == 0:
+        return int(np.argmax(row))
+    candidates, weights = filtered_distribution(row / p.temperature, p)
+    return int(candidates[_draw(weights, p.seed, request.position)])
+
+
+def apply_penalties(row: np.ndarray, request: SamplerRequest) -> None:
+    """Repetition (prompt and output), presence and frequency (output) penalties, in place."""
+    p = request.params
+    if p.repetition_penalty != 1:
+        seen = np.unique(np.asarray(request.prompt_token_ids + request.output_token_ids, dtype=np.int64))
+        values = row[seen]
+        row[seen] = np.where(values > 0, values / p.repetition_penalty, values * p.repetition_penalty)
+    if (p.presence_penalty or p.frequency_penalty) and request.output_token_ids:
+        ids, counts = np.unique(np.asarray(request.output_token_ids, dtype=np.int64), return_counts=True)
+        row[ids] -= p.frequency_penalty * counts + p.presence_penalty
+
+
+def filtered_distribution(scaled: np.ndarray, p: SamplingParams) -> tuple[np.ndarray, np.ndarray]:
+    """Surviving token ids (in vocabulary order) and their unnormalised probabilities."""
+    probs = np.exp(scaled - scaled.max())
+    keep = np.isfinite(scaled)
+    if 0 < p.top_k < scaled.size:
+        kth = np.partition(scaled, scaled.size - p.top_k)[scaled.size - p.top_k]
+        keep &= scaled >= kth
+    if p.top_p < 1:
+        order = np.argsort(-probs, kind="stable")
+        sorted_probs = probs[order] * keep[order]
+        cumulative = np.cumsum(sorted_probs) / sorted_probs.sum()
+        cutoff = np.searchsorted(cumulative, p.top_p) + 1  # smallest prefix reaching top_p
+        top = np.zeros_like(keep)
+        top[order[:cutoff]] = True
+        keep &= top
+    if p.min_p > 0:
+        keep &= probs >= p.min_p * probs[keep].max()
+    candidates = np.flatnonzero(keep)
+    return candidates, probs[candidates]
+
+
+def _draw(weights: np.ndarray, seed: int | None, position: int) -> int:
+    if seed is None:
+        u = np.random.random()
+    else:
+        u = np.random.Generator(np.random.PCG64([seed & (2**63 - 1), position])).random()
+    cumulative = np.cumsum(weights, dtype=np.float64)
+    return int(min(np.searchsorted(cumulative, u * cumulative[-1], side="right"), len(weights) - 1))
+
+
+def _log_softmax(logits: np.ndarray) -> np.ndarray:
+    shifted = logits - logits.max(axis=1, keepdims=True)
+    return shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))
+
+
+def _result(token: int, row_logprobs: np.ndarray, top_n: int | None) -> Sampled:
+    top = None
+    if top_n:
+        best = np.argsort(-row_logprobs, kind="stable")[:top_n]
+        top = [(int(t), float(row_logprobs[t])) for t in best]
+    return Sampled(token, float(row_logprobs[token]), top)

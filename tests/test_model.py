@@ -1,0 +1,131 @@
+"""The Paddle model against Hugging Face transformers' greedy outputs, alone and in mixed batches."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from fdcore.models import tiny
+from fdcore.models.llama import BatchInput, LlamaModel, PagedKVCache
+from fdcore.models.loader import CheckpointError, load_checkpoint
+
+REFERENCE = json.load(open(os.path.join(os.path.dirname(__file__), "data", "reference.json")))
+BLOCK = 16
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ckpt")
+    return {name: tiny.make_tiny_model(str(root / name), **spec["options"])
+            for name, spec in REFERENCE["checkpoints"].items()}
+
+
+@pytest.fixture(scope="module")
+def models(checkpoints):
+    return {name: LlamaModel(load_checkpoint(path, progress=lambda *_: None))
+            for name, path in checkpoints.items()}
+
+
+def run_greedy(model: LlamaModel, prompts: list[list[int]], new_tokens: int, chunk: int = 10_000,
+               starts: list[int] | None = None) -> list[list[int]]:
+    """Continuous batching in miniature: every step each sequence adds its next prompt chunk
+    (at most ``chunk`` tokens) or its last sampled token; sequence i joins at step starts[i]."""
+    max_len = max(len(p) for p in prompts) + new_tokens
+    blocks_per_seq = -(-max_len // BLOCK)
+    cache = PagedKVCache(model.args, blocks_per_seq * len(prompts), BLOCK)
+    # Interleave block ids across sequences so that tables are not contiguous ranges.
+    tables = [list(range(i, blocks_per_seq * len(prompts), len(prompts))) for i in range(len(prompts))]
+    done = [0] * len(prompts)
+    outputs: list[list[int]] = [[] for _ in prompts]
+    starts = starts or [0] * len(prompts)
+    step = 0
+    while any(len(o) < new_tokens for o in outputs):
+        batch, members = BatchInput([], [], []), []
+        for i, prompt in enumerate(prompts):
+            if step < starts[i] or len(outputs[i]) >= new_tokens:
+                continue
+            seq = prompt + outputs[i]
+            ids = seq[done[i]:done[i] + chunk]
+            batch.token_ids.append(ids)
+            batch.start_positions.append(done[i])
+            batch.block_tables.append(tables[i])
+            members.append(i)
+        step += 1
+        if not members:
+            continue
+        logits = model.forward(batch, cache)
+        for row, i in enumerate(members):
+            done[i] += len(batch.token_ids[row])
+            if done[i] == len(prompts[i]) + len(outputs[i]):  # caught up: this step samples
+                outputs[i].append(int(np.argmax(logits[row])))
+    return outputs
+
+
+@pytest.mark.parametrize("name", list(REFERENCE["checkpoints"]))
+@pytest.mark.parametrize("case", ["short", "non_ascii", "long"])
+def test_greedy_tokens_equal_transformers(models, name, case):
+    expected = REFERENCE["checkpoints"][name]["cases"][case]
+    got = run_greedy(models[name], [expected["prompt"]], REFERENCE["new_tokens"])
+    assert got[0] == expected["output"]
+
+
+def test_chunked_prefill_gives_the_same_tokens(models):
+    expected = REFERENCE["checkpoints"]["llama-gqa"]["cases"]["long"]
+    got = run_greedy(models["llama-gqa"], [expected["prompt"]], REFERENCE["new_tokens"], chunk=100)
+    assert got[0] == expected["output"]
+
+
+def test_a_request_alone_equals_itself_in_a_mixed_batch(models):
+    cases = REFERENCE["checkpoints"]["qwen2-bias-tied"]["cases"]
+    prompts = [cases["short"]["prompt"], cases["long"]["prompt"], cases["non_ascii"]["prompt"],
+               cases["short"]["prompt"][:2]]
+    # Staggered joins and 64-token chunks: prefill chunks and decodes share steps.
+    together = run_greedy(models["qwen2-bias-tied"], prompts, 24, chunk=64, starts=[0, 1, 5, 9])
+    for prompt, output in zip(prompts, together):
+        assert output == run_greedy(models["qwen2-bias-tied"], [prompt], 24)[0]
+    assert together[0] == cases["short"]["output"] and together[1] == cases["long"]["output"]
+
+
+# ------------------------------------------------------------ bad checkpoints
+def test_missing_config_names_the_file(tmp_path):
+    path = tiny.make_tiny_model(str(tmp_path / "m"))
+    os.remove(os.path.join(path, "config.json"))
+    with pytest.raises(CheckpointError, match=r"config\.json: missing"):
+        load_checkpoint(path)
+
+
+def test_unknown_architecture_lists_the_supported_ones(tmp_path):
+    path = tiny.make_tiny_model(str(tmp_path / "m"))
+    config = json.load(open(os.path.join(path, "config.json")))
+    config["architectures"] = ["GPT2LMHeadModel"]
+    json.dump(config, open(os.path.join(path, "config.json"), "w"))
+    with pytest.raises(CheckpointError, match="GPT2LMHeadModel.*not supported.*LlamaForCausalLM"):
+        load_checkpoint(path)
+
+
+def test_shape_mismatch_names_the_tensor(tmp_path):
+    path = tiny.make_tiny_model(str(tmp_path / "m"))
+    config = json.load(open(os.path.join(path, "config.json")))
+    config["intermediate_size"] = 512
+    json.dump(config, open(os.path.join(path, "config.json"), "w"))
+    with pytest.raises(CheckpointError, match=r"mlp\.gate_proj\.weight' has shape \(768, 256\), config.json implies \(512, 256\)"):
+        load_checkpoint(path)
+
+
+def test_truncated_safetensors_names_the_file(tmp_path):
+    path = tiny.make_tiny_model(str(tmp_path / "m"), shards=2)
+    shard = os.path.join(path, "model-00002-of-00002.safetensors")
+    with open(shard, "r+b") as f:
+        f.truncate(os.path.getsize(shard) // 2)
+    with pytest.raises(CheckpointError, match="model-00002-of-00002.safetensors: unreadable"):
+        load_checkpoint(path)
+
+
+def test_missing_shard_names_it_and_the_index(tmp_path):
+    path = tiny.make_tiny_model(str(tmp_path / "m"), shards=2)
+    os.remove(os.path.join(path, "model-00001-of-00002.safetensors"))
+    with pytest.raises(CheckpointError, match="model-00001-of-00002.safetensors: missing .listed in"):
+        load_checkpoint(path)
