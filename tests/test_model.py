@@ -11,6 +11,8 @@ import pytest
 from fdcore.models import tiny
 from fdcore.models.llama import BatchInput, LlamaModel, PagedKVCache
 from fdcore.models.loader import CheckpointError, load_checkpoint
+from fdcore.protocol import SamplingParams
+from fdcore.sampling import SamplerRequest, sample
 
 REFERENCE = json.load(open(os.path.join(os.path.dirname(__file__), "data", "reference.json")))
 BLOCK = 16
@@ -30,9 +32,10 @@ def models(checkpoints):
 
 
 def run_greedy(model: LlamaModel, prompts: list[list[int]], new_tokens: int, chunk: int = 10_000,
-               starts: list[int] | None = None) -> list[list[int]]:
+               starts: list[int] | None = None, params: list | None = None) -> list[list[int]]:
     """Continuous batching in miniature: every step each sequence adds its next prompt chunk
-    (at most ``chunk`` tokens) or its last sampled token; sequence i joins at step starts[i]."""
+    (at most ``chunk`` tokens) or its last sampled token; sequence i joins at step starts[i].
+    Greedy, or sampled with ``params[i]`` (a SamplingParams) where given."""
     max_len = max(len(p) for p in prompts) + new_tokens
     blocks_per_seq = -(-max_len // BLOCK)
     cache = PagedKVCache(model.args, blocks_per_seq * len(prompts), BLOCK)
@@ -60,8 +63,14 @@ def run_greedy(model: LlamaModel, prompts: list[list[int]], new_tokens: int, chu
         for row, i in enumerate(members):
             done[i] += len(batch.token_ids[row])
             if done[i] == len(prompts[i]) + len(outputs[i]):  # caught up: this step samples
-                outputs[i].append(int(np.argmax(logits[row])))
+                outputs[i].append(_pick(logits[row], prompts[i], outputs[i], params and params[i]))
     return outputs
+
+
+def _pick(row, prompt, output, params) -> int:
+    if params is None:
+        return int(np.argmax(row))
+    return sample(row[None], [SamplerRequest(params, prompt, output)])[0].token_id
 
 
 @pytest.mark.parametrize("name", list(REFERENCE["checkpoints"]))
@@ -87,6 +96,18 @@ def test_a_request_alone_equals_itself_in_a_mixed_batch(models):
     for prompt, output in zip(prompts, together):
         assert output == run_greedy(models["qwen2-bias-tied"], [prompt], 24)[0]
     assert together[0] == cases["short"]["output"] and together[1] == cases["long"]["output"]
+
+
+def test_a_seeded_sampled_request_is_identical_with_different_companions(models):
+    cases = REFERENCE["checkpoints"]["llama-gqa"]["cases"]
+    mine = SamplingParams(temperature=0.9, top_p=0.95, top_k=200, seed=42)
+    prompt = cases["non_ascii"]["prompt"]
+    first = run_greedy(models["llama-gqa"], [prompt, cases["short"]["prompt"]], 20, chunk=8,
+                       params=[mine, SamplingParams(temperature=1.3)])[0]
+    second = run_greedy(models["llama-gqa"], [cases["long"]["prompt"], prompt], 20, chunk=300,
+                        starts=[0, 2], params=[SamplingParams(temperature=0), mine])[1]
+    assert first == second
+    assert first != cases["non_ascii"]["output"][:20]  # it really sampled
 
 
 # ------------------------------------------------------------ bad checkpoints

@@ -2,15 +2,18 @@
 
 One :meth:`LlamaModel.forward` runs a whole step: a batch of sequences at
 different positions, some prefilling a chunk of several tokens, others decoding
-one. Each sequence brings its block table; the KV cache of each layer is one
-contiguous ``[num_blocks * block_size, kv_heads, head_dim]`` tensor, written by
-slot index and read by gathering slots (``index_select`` returns a contiguous
-tensor: no strided views of the cache in the hot path).
+one. Each sequence brings its block table.
 
-NOTE: decoding sequences are attended in one batched matmul over their
-contexts padded to the longest (masked), prefill chunks one sequence at a time
-with a causal mask offset by what the cache already holds. The batch is
-reordered internally (decodes first) and logits come back in the caller's order.
+NOTE: on the CPU the KV cache lives in numpy arrays laid out head-major,
+``[kv_heads, num_blocks, block_size, head_dim]`` per layer: gathering a
+sequence's blocks (``np.take`` on axis 1) yields ``[kv_heads, blocks, block_size,
+head_dim]`` already contiguous, which Paddle's matmul needs. Paddle's own gather
+copies ~6x slower, and any strided view fed to its matmul (a transpose, a slice)
+costs 10-50x a contiguous one, so every such view is materialised first.
+Decoding sequences are attended in one batched matmul over their contexts
+padded to the longest (masked); prefill chunks one sequence at a time with a
+causal mask offset by what the cache already holds. The batch is reordered
+internally (decodes first) and logits come back in the caller's order.
 """
 
 from __future__ import annotations
@@ -39,19 +42,32 @@ class BatchInput:
 
 
 class PagedKVCache:
-    """K and V of every layer, as flat slot-indexed tensors."""
+    """K and V of every layer: numpy ``[kv_heads, num_blocks, block_size, head_dim]``."""
 
-    def __init__(self, args: ModelArgs, num_blocks: int, block_size: int, dtype=paddle.float32):
+    def __init__(self, args: ModelArgs, num_blocks: int, block_size: int, dtype=np.float32):
         self.num_blocks, self.block_size = num_blocks, block_size
-        shape = [num_blocks * block_size, args.num_kv_heads, args.head_dim]
-        self.k = [paddle.zeros(shape, dtype=dtype) for _ in range(args.num_layers)]
-        self.v = [paddle.zeros(shape, dtype=dtype) for _ in range(args.num_layers)]
+        shape = (args.num_kv_heads, num_blocks, block_size, args.head_dim)
+        self.k = [np.zeros(shape, dtype=dtype) for _ in range(args.num_layers)]
+        self.v = [np.zeros(shape, dtype=dtype) for _ in range(args.num_layers)]
 
     def slots(self, block_table: list[int], start: int, end: int) -> np.ndarray:
-        """Slot index of each position in [start, end) of one sequence."""
+        """Slot index (block * block_size + offset) of each position in [start, end)."""
         positions = np.arange(start, end)
         table = np.asarray(block_table, dtype=np.int64)
         return table[positions // self.block_size] * self.block_size + positions % self.block_size
+
+    def write(self, layer: int, slots: np.ndarray, k: np.ndarray, v: np.ndarray) -> None:
+        """Store new K/V rows ([tokens, kv_heads, head_dim]) at their slots."""
+        blocks, offsets = np.divmod(slots, self.block_size)
+        self.k[layer][:, blocks, offsets] = k.transpose(1, 0, 2)
+        self.v[layer][:, blocks, offsets] = v.transpose(1, 0, 2)
+
+    def gather(self, layer: int, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The listed blocks, contiguous: [kv_heads, len(blocks) * block_size, head_dim]."""
+        k = np.take(self.k[layer], blocks, axis=1)
+        v = np.take(self.v[layer], blocks, axis=1)
+        heads, _, _, dim = k.shape
+        return k.reshape(heads, -1, dim), v.reshape(heads, -1, dim)
 
 
 class LlamaModel:
@@ -115,52 +131,47 @@ class LlamaModel:
         if "qkv_bias" in layer:
             qkv = qkv + layer["qkv_bias"]
         q_size, kv_size = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
-        q, k, v = paddle.split(qkv, [q_size, kv_size, kv_size], axis=-1)
-        q = _apply_rope(q.reshape([-1, a.num_heads, a.head_dim]), cos, sin)
-        k = _apply_rope(k.reshape([-1, a.num_kv_heads, a.head_dim]), cos, sin)
+        qk, v = paddle.split(qkv, [q_size + kv_size, kv_size], axis=-1)
+        qk = _apply_rope(qk.reshape([-1, a.num_heads + a.num_kv_heads, a.head_dim]), cos, sin)
+        q, k = paddle.split(qk, [a.num_heads, a.num_kv_heads], axis=1)
         v = v.reshape([-1, a.num_kv_heads, a.head_dim])
-        slots = paddle.to_tensor(plan.write_slots)
-        paddle.scatter_(cache.k[index], slots, k, overwrite=True)
-        paddle.scatter_(cache.v[index], slots, v, overwrite=True)
-        attn = self._attention(q, cache.k[index], cache.v[index], plan)
+        cache.write(index, plan.write_slots, k.numpy(), v.numpy())
+        attn = self._attention(q, index, cache, plan)
         hidden = hidden + paddle.matmul(attn, layer["o"])
         x = _rms_norm(hidden, layer["post_norm"], a.rms_norm_eps)
         gate, up = paddle.split(paddle.matmul(x, layer["gate_up"]), 2, axis=-1)
         return hidden + paddle.matmul(paddle.nn.functional.silu(gate) * up, layer["down"])
 
-    def _attention(self, q, k_cache, v_cache, plan) -> paddle.Tensor:
+    def _attention(self, q, layer: int, cache: PagedKVCache, plan) -> paddle.Tensor:
         parts = []
         if plan.num_decode:
-            parts.append(self._decode_attention(q[:plan.num_decode], k_cache, v_cache, plan))
-        for start, end, slots, mask in plan.prefills:
-            parts.append(self._prefill_attention(q[start:end], k_cache, v_cache, slots, mask))
+            parts.append(self._decode_attention(q[:plan.num_decode], layer, cache, plan))
+        for start, end, blocks, bias in plan.prefills:
+            parts.append(self._prefill_attention(q[start:end], layer, cache, blocks, bias))
         return parts[0] if len(parts) == 1 else paddle.concat(parts, axis=0)
 
-    def _decode_attention(self, q, k_cache, v_cache, plan):
+    def _decode_attention(self, q, layer, cache, plan):
         a = self.args
-        b, length, groups = plan.num_decode, plan.decode_len, a.num_heads // a.num_kv_heads
-        slots = paddle.to_tensor(plan.decode_slots.reshape(-1))
-        k = paddle.index_select(k_cache, slots).reshape([b, length, a.num_kv_heads, a.head_dim])
-        v = paddle.index_select(v_cache, slots).reshape([b, length, a.num_kv_heads, a.head_dim])
-        q = q.reshape([b, a.num_kv_heads, groups, a.head_dim])
-        scores = paddle.matmul(q, k.transpose([0, 2, 3, 1])) * self.scale  # [b, kv, g, L]
-        scores = scores + paddle.to_tensor(plan.decode_bias, dtype=scores.dtype)
-        probs = paddle.nn.functional.softmax(scores, axis=-1)
-        out = paddle.matmul(probs, v.transpose([0, 2, 1, 3]))  # [b, kv, g, D]
-        return out.reshape([b, a.num_heads * a.head_dim])
+        b, groups = plan.num_decode, a.num_heads // a.num_kv_heads
+        k, v = (_shared(x).reshape([a.num_kv_heads, b, -1, a.head_dim])
+                for x in cache.gather(layer, plan.decode_blocks))
+        q = q.reshape([b, a.num_kv_heads, groups, a.head_dim]).transpose([1, 0, 2, 3]).contiguous()
+        scores = paddle.matmul(q, k, transpose_y=True) * self.scale  # [kv, b, g, L]
+        probs = paddle.nn.functional.softmax(scores + plan.decode_bias, axis=-1)
+        out = paddle.matmul(probs, v)  # [kv, b, g, D]
+        return out.transpose([1, 0, 2, 3]).contiguous().reshape([b, a.num_heads * a.head_dim])
 
-    def _prefill_attention(self, q, k_cache, v_cache, slots, bias):
+    def _prefill_attention(self, q, layer, cache, blocks, bias):
         a = self.args
         n, groups = q.shape[0], a.num_heads // a.num_kv_heads
-        index = paddle.to_tensor(slots)
-        k = paddle.index_select(k_cache, index).transpose([1, 2, 0])  # [kv, D, L]
-        v = paddle.index_select(v_cache, index).transpose([1, 0, 2])  # [kv, L, D]
-        q = q.reshape([n, a.num_kv_heads, groups, a.head_dim]).transpose([1, 2, 0, 3])  # [kv, g, n, D]
-        scores = paddle.matmul(q, k.unsqueeze(1)) * self.scale  # [kv, g, n, L]
-        scores = scores + paddle.to_tensor(bias, dtype=scores.dtype)
-        probs = paddle.nn.functional.softmax(scores, axis=-1)
-        out = paddle.matmul(probs, v.unsqueeze(1))  # [kv, g, n, D]
-        return out.transpose([2, 0, 1, 3]).reshape([n, a.num_heads * a.head_dim])
+        k, v = (_shared(x) for x in cache.gather(layer, blocks))  # [kv, L, D]
+        q = q.reshape([n, a.num_kv_heads, groups, a.head_dim]).transpose([1, 2, 0, 3]).contiguous()
+        q = q.reshape([a.num_kv_heads, groups * n, a.head_dim])
+        scores = paddle.matmul(q, k, transpose_y=True) * self.scale  # [kv, g*n, L]
+        scores = scores.reshape([a.num_kv_heads, groups, n, -1]) + bias
+        probs = paddle.nn.functional.softmax(scores, axis=-1).reshape([a.num_kv_heads, groups * n, -1])
+        out = paddle.matmul(probs, v).reshape([a.num_kv_heads, groups, n, a.head_dim])
+        return out.transpose([2, 0, 1, 3]).contiguous().reshape([n, a.num_heads * a.head_dim])
 
     def _rope(self, positions: np.ndarray):
         freqs = positions.astype(np.float32)[:, None] * self.inv_freq[None, :]
@@ -174,7 +185,6 @@ class _Plan:
 
     def __init__(self, batch: BatchInput, order: list[int], cache: PagedKVCache):
         tokens, positions, write, last, self.prefills = [], [], [], [], []
-        decode = [s for s in order if len(batch.token_ids[s]) == 1]
         row = 0
         for s in order:
             ids, start = batch.token_ids[s], batch.start_positions[s]
@@ -183,38 +193,55 @@ class _Plan:
             positions.extend(range(start, end))
             write.append(cache.slots(batch.block_tables[s], start, end))
             if len(ids) > 1:
-                self.prefills.append((row, row + len(ids), cache.slots(batch.block_tables[s], 0, end),
-                                      _causal_bias(start, end)))
+                blocks = _blocks_for(batch.block_tables[s], end, cache.block_size)
+                bias = _causal_bias(start, end, len(blocks) * cache.block_size)
+                self.prefills.append((row, row + len(ids), blocks, paddle.to_tensor(bias)))
             row += len(ids)
             last.append(row - 1)
         self.token_ids = np.asarray(tokens, dtype=np.int64)
         self.positions = np.asarray(positions, dtype=np.int64)
         self.write_slots = np.concatenate(write) if write else np.zeros(0, np.int64)
         self.last_rows = np.asarray(last, dtype=np.int64)
+        decode = [s for s in order if len(batch.token_ids[s]) == 1]
         self.num_decode = len(decode)
         if decode:
-            self._plan_decode(batch, decode, cache)
+            self._plan_decode(batch, decode, cache.block_size)
 
-    def _plan_decode(self, batch, decode, cache) -> None:
+    def _plan_decode(self, batch, decode, block_size) -> None:
+        """Every decode sequence padded to the same number of blocks, the padding masked."""
         lengths = [batch.start_positions[s] + 1 for s in decode]
-        self.decode_len = length = max(lengths)
-        self.decode_slots = np.zeros((len(decode), length), dtype=np.int64)
-        self.decode_bias = np.full((len(decode), 1, 1, length), -np.inf, dtype=np.float32)
+        width = -(-max(lengths) // block_size)
+        blocks = np.zeros((len(decode), width), dtype=np.int64)
+        bias = np.full((1, len(decode), 1, width * block_size), -np.inf, dtype=np.float32)
         for i, (s, n) in enumerate(zip(decode, lengths)):
-            self.decode_slots[i, :n] = cache.slots(batch.block_tables[s], 0, n)
-            self.decode_bias[i, ..., :n] = 0.0
+            mine = _blocks_for(batch.block_tables[s], n, block_size)
+            blocks[i, :len(mine)] = mine
+            bias[0, i, 0, :n] = 0.0
+        self.decode_blocks = blocks.reshape(-1)
+        self.decode_bias = paddle.to_tensor(bias)
 
 
-def _causal_bias(start: int, end: int) -> np.ndarray:
-    """[n, end] additive mask: new token i (at position start + i) sees keys 0 .. start + i."""
-    keys = np.arange(end)[None, :]
+def _blocks_for(block_table: list[int], length: int, block_size: int) -> np.ndarray:
+    return np.asarray(block_table[:-(-length // block_size)], dtype=np.int64)
+
+
+def _causal_bias(start: int, end: int, width: int) -> np.ndarray:
+    """[n, width] additive mask: new token i (at position start + i) sees keys 0 .. start + i."""
+    keys = np.arange(width)[None, :]
     queries = np.arange(start, end)[:, None]
     return np.where(keys <= queries, 0.0, -np.inf).astype(np.float32)
 
 
+def _shared(array: np.ndarray) -> paddle.Tensor:
+    """A Paddle view of a numpy array (DLPack, no copy: to_tensor would copy megabytes)."""
+    return paddle.utils.dlpack.from_dlpack(array)
+
+
 def _rms_norm(x, weight, eps):
-    variance = paddle.mean(x.astype(paddle.float32) ** 2, axis=-1, keepdim=True)
-    return (x.astype(paddle.float32) * paddle.rsqrt(variance + eps)).astype(x.dtype) * weight
+    """HF's RMSNorm: statistics in float32, result in the model's dtype."""
+    x32 = x if x.dtype == paddle.float32 else x.astype(paddle.float32)
+    normed = x32 * paddle.rsqrt(paddle.mean(x32 * x32, axis=-1, keepdim=True) + eps)
+    return (normed if x.dtype == paddle.float32 else normed.astype(x.dtype)) * weight
 
 
 def _apply_rope(x, cos, sin):

@@ -1,0 +1,123 @@
+"""The model worker's step time beside its floor: the same step's weight matrix products alone.
+
+For each decode batch size, B sequences with a 128-token context each decode
+one token per step; the step's time (median of several) is shown next to the
+time of the step's matrix products run alone on contiguous inputs of the same
+shapes: per layer qkv, o, gate_up, down and the two attention products
+(scores, weighted values), then the LM head. Prefill is measured in tokens/s
+for one 512-token prompt, beside its GEMM floor too (the LM head on its last
+token only, as the model computes it).
+
+Usage: OMP_NUM_THREADS=1 python benchmarks/bench_model.py [--model DIR] [--steps N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+import paddle  # noqa: E402
+
+from fdcore.models import tiny  # noqa: E402
+from fdcore.models.llama import BatchInput, LlamaModel, PagedKVCache  # noqa: E402
+from fdcore.models.loader import load_checkpoint  # noqa: E402
+
+BLOCK = 16
+CONTEXT = 128
+
+
+def timed(fn, repeat: int) -> float:
+    """Median seconds of ``fn()`` over ``repeat`` runs (after one warm-up)."""
+    fn()
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def gemm_floor(model: LlamaModel, rows: int, repeat: int, decode_context: int = 0) -> float:
+    """Seconds for one step's matrix products alone, on contiguous inputs of the same shapes:
+    the weight GEMMs of ``rows`` tokens and, for a decode step, the attention products
+    (scores and weighted values) over ``decode_context`` tokens."""
+    a = model.args
+    x_h = paddle.randn([rows, a.hidden_size])
+    x_q = paddle.randn([rows, a.num_heads * a.head_dim])
+    x_i = paddle.randn([rows, a.intermediate_size])
+    groups = a.num_heads // a.num_kv_heads
+    q = paddle.randn([a.num_kv_heads, rows, groups, a.head_dim])
+    kv = paddle.randn([a.num_kv_heads, rows, decode_context, a.head_dim])
+    probs = paddle.randn([a.num_kv_heads, rows, groups, decode_context])
+
+    def step():
+        for layer in model.layers:
+            paddle.matmul(x_h, layer["qkv"])
+            paddle.matmul(x_q, layer["o"])
+            paddle.matmul(x_h, layer["gate_up"])
+            paddle.matmul(x_i, layer["down"])
+            if decode_context:
+                paddle.matmul(q, kv, transpose_y=True)
+                paddle.matmul(probs, kv)
+        paddle.matmul(x_h[-1:] if not decode_context else x_h, model.lm_head)
+
+    return timed(step, repeat)
+
+
+def decode_step_time(model: LlamaModel, batch: int, repeat: int) -> float:
+    blocks_per_seq = -(-(CONTEXT + repeat + 2) // BLOCK)
+    cache = PagedKVCache(model.args, blocks_per_seq * batch, BLOCK)
+    tables = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(batch)]
+    prompt = [(7 * i) % model.args.vocab_size for i in range(CONTEXT)]
+    for i in range(batch):  # fill each context (not timed)
+        model.forward(BatchInput([prompt], [0], [tables[i]]), cache)
+    position = [CONTEXT]
+
+    def step():
+        model.forward(BatchInput([[5]] * batch, [position[0]] * batch, tables), cache)
+        position[0] += 1
+
+    return timed(step, repeat)
+
+
+def prefill_time(model: LlamaModel, tokens: int, repeat: int) -> float:
+    blocks = -(-tokens // BLOCK)
+    cache = PagedKVCache(model.args, blocks, BLOCK)
+    prompt = [(3 * i) % model.args.vocab_size for i in range(tokens)]
+    return timed(lambda: model.forward(BatchInput([prompt], [0], [list(range(blocks))]), cache), repeat)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", help="checkpoint directory (default: the bundled tiny model)")
+    parser.add_argument("--steps", type=int, default=20, help="timed steps per figure")
+    parser.add_argument("--batches", default="1,8,32,64,128")
+    opts = parser.parse_args(argv)
+    path = opts.model or tiny.make_tiny_model(os.path.join(tempfile.mkdtemp(), "tiny"))
+    model = LlamaModel(load_checkpoint(path, progress=lambda *_: None))
+    print(f"model {path}: {model.args.num_layers} layers, hidden {model.args.hidden_size}, "
+          f"vocab {model.args.vocab_size}; OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}, "
+          f"context {CONTEXT}, median of {opts.steps} steps")
+    print(f"{'decode batch':>12s} {'step ms':>9s} {'GEMM floor ms':>14s} {'step/floor':>11s} {'tok/s':>9s}")
+    for batch in (int(b) for b in opts.batches.split(",")):
+        step = decode_step_time(model, batch, opts.steps)
+        padded = -(-(CONTEXT + opts.steps) // BLOCK) * BLOCK
+        floor = gemm_floor(model, batch, opts.steps, decode_context=padded)
+        print(f"{batch:12d} {step * 1e3:9.2f} {floor * 1e3:14.2f} {step / floor:10.2f}x {batch / step:9.0f}")
+    tokens = 512
+    step = prefill_time(model, tokens, max(3, opts.steps // 4))
+    floor = gemm_floor(model, tokens, max(3, opts.steps // 4))
+    print(f"{'prefill':>12s} {step * 1e3:9.2f} {floor * 1e3:14.2f} {step / floor:10.2f}x "
+          f"{tokens / step:9.0f}  ({tokens}-token prompt)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

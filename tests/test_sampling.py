@@ -1,0 +1,87 @@
+"""Sampling: each parameter's effect, seeded determinism, and batch independence."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from fdcore.protocol import SamplingParams
+from fdcore.sampling import SamplerRequest, sample
+
+V = 16
+
+
+def req(prompt=(0,), output=(), eos=(), **params) -> SamplerRequest:
+    return SamplerRequest(SamplingParams(**params), list(prompt), list(output), tuple(eos))
+
+
+def logits_row(*pairs, base=0.0) -> np.ndarray:
+    row = np.full(V, base, dtype=np.float32)
+    for token, value in pairs:
+        row[token] = value
+    return row
+
+
+def test_greedy_is_argmax_and_reports_its_logprob():
+    row = logits_row((3, 5.0), (7, 4.0))
+    [out] = sample(row[None], [req(temperature=0, logprobs=2)])
+    assert out.token_id == 3
+    expected = row - np.log(np.exp(row).sum())
+    assert out.logprob == pytest.approx(expected[3], rel=1e-5)
+    assert [t for t, _ in out.top_logprobs] == [3, 7]
+
+
+def test_seeded_draws_depend_only_on_seed_and_position():
+    rng = np.random.default_rng(0)
+    rows = rng.standard_normal((3, V)).astype(np.float32)
+    mine = req(prompt=[1, 2, 3], temperature=1.0, seed=1234)
+    alone = sample(rows[:1], [mine])[0].token_id
+    crowded = sample(rows, [mine, req(temperature=1.5), req(temperature=0.7, seed=9)])[0].token_id
+    assert alone == crowded
+    later = req(prompt=[1, 2, 3], output=[5], temperature=1.0, seed=1234)
+    draws = {sample(rows[:1], [later])[0].token_id for _ in range(5)}
+    assert len(draws) == 1  # recomputing the same position draws the same token
+
+
+def test_seeded_sampling_follows_the_distribution():
+    row = np.log(np.array([0.5, 0.3, 0.15, 0.05] + [1e-12] * (V - 4), dtype=np.float32))
+    counts = np.zeros(V)
+    for position in range(3000):
+        counts[sample(row[None], [req(prompt=[0] * position, temperature=1.0, seed=7)])[0].token_id] += 1
+    assert np.allclose(counts[:4] / 3000, [0.5, 0.3, 0.15, 0.05], atol=0.03)
+
+
+@pytest.mark.parametrize("params", [dict(top_k=1), dict(top_p=0.01), dict(min_p=0.99)])
+def test_filters_that_leave_one_token_act_like_greedy(params):
+    row = np.random.default_rng(1).standard_normal(V).astype(np.float32)
+    picks = {sample(row[None], [req(prompt=[0] * i, temperature=1.0, seed=i, **params)])[0].token_id
+             for i in range(50)}
+    assert picks == {int(np.argmax(row))}
+
+
+def test_top_k_and_top_p_keep_only_the_head_of_the_distribution():
+    row = np.log(np.array([0.4, 0.3, 0.2, 0.1] + [1e-9] * (V - 4), dtype=np.float32))
+    k2 = {sample(row[None], [req(prompt=[0] * i, temperature=1, seed=3, top_k=2)])[0].token_id for i in range(200)}
+    p65 = {sample(row[None], [req(prompt=[0] * i, temperature=1, seed=3, top_p=0.65)])[0].token_id for i in range(200)}
+    assert k2 == {0, 1} and p65 == {0, 1}
+
+
+def test_repetition_penalty_demotes_seen_tokens():
+    row = logits_row((2, 3.0), (5, 2.0))
+    assert sample(row[None], [req(prompt=[2], temperature=0)])[0].token_id == 2
+    assert sample(row[None], [req(prompt=[2], temperature=0, repetition_penalty=2.0)])[0].token_id == 5
+
+
+def test_presence_and_frequency_penalties_subtract_per_occurrence():
+    row = logits_row((4, 3.0), (6, 2.5))
+    assert sample(row[None], [req(output=[4], temperature=0, presence_penalty=0.6)])[0].token_id == 6
+    assert sample(row[None], [req(output=[4], temperature=0, presence_penalty=0.6,
+                                  frequency_penalty=-1.0)])[0].token_id == 4
+
+
+def test_min_tokens_masks_eos_and_stop_tokens_until_reached():
+    row = logits_row((2, 9.0), (9, 8.0), (11, 7.0))
+    early = req(output=[], eos=(2,), temperature=0, min_tokens=2, stop_token_ids=[9])
+    assert sample(row[None], [early])[0].token_id == 11
+    done = req(output=[11, 11], eos=(2,), temperature=0, min_tokens=2, stop_token_ids=[9])
+    assert sample(row[None], [done])[0].token_id == 2
