@@ -185,7 +185,9 @@ class Supervisor:
 
     def _wait_ready(self, child: Child) -> None:
         deadline = time.monotonic() + self.config.supervisor.start_timeout
+        loading = 0
         while self.board.read(child.slot, health.STATE) != State.READY:
+            loading = self._log_loading(child, loading)
             if child.proc.poll() is not None:
                 raise StartFailure(f"{child.spec.id} exited during start-up "
                                    f"({_exit_reason(child.proc.returncode)}); its error is above")
@@ -195,6 +197,14 @@ class Supervisor:
             self._wait_events(POLL)
             if self.stopping:
                 raise ShutdownRequested()
+        self._log_loading(child, loading)
+
+    def _log_loading(self, child: Child, last: int) -> int:
+        """Log a child's start-up progress when it moved since ``last`` (permille)."""
+        now = self.board.read(child.slot, health.LOADING)
+        if now != last:
+            log("loading", id=child.spec.id, progress=f"{now / 10:.0f}%")
+        return now
 
     def _child_env(self) -> dict[str, str]:
         env = dict(os.environ)

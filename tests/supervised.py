@@ -14,6 +14,7 @@ import time
 import psutil
 
 from fdcore.ipc import names
+from fdcore.models import tiny
 
 EVENT = re.compile(r"^fdcore\.supervisor: event=(\w+)(.*)$")
 FIELD = re.compile(r'(\w+)=("(?:[^"\\]|\\.)*"|\S+)')
@@ -21,10 +22,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def make_model_dir(tmp_path) -> str:
-    path = tmp_path / "model"
-    path.mkdir()
-    (path / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')
-    return str(path)
+    """The bundled tiny model, sharded so that loading reports progress in steps."""
+    return tiny.make_tiny_model(str(tmp_path / "model"), shards=2)
 
 
 class Tree:

@@ -11,6 +11,7 @@ import psutil
 import pytest
 
 from fdcore.ipc import names
+from fdcore.models import tiny
 from tests.supervised import ROOT, Tree, make_model_dir
 
 CHILDREN = ["cache", "worker0", "scheduler", "engine"]
@@ -144,14 +145,32 @@ def test_a_hung_actor_is_detected_killed_and_restarted(tree_factory):
     assert tree.exit_code() == 0
 
 
-def test_a_child_that_fails_to_start_is_reported_not_waited_on(tree_factory, tmp_path):
-    broken = tmp_path / "broken-model"
-    broken.mkdir()  # no config.json
-    tree = tree_factory(model_path=str(broken))
+def test_a_worker_loads_its_checkpoint_and_reports_progress(tree_factory):
+    tree = tree_factory()
+    tree.wait("loading", id="worker0", progress="100%")
+    tree.wait("ready")
+    assert "worker0: loading weights 1/2 files" in tree.log  # written before the worker was ready
+    os.kill(tree.proc.pid, signal.SIGTERM)
+    assert tree.exit_code() == 0
+
+
+@pytest.mark.parametrize("damage, named", [
+    ("no_config", "config.json: missing"),
+    ("truncated", "model-00002-of-00002.safetensors: unreadable safetensors"),
+])
+def test_a_bad_checkpoint_is_reported_not_retried(tree_factory, tmp_path, damage, named):
+    broken = tiny.make_tiny_model(str(tmp_path / "broken-model"), shards=2)
+    if damage == "no_config":
+        os.remove(os.path.join(broken, "config.json"))
+    else:
+        shard = os.path.join(broken, "model-00002-of-00002.safetensors")
+        os.truncate(shard, os.path.getsize(shard) // 3)
+    tree = tree_factory(model_path=broken)
     failed = tree.wait("start_failed")
     assert "worker0 exited during start-up" in failed["reason"]
     assert tree.exit_code() == 1
-    assert any("config.json" in line for line in tree.log), "the worker's error reached the log"
+    assert any(named in line for line in tree.log), "the worker's error, naming the file, reached the log"
+    assert not any("event=restarted" in line for line in tree.log)
 
 
 def _check(tmp_path, text: str) -> subprocess.CompletedProcess:
