@@ -1,0 +1,78 @@
+"""Block allocation, reference counts, prefix caching with LRU eviction, statistics."""
+
+from __future__ import annotations
+
+import pytest
+
+from fdcore.core.kv_cache_manager import KVCacheManager
+
+B = 4  # block size
+
+
+def test_allocation_counts_blocks_and_free_returns_them_at_once():
+    kv = KVCacheManager(num_blocks=10, block_size=B)
+    assert kv.allocate("a", list(range(9)), max_new_tokens=100) == 0
+    assert len(kv.block_table("a")) == 3 and kv.num_free_blocks == 7
+    assert kv.append_slots("a", 13) and len(kv.block_table("a")) == 4
+    kv.free("a")
+    assert kv.num_free_blocks == 10 and kv.statistics().used_blocks == 0
+
+
+def test_no_room_means_none_and_nothing_held():
+    kv = KVCacheManager(num_blocks=2, block_size=B)
+    assert kv.allocate("a", list(range(12)), max_new_tokens=12) is None
+    assert kv.num_free_blocks == 2
+    assert kv.allocate("b", list(range(8)), max_new_tokens=8) == 0
+    assert not kv.append_slots("b", 9) and len(kv.block_table("b")) == 2
+
+
+def test_a_shared_prefix_is_hit_and_shared_by_reference():
+    kv = KVCacheManager(num_blocks=10, block_size=B)
+    prompt = list(range(10))
+    kv.allocate("a", prompt, 100)
+    kv.cache_computed("a", prompt, 10)  # two full blocks computed
+    assert kv.allocate("b", prompt[:8] + [99, 98], 100) == 8
+    assert kv.block_table("b")[:2] == kv.block_table("a")[:2]
+    assert kv.blocks[kv.block_table("a")[0]].ref_count == 2
+    stats = kv.statistics()
+    assert stats.hit_tokens == 8 and stats.hit_rate == pytest.approx(8 / 20)
+
+
+def test_the_last_prompt_token_is_always_recomputed():
+    kv = KVCacheManager(num_blocks=10, block_size=B)
+    prompt = list(range(8))
+    kv.allocate("a", prompt, 100)
+    kv.cache_computed("a", prompt, 8)
+    assert kv.allocate("b", prompt, 100) == 4  # not 8: the logits of token 7 are needed
+
+
+def test_freed_blocks_stay_hittable_until_reused_least_recent_first():
+    kv = KVCacheManager(num_blocks=4, block_size=B)
+    first = list(range(9))
+    kv.allocate("a", first, 100)
+    kv.cache_computed("a", first, 9)
+    kv.free("a")
+    assert kv.statistics().cached_blocks == 2
+    assert kv.allocate("b", first, 100) == 8  # still cached after free
+    kv.free("b")
+    kv.allocate("c", [50] * 16, 16)  # needs all 4 blocks: evicts the cached ones
+    assert kv.statistics().cached_blocks == 0
+    kv.free("c")
+    assert kv.allocate("d", first, 100) == 0
+
+
+def test_prefix_caching_can_be_switched_off():
+    kv = KVCacheManager(num_blocks=10, block_size=B, enable_prefix_caching=False)
+    prompt = list(range(10))
+    kv.allocate("a", prompt, 100)
+    kv.cache_computed("a", prompt, 10)
+    assert kv.allocate("b", prompt, 100) == 0
+
+
+def test_bad_sizes_and_double_allocation_are_errors():
+    with pytest.raises(ValueError, match="must be positive"):
+        KVCacheManager(0, 16)
+    kv = KVCacheManager(4, B)
+    kv.allocate("a", [1], 1)
+    with pytest.raises(ValueError, match="already holds blocks"):
+        kv.allocate("a", [1], 1)
