@@ -1,0 +1,23 @@
+"""The README's first command: a real generation on the bundled tiny model, made on first use."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_generate_makes_the_tiny_model_and_prints_one_line_per_prompt(tmp_path):
+    env = {**os.environ, "FDCORE_HOME": str(tmp_path)}
+    result = subprocess.run([sys.executable, "-m", "fdcore.generate", "def main():", "Grüße", "--max-tokens", "8"],
+                            capture_output=True, text=True, timeout=300, cwd=ROOT, env=env, check=True)
+    lines = result.stdout.splitlines()
+    assert len(lines) == 2
+    assert lines[0].startswith("'def main():' -> ") and lines[0].endswith("[8 tokens, length]")
+    assert lines[1].startswith("'Grüße' -> ")
+    assert os.path.isfile(tmp_path / "models" / "tiny-llama-v1" / "model.safetensors")
+    again = subprocess.run([sys.executable, "-m", "fdcore.generate", "def main():", "--max-tokens", "8"],
+                           capture_output=True, text=True, timeout=300, cwd=ROOT, env=env, check=True)
+    assert again.stdout.splitlines()[0] == lines[0]  # greedy and deterministic
