@@ -54,7 +54,7 @@ def main(argv=None) -> int:
     start = time.perf_counter()
     core.run()
     elapsed = time.perf_counter() - start
-    for prompt, request in zip(opts.prompts, requests):
+    for prompt, request in zip(opts.prompts, requests, strict=True):
         text = tokenizer.decode(request.output_token_ids)
         print(f"{prompt!r} -> {text!r}  [{len(request.output_token_ids)} tokens, {request.finish_reason}]")
     produced = sum(len(r.output_token_ids) for r in requests)

@@ -75,6 +75,9 @@ def test_a_producer_killed_mid_stream_leaves_the_others_whole(inbox, spawn):
             victim.join(10)
             killed = True
     assert killed and next_seq[1:] == [count] * 3
+    for proc in others:
+        proc.join(10)
+        assert proc.exitcode == 0, "a surviving producer failed"
     for record in inbox.get_many_nowait():  # what the victim published before dying
         producer, seq = _check(record)
         assert producer == 0 and seq == next_seq[0]

@@ -93,7 +93,7 @@ def test_a_request_alone_equals_itself_in_a_mixed_batch(models):
                cases["short"]["prompt"][:2]]
     # Staggered joins and 64-token chunks: prefill chunks and decodes share steps.
     together = run_greedy(models["qwen2-bias-tied"], prompts, 24, chunk=64, starts=[0, 1, 5, 9])
-    for prompt, output in zip(prompts, together):
+    for prompt, output in zip(prompts, together, strict=True):
         assert output == run_greedy(models["qwen2-bias-tied"], [prompt], 24)[0]
     assert together[0] == cases["short"]["output"] and together[1] == cases["long"]["output"]
 

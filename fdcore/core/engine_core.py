@@ -46,4 +46,4 @@ class EngineCore:
         requests = [scheduled[i].request for i in rows]
         picks = sample(logits[rows], [SamplerRequest(r.params, r.prompt_token_ids, r.output_token_ids,
                                                      r.eos_token_ids) for r in requests])
-        return {r.request_id: p.token_id for r, p in zip(requests, picks)}
+        return {r.request_id: p.token_id for r, p in zip(requests, picks, strict=True)}

@@ -213,7 +213,7 @@ class _Plan:
         width = -(-max(lengths) // block_size)
         blocks = np.zeros((len(decode), width), dtype=np.int64)
         bias = np.full((1, len(decode), 1, width * block_size), -np.inf, dtype=np.float32)
-        for i, (s, n) in enumerate(zip(decode, lengths)):
+        for i, (s, n) in enumerate(zip(decode, lengths, strict=True)):
             mine = _blocks_for(batch.block_tables[s], n, block_size)
             blocks[i, :len(mine)] = mine
             bias[0, i, 0, :n] = 0.0
