@@ -1,7 +1,7 @@
 """The model worker's step time beside its floor: the same step's weight matrix products alone.
 
 For each decode batch size, B sequences with a 128-token context each decode
-one token per step; the step's time (median of several) is shown next to the
+one token per step; the step's time (median of several, alternating with the floor) is shown next to the
 time of the step's matrix products run alone on contiguous inputs of the same
 shapes: per layer qkv, o, gate_up, down and the two attention products
 (scores, weighted values), then the LM head. Prefill is measured in tokens/s
@@ -33,21 +33,23 @@ BLOCK = 16
 CONTEXT = 128
 
 
-def timed(fn, repeat: int) -> float:
-    """Median seconds of ``fn()`` over ``repeat`` runs (after one warm-up)."""
-    fn()
-    times = []
+def timed_pair(fn, floor, repeat: int) -> tuple[float, float]:
+    """Median seconds of ``fn()`` and of ``floor()``, run alternately (after a warm-up) so that
+    both see the same machine: on a shared 2-core VM, conditions drift within seconds."""
+    fn(), floor()
+    a, b = [], []
     for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        for f, out in ((fn, a), (floor, b)):
+            t0 = time.perf_counter()
+            f()
+            out.append(time.perf_counter() - t0)
+    return statistics.median(a), statistics.median(b)
 
 
-def gemm_floor(model: LlamaModel, rows: int, repeat: int, decode_context: int = 0) -> float:
-    """Seconds for one step's matrix products alone, on contiguous inputs of the same shapes:
-    the weight GEMMs of ``rows`` tokens and, for a decode step, the attention products
-    (scores and weighted values) over ``decode_context`` tokens."""
+def gemm_floor(model: LlamaModel, rows: int, decode_context: int = 0):
+    """One step's matrix products alone, on contiguous inputs of the same shapes: the weight
+    GEMMs of ``rows`` tokens and, for a decode step, the attention products (scores and
+    weighted values) over ``decode_context`` tokens. Returns the function that runs them."""
     a = model.args
     x_h = paddle.randn([rows, a.hidden_size])
     x_q = paddle.randn([rows, a.num_heads * a.head_dim])
@@ -56,6 +58,7 @@ def gemm_floor(model: LlamaModel, rows: int, repeat: int, decode_context: int = 
     q = paddle.randn([a.num_kv_heads, rows, groups, a.head_dim])
     kv = paddle.randn([a.num_kv_heads, rows, decode_context, a.head_dim])
     probs = paddle.randn([a.num_kv_heads, rows, groups, decode_context])
+    head_rows = x_h if decode_context else x_h[-1:]
 
     def step():
         for layer in model.layers:
@@ -66,13 +69,14 @@ def gemm_floor(model: LlamaModel, rows: int, repeat: int, decode_context: int = 
             if decode_context:
                 paddle.matmul(q, kv, transpose_y=True)
                 paddle.matmul(probs, kv)
-        paddle.matmul(x_h[-1:] if not decode_context else x_h, model.lm_head)
+        paddle.matmul(head_rows, model.lm_head)
 
-    return timed(step, repeat)
+    return step
 
 
-def decode_step_time(model: LlamaModel, batch: int, repeat: int) -> float:
-    blocks_per_seq = -(-(CONTEXT + repeat + 2) // BLOCK)
+def decode_step(model: LlamaModel, batch: int, repeat: int):
+    """B sequences with a CONTEXT-token context; returns the function that decodes one token."""
+    blocks_per_seq = -(-(CONTEXT + 2 * repeat + 4) // BLOCK)
     cache = PagedKVCache(model.args, blocks_per_seq * batch, BLOCK)
     tables = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(batch)]
     prompt = [(7 * i) % model.args.vocab_size for i in range(CONTEXT)]
@@ -84,14 +88,14 @@ def decode_step_time(model: LlamaModel, batch: int, repeat: int) -> float:
         model.forward(BatchInput([[5]] * batch, [position[0]] * batch, tables), cache)
         position[0] += 1
 
-    return timed(step, repeat)
+    return step
 
 
-def prefill_time(model: LlamaModel, tokens: int, repeat: int) -> float:
+def prefill(model: LlamaModel, tokens: int):
     blocks = -(-tokens // BLOCK)
     cache = PagedKVCache(model.args, blocks, BLOCK)
     prompt = [(3 * i) % model.args.vocab_size for i in range(tokens)]
-    return timed(lambda: model.forward(BatchInput([prompt], [0], [list(range(blocks))]), cache), repeat)
+    return lambda: model.forward(BatchInput([prompt], [0], [list(range(blocks))]), cache)
 
 
 def main(argv=None) -> int:
@@ -107,13 +111,12 @@ def main(argv=None) -> int:
           f"context {CONTEXT}, median of {opts.steps} steps")
     print(f"{'decode batch':>12s} {'step ms':>9s} {'GEMM floor ms':>14s} {'step/floor':>11s} {'tok/s':>9s}")
     for batch in (int(b) for b in opts.batches.split(",")):
-        step = decode_step_time(model, batch, opts.steps)
-        padded = -(-(CONTEXT + opts.steps) // BLOCK) * BLOCK
-        floor = gemm_floor(model, batch, opts.steps, decode_context=padded)
+        padded = -(-(CONTEXT + 2 * opts.steps + 2) // BLOCK) * BLOCK
+        step, floor = timed_pair(decode_step(model, batch, opts.steps),
+                                 gemm_floor(model, batch, decode_context=padded), opts.steps)
         print(f"{batch:12d} {step * 1e3:9.2f} {floor * 1e3:14.2f} {step / floor:10.2f}x {batch / step:9.0f}")
     tokens = 512
-    step = prefill_time(model, tokens, max(3, opts.steps // 4))
-    floor = gemm_floor(model, tokens, max(3, opts.steps // 4))
+    step, floor = timed_pair(prefill(model, tokens), gemm_floor(model, tokens), max(3, opts.steps // 4))
     print(f"{'prefill':>12s} {step * 1e3:9.2f} {floor * 1e3:14.2f} {step / floor:10.2f}x "
           f"{tokens / step:9.0f}  ({tokens}-token prompt)")
     return 0
