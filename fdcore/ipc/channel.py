@@ -18,6 +18,7 @@ import msgspec
 from fdcore.protocol import ENCODER, decoder_for
 
 BATCH = 0x01
+_BATCH_PREFIX = bytes([BATCH])
 
 
 class ProtocolError(ValueError):
@@ -63,7 +64,7 @@ class Receiver:
     def _decoded(self, raw: bytes) -> list:
         """The messages of one record (a batch record holds several)."""
         try:
-            if raw[:1] == b"\x01":
+            if raw[:1] == _BATCH_PREFIX:
                 return self._decode_batch(memoryview(raw)[1:])
             return [self._decode(raw)]
         except msgspec.DecodeError as exc:

@@ -25,9 +25,6 @@ import paddle
 
 from fdcore.models.loader import Checkpoint, ModelArgs
 
-DTYPES = {"float32": paddle.float32, "bfloat16": paddle.bfloat16, "float16": paddle.float16}
-
-
 @dataclass
 class BatchInput:
     """One step's work, per sequence (the scheduler fills it)."""
@@ -92,7 +89,7 @@ class LlamaModel:
             raise ValueError(f"dtype {dtype!r}: this CPU model runs in float32 only "
                              "(bfloat16 / float16 need the GPU path, not written yet)")
         self.args = args = checkpoint.args
-        self.dtype = DTYPES[dtype]
+        self.dtype = paddle.float32
         t = checkpoint.tensors
         self.embed = self._tensor(t["model.embed_tokens.weight"])
         self.norm = np.ascontiguousarray(t["model.norm.weight"], dtype=np.float32)
@@ -231,8 +228,6 @@ class _Plan:
         for i, s in enumerate(decode):
             table = batch.block_tables[s][:width]
             blocks[i, :len(table)] = table
-        used = -(-lengths // block_size)
-        blocks[np.arange(width)[None, :] >= used[:, None]] = 0  # blocks past a sequence's end: masked
         keys = np.arange(width * block_size)[None, :]
         bias = np.where(keys < lengths[:, None], 0.0, -np.inf).astype(np.float32)
         self.decode_blocks = blocks.reshape(-1)
