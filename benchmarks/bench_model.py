@@ -23,6 +23,7 @@ import time
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+from fdcore.models import cpu_env  # noqa: E402,F401  (math-library settings before paddle)
 import paddle  # noqa: E402
 
 from fdcore.models import tiny  # noqa: E402
@@ -62,14 +63,14 @@ def gemm_floor(model: LlamaModel, rows: int, decode_context: int = 0):
 
     def step():
         for layer in model.layers:
-            paddle.matmul(x_h, layer["qkv"])
-            paddle.matmul(x_q, layer["o"])
-            paddle.matmul(x_h, layer["gate_up"])
-            paddle.matmul(x_i, layer["down"])
+            paddle.matmul(x_h, layer["qkv"], transpose_y=True)
+            paddle.matmul(x_q, layer["o"], transpose_y=True)
+            paddle.matmul(x_h, layer["gate_up"], transpose_y=True)
+            paddle.matmul(x_i, layer["down"], transpose_y=True)
             if decode_context:
                 paddle.matmul(q, kv, transpose_y=True)
                 paddle.matmul(probs, kv)
-        paddle.matmul(head_rows, model.lm_head)
+        paddle.matmul(head_rows, model.lm_head, transpose_y=True)
 
     return step
 

@@ -38,14 +38,13 @@ class SamplerRequest:
 @dataclass
 class Sampled:
     token_id: int
-    logprob: float
+    logprob: float | None = None  # only computed for requests that ask for logprobs
     top_logprobs: list[tuple[int, float]] | None = None
 
 
 def sample(logits: np.ndarray, requests: list[SamplerRequest]) -> list[Sampled]:
     """One token for each row of ``logits`` ([batch, vocab], float32)."""
     logits = np.asarray(logits, dtype=np.float32)
-    logprobs = _log_softmax(logits)
     plain = [i for i, r in enumerate(requests) if _is_plain_greedy(r)]
     tokens = np.empty(len(requests), dtype=np.int64)
     if plain:
@@ -54,7 +53,12 @@ def sample(logits: np.ndarray, requests: list[SamplerRequest]) -> list[Sampled]:
     for i, request in enumerate(requests):
         if i not in plain_rows:
             tokens[i] = _sample_one(logits[i].copy(), request)
-    return [_result(int(tokens[i]), logprobs[i], r.params.logprobs) for i, r in enumerate(requests)]
+    wanted = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
+    results = [Sampled(int(token)) for token in tokens]
+    if wanted:  # a log-softmax over the vocabulary costs as much as the rest of sampling
+        for i, row in zip(wanted, _log_softmax(logits[wanted]), strict=True):
+            results[i] = _result(results[i].token_id, row, requests[i].params.logprobs)
+    return results
 
 
 def _is_plain_greedy(request: SamplerRequest) -> bool:

@@ -26,7 +26,7 @@ class Status(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass
+@dataclass(eq=False)  # identity: list membership tests must not compare every field
 class Request:
     request_id: str
     prompt_token_ids: list[int]

@@ -21,7 +21,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-import paddle
+
+from fdcore.models import cpu_env  # noqa: F401  (before paddle: math-library settings)
+import paddle  # noqa: E402
 
 from fdcore.models.loader import Checkpoint, ModelArgs
 
@@ -82,7 +84,13 @@ class PagedKVCache:
 
 
 class LlamaModel:
-    """The weights (as Paddle tensors, projections stored [in, out]) and the forward pass."""
+    """The weights (as Paddle tensors) and the forward pass.
+
+    Projections keep Hugging Face's ``[out, in]`` layout and are applied with
+    ``matmul(x, w, transpose_y=True)``: with MKL that is 1.4-1.7x faster than
+    the same product on an ``[in, out]`` copy (0.61 vs 0.86 ms, 1.8 vs 3.1 ms
+    for the 4096-wide head at batch 64).
+    """
 
     def __init__(self, checkpoint: Checkpoint, dtype: str = "float32"):
         if dtype != "float32":
@@ -94,7 +102,7 @@ class LlamaModel:
         self.embed = self._tensor(t["model.embed_tokens.weight"])
         self.norm = np.ascontiguousarray(t["model.norm.weight"], dtype=np.float32)
         head = t["model.embed_tokens.weight"] if args.tie_word_embeddings else t["lm_head.weight"]
-        self.lm_head = self._tensor(np.ascontiguousarray(head.T))
+        self.lm_head = self._tensor(head)
         self.layers = [self._layer(t, i) for i in range(args.num_layers)]
         half = args.head_dim // 2
         self.inv_freq = (1.0 / (args.rope_theta ** (np.arange(0, half * 2, 2, dtype=np.float32)
@@ -106,13 +114,13 @@ class LlamaModel:
 
     def _layer(self, t: dict, i: int) -> dict:
         p = f"model.layers.{i}."
-        w = lambda name: self._tensor(t[p + name + ".weight"].T)  # noqa: E731  [in, out]
+        w = lambda name: self._tensor(t[p + name + ".weight"])  # noqa: E731  [out, in]
         q, k, v = (t[p + f"self_attn.{n}_proj.weight"] for n in "qkv")
         layer = {
-            "qkv": self._tensor(np.concatenate([q, k, v]).T),
+            "qkv": self._tensor(np.concatenate([q, k, v])),
             "o": w("self_attn.o_proj"),
             "gate_up": self._tensor(np.concatenate([t[p + "mlp.gate_proj.weight"],
-                                                    t[p + "mlp.up_proj.weight"]]).T),
+                                                    t[p + "mlp.up_proj.weight"]])),
             "down": w("mlp.down_proj"),
             "in_norm": np.ascontiguousarray(t[p + "input_layernorm.weight"], dtype=np.float32),
             "post_norm": np.ascontiguousarray(t[p + "post_attention_layernorm.weight"], dtype=np.float32),
@@ -133,7 +141,7 @@ class LlamaModel:
         for index, layer in enumerate(self.layers):
             hidden = self._layer_forward(hidden, layer, index, cos, sin, plan, cache)
         last = paddle.index_select(hidden, paddle.to_tensor(plan.last_rows))
-        logits = paddle.matmul(_rms_norm(last, self.norm, self.args.rms_norm_eps), self.lm_head)
+        logits = _linear(_rms_norm(last, self.norm, self.args.rms_norm_eps), self.lm_head)
         out = np.empty((batch.num_seqs, self.args.vocab_size), dtype=np.float32)
         out[order] = logits.numpy()
         return out
@@ -141,7 +149,7 @@ class LlamaModel:
     def _layer_forward(self, hidden, layer, index, cos, sin, plan, cache):
         a = self.args
         x = _rms_norm(hidden, layer["in_norm"], a.rms_norm_eps)
-        qkv = paddle.matmul(x, layer["qkv"])
+        qkv = _linear(x, layer["qkv"])
         if "qkv_bias" in layer:
             qkv = qkv + layer["qkv_bias"]
         # Small per-token work (rotary, scaling, head shuffles) is cheaper in numpy
@@ -151,10 +159,10 @@ class LlamaModel:
         q = qk[:, :a.num_heads] * np.float32(self.scale)
         cache.write(index, plan.write_slots, qk[:, a.num_heads:], heads[:, a.num_heads + a.num_kv_heads:])
         attn = _shared(self._attention(q, index, cache, plan))
-        hidden = hidden + paddle.matmul(attn, layer["o"])
+        hidden = hidden + _linear(attn, layer["o"])
         x = _rms_norm(hidden, layer["post_norm"], a.rms_norm_eps)
-        gate, up = paddle.split(paddle.matmul(x, layer["gate_up"]), 2, axis=-1)
-        return hidden + paddle.matmul(paddle.nn.functional.silu(gate) * up, layer["down"])
+        gate, up = paddle.split(_linear(x, layer["gate_up"]), 2, axis=-1)
+        return hidden + _linear(paddle.nn.functional.silu(gate) * up, layer["down"])
 
     def _attention(self, q: np.ndarray, layer: int, cache: PagedKVCache, plan) -> np.ndarray:
         """Attention output [tokens, heads * head_dim] for scaled queries ``q`` [tokens, heads, dim]."""
@@ -243,6 +251,11 @@ def _causal_bias(start: int, end: int, width: int) -> np.ndarray:
     keys = np.arange(width)[None, :]
     queries = np.arange(start, end)[:, None]
     return np.where(keys <= queries, 0.0, -np.inf).astype(np.float32)
+
+
+def _linear(x: paddle.Tensor, weight: paddle.Tensor) -> paddle.Tensor:
+    """``x @ weight.T`` for a weight stored ``[out, in]``."""
+    return paddle.matmul(x, weight, transpose_y=True)
 
 
 def _shared(array: np.ndarray) -> paddle.Tensor:
