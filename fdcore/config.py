@@ -10,6 +10,7 @@ Example (every key shown with its default)::
     path = ""                 # HF-format checkpoint directory; "" = the bundled tiny model,
                               # made on first use in $FDCORE_HOME (default ~/.cache/fdcore)
     dtype = "auto"            # auto | float32 | bfloat16 | float16
+    backend = "paddle"        # paddle | null (answers without computing: measures fdcore's own cost)
 
     [cache]
     block_size = 16           # tokens per KV-cache block
@@ -20,6 +21,10 @@ Example (every key shown with its default)::
     max_num_seqs = 128
     max_num_batched_tokens = 2048
     max_model_len = 2048
+
+    [engine]
+    max_clients = 8           # client slots (each AsyncLLM / LLM / API server takes one)
+    max_pending_requests = 4096  # requests in the engine at once; more are refused (429)
 
     [workers]
     count = 1
@@ -59,6 +64,7 @@ class _Section(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 class ModelConfig(_Section):
     path: str = ""
+    backend: Literal["paddle", "null"] = "paddle"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
 
 
@@ -72,6 +78,11 @@ class SchedulerConfig(_Section):
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
     max_model_len: int = 2048
+
+
+class EngineConfig(_Section):
+    max_clients: int = 8
+    max_pending_requests: int = 4096
 
 
 class WorkersConfig(_Section):
@@ -100,19 +111,21 @@ class Config(_Section):
     model: ModelConfig = msgspec.field(default_factory=ModelConfig)
     cache: CacheConfig = msgspec.field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = msgspec.field(default_factory=SchedulerConfig)
+    engine: EngineConfig = msgspec.field(default_factory=EngineConfig)
     workers: WorkersConfig = msgspec.field(default_factory=WorkersConfig)
     supervisor: SupervisorConfig = msgspec.field(default_factory=SupervisorConfig)
     server: ServerConfig = msgspec.field(default_factory=ServerConfig)
 
 
-_SECTIONS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
+_SECTIONS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig, "engine": EngineConfig,
              "workers": WorkersConfig, "supervisor": SupervisorConfig, "server": ServerConfig}
 
 # (section, key, lowest allowed value) for every number that must be positive
 _MINIMA = [
     ("cache", "block_size", 1), ("cache", "num_blocks", 1),
     ("scheduler", "max_num_seqs", 1), ("scheduler", "max_num_batched_tokens", 1),
-    ("scheduler", "max_model_len", 1), ("workers", "count", 1), ("workers", "omp_threads", 1),
+    ("scheduler", "max_model_len", 1), ("engine", "max_clients", 1),
+    ("engine", "max_pending_requests", 1), ("workers", "count", 1), ("workers", "omp_threads", 1),
     ("supervisor", "max_restarts", 0), ("supervisor", "period", 0.001),
     ("supervisor", "start_timeout", 0.001), ("supervisor", "shutdown_timeout", 0.0),
     ("supervisor", "heartbeat_interval", 0.001), ("supervisor", "hang_timeout", 0.001),
@@ -164,6 +177,9 @@ def _check_ranges(config: Config, source: str) -> None:
         value = getattr(getattr(config, section), key)
         if value < lowest:
             raise ConfigError(f"{source}: key '{section}.{key}' is {value}, must be >= {lowest}")
+    if config.workers.count != 1:
+        raise ConfigError(f"{source}: key 'workers.count' is {config.workers.count}; this version "
+                          "runs exactly 1 worker (tensor parallelism across workers is not built yet)")
     if config.server.port > 65535:
         raise ConfigError(f"{source}: key 'server.port' is {config.server.port}, must be <= 65535")
 

@@ -62,22 +62,220 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, om
     logprobs: int | None = None
 
 
-# ----------------------------------------------------------- request tracking
-class TokenDelta(Message):
-    """New tokens of one request (engine -> client), sent as a delta."""
+# ------------------------------------------------------------ client <-> engine
+class Hello(Message):
+    """A client took slot ``client``: forget the slot's previous session (its
+    requests are aborted) and answer ``Welcome`` with the same session number, so
+    the client can drop whatever the slot's previous owner left in its ring."""
+
+    client: int
+    session: int
+
+
+class Welcome(Message):
+    session: int
+    vocab_size: int
+    max_model_len: int
+    model: str
+
+
+class AddRequest(Message):
+    """One request. ``body`` is a msgpack map decoded by the engine into
+    :class:`RequestBody`, so a malformed field is the sender's error (400 naming
+    the field), never an undecodable record on the engine's inbox."""
+
+    client: int
+    request_id: str
+    body: msgspec.Raw
+    arrival_time: float
+    resume_token_ids: list[int] = []  # tokens the client already received (engine restart)
+
+
+class AbortRequest(Message):
+    client: int
+    request_id: str
+
+
+class RequestBody(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    """What the engine validates: exactly one prompt form, and the sampling parameters."""
+
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
+    messages: list | None = None  # [{role, content}], checked by the engine (field-named errors)
+    sampling_params: SamplingParams = SamplingParams()
+
+
+class Metrics(msgspec.Struct, array_like=True, omit_defaults=True):
+    arrival_time: float = 0.0
+    first_token_time: float = 0.0
+    finished_time: float = 0.0
+    num_prompt_tokens: int = 0
+    num_generated_tokens: int = 0
+    num_cached_tokens: int = 0
+
+
+class Update(Message):
+    """New output of one request (engine -> client): a delta of tokens and text."""
 
     request_id: str
-    position: int
     token_ids: list[int]
-    finished: bool = False
+    text: str
+    finish_reason: str | None = None
+    logprobs: list[list[tuple[int, float]]] | None = None  # per new token: (id, logprob) best first
+    prompt_token_ids: list[int] | None = None  # first update only
+    metrics: Metrics | None = None  # last update only
+    error_code: int = 0
+    error_msg: str = ""
 
 
-class Abort(Message):
-    request_id: str
+# -------------------------------------------------------- engine <-> scheduler
+class AddSeq(Message):
+    """A validated, tokenized request (engine -> scheduler). ``seq`` is the
+    engine's handle for it; ``output_token_ids`` are tokens already produced
+    (a resumed request catches up by recomputing them)."""
+
+    seq: int
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: list[int]
+    output_token_ids: list[int] = []
+
+
+class FinishSeq(Message):
+    """The engine ended a request (abort, stop string, client gone): free it now."""
+
+    seq: int
+    reason: str
+
+
+class SeqTokens(Message):
+    """One step's sampled tokens (scheduler -> engine), one entry per sampling sequence."""
+
+    seqs: list[int]
+    token_ids: list[int]
+    finish_reasons: list[str | None]
+    logprobs: list[list[tuple[int, float]] | None] | None = None
+    cached: list[tuple[int, int]] = []  # (seq, prefix-cached tokens) of sequences admitted this step
+
+
+# ------------------------------------------------------ scheduler <-> cache
+# The scheduler's block calls, one message each, applied in order by the cache
+# manager. Only calls whose answer the scheduler needs wait for one (allocate,
+# grow beyond the blocks held, statistics); frees and prefix registrations are
+# fire-and-forget (the link keeps them in order).
+class Allocate(Message):
+    seq: int
+    token_ids: list[int]
+    max_new_tokens: int
+
+
+class Grow(Message):
+    seq: int
+    num_tokens: int
+
+
+class Free(Message):
+    seq: int
+
+
+class Computed(Message):
+    """Blocks of ``seq`` computed up to ``num_computed`` tokens; ``token_ids`` start at
+    block ``first_block`` (the blocks registered before need not be sent again)."""
+
+    seq: int
+    first_block: int
+    token_ids: list[int]
+    num_computed: int
+
+
+class CacheStatsQuery(Message):
+    nonce: int
+
+
+class CacheReset(Message):
+    """Forget every allocation and cached prefix (a new epoch: the KV is gone)."""
+
+    epoch: int
+
+
+class CacheStats(msgspec.Struct, array_like=True, frozen=True):
+    num_blocks: int = 0
+    num_free: int = 0
+    num_cached: int = 0
+    usage: float = 0.0
+    hit_rate: float = 0.0
+    queried_tokens: int = 0
+    hit_tokens: int = 0
+
+
+class CacheReply(Message):
+    """Answer to Allocate / Grow / CacheStatsQuery. ``cached`` is the prefix-cached token
+    count of an allocation (-1: no room, nothing held); ``ok`` whether a grow fit."""
+
+    seq: int
+    ok: bool
+    blocks: list[int]
+    cached: int
+    stats: CacheStats
+
+
+class StatsQuery(Message):
+    """Client -> engine -> scheduler: ask for the serving statistics."""
+
+    nonce: int
+    client: int = -1
+
+
+class ServingStats(Message):
+    nonce: int
+    running: int = 0
+    waiting: int = 0
+    requests: int = 0          # requests the engine is tracking
+    steps: int = 0
+    preemptions: int = 0
+    cache: CacheStats = CacheStats()
+    client: int = -1           # who asked (the engine answers that client)
+
+
+# ----------------------------------------------------- scheduler <-> workers
+class NewSeq(msgspec.Struct, array_like=True, gc=False):
+    seq: int
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: list[int]
+
+
+class StepItem(msgspec.Struct, array_like=True, gc=False):
+    seq: int
+    start: int               # position of the first token computed
+    num_tokens: int          # tokens computed this step
+    blocks: list[int] | None = None  # the full block table when it changed, else None
+
+
+class Step(Message):
+    step: int
+    epoch: int
+    new: list[NewSeq]
+    items: list[StepItem]
+    finished: list[int] = []  # sequences the worker may forget
+
+
+class StepResult(Message):
+    step: int
+    epoch: int
+    seqs: list[int]
+    token_ids: list[int]
+    logprobs: list[list[tuple[int, float]] | None] | None = None
+    seconds: float = 0.0
 
 
 ControlMessage = Stop | Ping | Pong
-ClientMessage = TokenDelta | Abort | Pong
+ClientMessage = Welcome | Update | ServingStats | Pong
+EngineMessage = Stop | Ping | Hello | AddRequest | AbortRequest | StatsQuery | SeqTokens | ServingStats
+SchedulerMessage = Stop | Ping | AddSeq | FinishSeq | StatsQuery | StepResult | CacheReply
+CacheMessage = Stop | Ping | Allocate | Grow | Free | Computed | CacheStatsQuery | CacheReset
+WorkerMessage = Stop | Ping | Step
 
 
 _decoders: dict[object, msgspec.msgpack.Decoder] = {}

@@ -60,7 +60,8 @@ class Child:
 
 
 class Supervisor:
-    def __init__(self, config: Config, config_path: str):
+    def __init__(self, config: Config, config_path: str, ready_fd: int | None = None):
+        self.ready_fd = ready_fd
         self.config = config
         self.config_path = os.path.abspath(config_path)
         self.instance = names.new_instance_id()
@@ -88,6 +89,7 @@ class Supervisor:
             self._start_all()
             log("ready", instance=self.instance, children=len(self.children),
                 seconds=f"{time.monotonic() - started:.2f}")
+            self._notify_ready()
             self._loop()
         except StartFailure as exc:
             log("start_failed", reason=str(exc))
@@ -100,6 +102,18 @@ class Supervisor:
             self._destroy_ipc()
             log("stopped", exit_code=self.exit_code, seconds=f"{time.monotonic() - stop_started:.2f}")
         return self.exit_code
+
+    def _notify_ready(self) -> None:
+        """Tell whoever started us (an embedding client) the instance id, then close the pipe."""
+        if self.ready_fd is None:
+            return
+        try:
+            os.write(self.ready_fd, f"{self.instance}\n".encode())
+        except OSError as exc:
+            log("notify_failed", error=repr(exc))
+        finally:
+            os.close(self.ready_fd)
+            self.ready_fd = None
 
     def _loop(self) -> None:
         while not self.stopping:
@@ -304,6 +318,9 @@ class Supervisor:
                                  topology.producers_of(spec.id, self.config), capacity=capacity)
             self.inboxes.append(inbox)
             self.senders[spec.id] = Sender(Ring.attach(inbox.link_name(topology.SUPERVISOR)))
+        for client in topology.client_ids(self.config):
+            self.inboxes.append(Inbox.create(topology.inbox_name(self.instance, client), ["engine"],
+                                             capacity=capacity))
 
     def _destroy_ipc(self) -> None:
         for sender in self.senders.values():
@@ -357,6 +374,10 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m fdcore.supervisor", description=__doc__.splitlines()[0])
     parser.add_argument("--config", required=True, help="TOML configuration file")
     parser.add_argument("--check", action="store_true", help="validate, print the effective configuration, exit")
+    parser.add_argument("--ready-fd", type=int, default=None,
+                        help="write the instance id to this file descriptor once ready (used by AsyncLLM)")
+    parser.add_argument("--stop-with-parent", action="store_true",
+                        help="shut down when the process that started us dies (embedded use)")
     args = parser.parse_args(argv)
     try:
         config = load_config(args.config)
@@ -369,7 +390,21 @@ def main(argv=None) -> int:
     import setproctitle
 
     setproctitle.setproctitle("fdcore:supervisor")
-    return Supervisor(config, args.config).run()
+    if args.stop_with_parent:
+        _stop_with_parent()
+    return Supervisor(config, args.config, args.ready_fd).run()
+
+
+def _stop_with_parent() -> None:
+    """SIGTERM (a clean stop) when our parent dies: an embedded tree ends with its program."""
+    import ctypes
+
+    parent = os.getppid()
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(1, signal.SIGTERM, 0, 0, 0) != 0:  # PR_SET_PDEATHSIG
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    if os.getppid() != parent:
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 if __name__ == "__main__":

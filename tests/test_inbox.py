@@ -10,7 +10,7 @@ import pytest
 
 from fdcore.ipc import Inbox, Receiver, Ring, RingEmpty, Sender, names
 from fdcore.ipc.channel import ProtocolError
-from fdcore.protocol import ClientMessage, Ping, Stop, TokenDelta
+from fdcore.protocol import ClientMessage, Ping, Stop, Update
 
 
 def _record(producer: int, seq: int) -> bytes:
@@ -102,9 +102,9 @@ def test_typed_channel_round_trips_structs_and_rejects_garbage(inbox):
     ring = Ring.attach(inbox.add_link("client"))
     sender, receiver = Sender(ring), Receiver(inbox, ClientMessage)
     try:
-        message = TokenDelta("req-1", 3, [1, 2, 3], finished=True)
+        message = Update("req-1", [1, 2, 3], "abc", finish_reason="stop")
         sender.send(message)
-        sender.send_many([TokenDelta("req-2", 0, [7]), TokenDelta("req-2", 1, [8])])
+        sender.send_many([Update("req-2", [7], ""), Update("req-2", [8], "")])
         assert receiver.recv(timeout=5) == message
         assert [m.token_ids for m in receiver.recv_many(timeout=5)] == [[7], [8]]
         sender.send(Stop("not a client message"))
@@ -147,15 +147,15 @@ def test_a_batch_is_one_record_and_recv_hands_it_out_one_by_one(inbox):
     ring = Ring.attach(inbox.add_link("engine"))
     sender, receiver = Sender(ring), Receiver(inbox, ClientMessage)
     try:
-        batch = [TokenDelta(f"req-{i}", i, [i]) for i in range(100)]
+        batch = [Update(f"req-{i}", [i], "") for i in range(100)]
         sender.send_many(batch)
-        sender.send(TokenDelta("tail", 0, []))
+        sender.send(Update("tail", [], ""))
         assert ring.statistics().records_put == 2
         assert [receiver.recv(timeout=5) for _ in range(3)] == batch[:3]
         rest = receiver.recv_many(timeout=5)
-        assert rest == batch[3:] + [TokenDelta("tail", 0, [])]
+        assert rest == batch[3:] + [Update("tail", [], "")]
         sender.send_many([])
-        sender.send(TokenDelta("after-empty", 0, []))
+        sender.send(Update("after-empty", [], ""))
         assert receiver.recv(timeout=5).request_id == "after-empty"
     finally:
         ring.close()

@@ -186,6 +186,8 @@ def _check(tmp_path, text: str) -> subprocess.CompletedProcess:
     ('[model]\npath = "/nonexistent/model"\n', "key 'model.path': directory '/nonexistent/model' does not exist"),
     ('[supervisor]\nstrategy = "one_for_none"\n', "key 'supervisor.strategy': Invalid enum value 'one_for_none'"),
     ('[cache]\nblock_size = 0\n', "key 'cache.block_size' is 0, must be >= 1"),
+    ('[workers]\ncount = 2\n', "key 'workers.count' is 2; this version runs exactly 1 worker"),
+    ('[model]\nbackend = "onnx"\n', "key 'model.backend': Invalid enum value 'onnx'"),
 ])
 def test_bad_configs_are_rejected_naming_the_key_and_file(tmp_path, text, message):
     result = _check(tmp_path, text)
@@ -195,9 +197,9 @@ def test_bad_configs_are_rejected_naming_the_key_and_file(tmp_path, text, messag
 
 def test_check_prints_the_effective_configuration(tmp_path):
     model = make_model_dir(tmp_path)
-    result = _check(tmp_path, f'[model]\npath = "{model}"\n[workers]\ncount = 2\n')
+    result = _check(tmp_path, f'[model]\npath = "{model}"\n[engine]\nmax_clients = 3\n')
     assert result.returncode == 0, result.stderr
-    assert "[workers]\ncount = 2" in result.stdout and "[server]\nenabled = false" in result.stdout
+    assert "[engine]\nmax_clients = 3" in result.stdout and "[server]\nenabled = false" in result.stdout
 
 
 def test_the_readme_example_config_starts_the_tree_and_ctrl_c_stops_it(tmp_path):

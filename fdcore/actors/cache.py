@@ -1,8 +1,56 @@
-"""The cache actor (fdcore:cache). For now it answers the control messages; its policy lands
-with the serving path."""
+"""The cache manager actor (fdcore:cache): the paged block allocator and the prefix cache.
+
+It owns the block bookkeeping (:class:`~fdcore.core.kv_cache_manager.KVCacheManager`:
+reference counts, chained block hashes, LRU of freed cached blocks); the KV
+tensors themselves live in the workers. The scheduler is its only client: its
+block calls arrive in order on one link, so the allocator sees exactly the call
+sequence an in-process scheduler would make (same blocks, same prefix hits).
+Calls that need an answer get a :class:`CacheReply` carrying the statistics.
+"""
+
+from __future__ import annotations
 
 from fdcore.actors.runtime import Actor
+from fdcore.core.kv_cache_manager import KVCacheManager
+from fdcore.protocol import (Allocate, CacheMessage, CacheReply, CacheReset, CacheStats, CacheStatsQuery,
+                             Computed, Free, Grow)
 
 
 class CacheActor(Actor):
-    pass
+    inbox_type = CacheMessage
+
+    def on_start(self) -> None:
+        self.kv = self._fresh_manager()
+
+    def _fresh_manager(self) -> KVCacheManager:
+        c = self.config.cache
+        return KVCacheManager(c.num_blocks, c.block_size, c.enable_prefix_caching)
+
+    def handle(self, message) -> None:
+        match message:
+            case Allocate(seq=seq, token_ids=token_ids, max_new_tokens=max_new):
+                cached = self.kv.allocate(seq, token_ids, max_new)
+                blocks = self.kv.block_table(seq) if cached is not None else []
+                self._reply(seq, cached is not None, blocks, -1 if cached is None else cached)
+            case Grow(seq=seq, num_tokens=num_tokens):
+                ok = self.kv.append_slots(seq, num_tokens)
+                self._reply(seq, ok, self.kv.block_table(seq), 0)
+            case Free(seq=seq):
+                self.kv.free(seq)
+            case Computed(seq=seq, first_block=first, token_ids=token_ids, num_computed=num):
+                self.kv.cache_computed(seq, token_ids, num, first)
+            case CacheStatsQuery(nonce=nonce):
+                self._reply(nonce, True, [], 0)
+            case CacheReset():
+                self.kv = self._fresh_manager()
+            case _:
+                super().handle(message)
+
+    def _reply(self, seq: int, ok: bool, blocks: list[int], cached: int) -> None:
+        self.send("scheduler", CacheReply(seq, ok, blocks, cached, statistics(self.kv)))
+
+
+def statistics(kv: KVCacheManager) -> CacheStats:
+    s = kv.statistics()
+    return CacheStats(s.num_blocks, s.num_blocks - s.used_blocks, s.cached_blocks, s.usage, s.hit_rate,
+                      s.queried_tokens, s.hit_tokens)

@@ -1,8 +1,291 @@
-"""The engine actor (fdcore:engine). For now it answers the control messages; its policy lands
-with the serving path."""
+"""The engine actor (fdcore:engine): requests in, tokens out, for every attached client.
 
+- Intake: a client claims a slot (its own inbox, see :mod:`fdcore.client`) and
+  says ``Hello``; its requests arrive as ``AddRequest`` with the body still
+  encoded, so that a malformed field becomes a 400 naming that field instead of
+  an undecodable record. The engine validates (every sampling parameter, token
+  ids inside the vocabulary, prompt + min_tokens within ``max_model_len``),
+  tokenizes text, token-id lists or chat messages (the checkpoint's chat
+  template), and hands the scheduler an ``AddSeq``. A bad request is answered
+  at once with ``finish_reason="error"`` and costs nobody else anything.
+- Output: each step's sampled tokens (``SeqTokens``) are appended to the
+  request table (the source of truth), detokenized incrementally (no broken
+  characters, stop strings held back and never shown), and streamed to the
+  owning client as ``Update`` deltas, one batched record per client per step.
+  A client whose inbox is full is not waited for: its updates queue up here.
+- Clients come and go: a slot whose owner died (its lock is free) has its
+  requests aborted, so nothing runs for nobody.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import time
+from dataclasses import dataclass, field
+
+import msgspec
+
+from fdcore.actors import topology
 from fdcore.actors.runtime import Actor
+from fdcore.config import model_path
+from fdcore.core.detokenizer import IncrementalDetokenizer
+from fdcore.core.tokenizer import ModelTokenizer
+from fdcore.core.validation import (ModelLimits, RequestError, check_length, check_one_prompt, check_sampling,
+                                    check_token_ids, validate_request_id)
+from fdcore.ipc import Ring, RingFull, Sender, names
+from fdcore.protocol import (AbortRequest, AddRequest, AddSeq, EngineMessage, FinishSeq, Hello, Metrics,
+                             RequestBody, SamplingParams, SeqTokens, ServingStats, StatsQuery, Update, Welcome)
+
+LIVENESS_INTERVAL = 1.0  # seconds between checks that each busy client slot still has its owner
+
+
+@dataclass(eq=False)
+class TrackedRequest:
+    """One request in the engine's table."""
+
+    seq: int
+    client: int
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    detokenizer: IncrementalDetokenizer
+    arrival_time: float
+    output_token_ids: list[int] = field(default_factory=list)
+    first_token_time: float = 0.0
+    announced: bool = False  # the client has been sent the prompt token ids
+
+
+@dataclass(eq=False)
+class ClientSlot:
+    index: int
+    sender: Sender
+    lock_fd: int
+    session: int = 0
+    requests: dict[str, int] = field(default_factory=dict)  # request id -> seq
+    outbox: list = field(default_factory=list)             # messages its full inbox did not take yet
 
 
 class EngineActor(Actor):
-    pass
+    inbox_type = EngineMessage
+
+    def on_start(self) -> None:
+        self.tokenizer = ModelTokenizer(model_path(self.config))
+        c = self.config
+        self.limits = ModelLimits(self.tokenizer.vocab_size,
+                                  min(c.scheduler.max_model_len, self.tokenizer.max_position_embeddings,
+                                      c.cache.num_blocks * c.cache.block_size))
+        self.table: dict[int, TrackedRequest] = {}
+        self.clients: dict[int, ClientSlot] = {}
+        self.next_seq = 1
+        self.next_liveness_check = time.monotonic() + LIVENESS_INTERVAL
+        self._decode_body = msgspec.msgpack.Decoder(RequestBody).decode
+
+    # ---------------------------------------------------------------- messages
+    def handle(self, message) -> None:
+        match message:
+            case SeqTokens():
+                self._on_tokens(message)
+            case AddRequest():
+                self._on_request(message)
+            case AbortRequest(client=client, request_id=request_id):
+                self._on_abort(client, request_id)
+            case Hello(client=client, session=session):
+                self._on_hello(client, session)
+            case StatsQuery():
+                self.send("scheduler", message)
+            case ServingStats():
+                self._deliver(message.client, [msgspec.structs.replace(message, requests=len(self.table))])
+            case _:
+                super().handle(message)
+
+    def _on_hello(self, client: int, session: int) -> None:
+        if not 0 <= client < self.config.engine.max_clients:
+            return
+        slot = self._slot(client)
+        self._abandon(slot)
+        slot.session = session
+        slot.outbox.clear()
+        self._deliver(client, [Welcome(session, self.limits.vocab_size, self.limits.max_model_len,
+                                       model_path(self.config))])
+
+    def _on_request(self, m: AddRequest) -> None:
+        if not 0 <= m.client < self.config.engine.max_clients:
+            return
+        slot = self._slot(m.client)
+        try:
+            tracked = self._admit(m, slot)
+        except RequestError as exc:
+            self._deliver(m.client, [Update(m.request_id, [], "", "error", error_code=exc.code,
+                                            error_msg=str(exc))])
+            return
+        self.table[tracked.seq] = tracked
+        slot.requests[m.request_id] = tracked.seq
+        self.send("scheduler", AddSeq(tracked.seq, tracked.prompt_token_ids, tracked.params,
+                                      list(self.tokenizer.eos_token_ids), tracked.output_token_ids))
+
+    def _admit(self, m: AddRequest, slot: ClientSlot) -> TrackedRequest:
+        """Validate and tokenize; raises RequestError naming the field."""
+        validate_request_id(m.request_id)
+        if m.request_id in slot.requests:
+            raise RequestError("request_id", f"{m.request_id!r} is already in use by an unfinished "
+                                             "request of this client")
+        if len(self.table) >= self.config.engine.max_pending_requests:
+            raise RequestError("request", f"the engine already holds {len(self.table)} requests, its limit "
+                                          "(engine.max_pending_requests); retry later", code=429)
+        body = self._body(m.body)
+        check_one_prompt(body.prompt, body.prompt_token_ids, body.messages)
+        params = check_sampling(body.sampling_params, self.limits)
+        if body.prompt_token_ids is not None:
+            prompt_ids = list(body.prompt_token_ids)
+            check_token_ids(prompt_ids, self.limits)
+        elif body.messages is not None:
+            prompt_ids = self.tokenizer.encode_chat(body.messages)
+        else:
+            prompt_ids = self.tokenizer.encode(body.prompt)
+        if not prompt_ids:
+            raise RequestError("prompt", "tokenizes to no tokens")
+        check_length(len(prompt_ids), params, self.limits)
+        resumed = list(m.resume_token_ids)
+        check_token_ids(resumed, self.limits, "resume_token_ids")
+        seq, self.next_seq = self.next_seq, self.next_seq + 1
+        detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop)
+        for token in resumed:
+            detokenizer.add(token)
+        detokenizer.emitted = len(detokenizer.text)  # the client has shown those already
+        return TrackedRequest(seq, m.client, m.request_id, prompt_ids, params, detokenizer, m.arrival_time,
+                              resumed, announced=bool(resumed))
+
+    def _body(self, raw) -> RequestBody:
+        try:
+            return self._decode_body(raw)
+        except msgspec.ValidationError as exc:
+            raise RequestError(*_explain_decode_error(str(exc))) from None
+        except msgspec.DecodeError as exc:
+            raise RequestError("body", f"not a valid request body ({exc})") from None
+
+    def _on_abort(self, client: int, request_id: str) -> None:
+        slot = self.clients.get(client)
+        seq = slot.requests.get(request_id) if slot else None
+        if seq is None:
+            return  # finished already, or never known: nothing to do
+        tracked = self.table[seq]
+        self.send("scheduler", FinishSeq(seq, "abort"))
+        self._deliver(client, [self._update(tracked, [], tracked.detokenizer.finish(), "abort", None,
+                                            time.time())])
+        self._drop(tracked)
+
+    # ------------------------------------------------------------------ tokens
+    def _on_tokens(self, m: SeqTokens) -> None:
+        now = time.time()
+        by_client: dict[int, list[Update]] = {}
+        for i, seq in enumerate(m.seqs):
+            tracked = self.table.get(seq)
+            if tracked is None:
+                continue  # aborted or stopped while its step ran
+            token, reason = m.token_ids[i], m.finish_reasons[i]
+            tracked.output_token_ids.append(token)
+            tracked.first_token_time = tracked.first_token_time or now
+            text = tracked.detokenizer.add(token)
+            if tracked.detokenizer.stopped and reason is None:
+                reason = "stop"
+                self.send("scheduler", FinishSeq(seq, "stop"))
+            elif reason is not None:
+                text += tracked.detokenizer.finish()
+            logprobs = [m.logprobs[i]] if m.logprobs and m.logprobs[i] is not None else None
+            by_client.setdefault(tracked.client, []).append(
+                self._update(tracked, [token], text, reason, logprobs, now))
+            if reason is not None:
+                self._drop(tracked)
+        for client, updates in by_client.items():
+            self._deliver(client, updates)
+
+    def _update(self, t: TrackedRequest, tokens: list[int], text: str, reason: str | None,
+                logprobs, now: float) -> Update:
+        prompt_ids = None
+        if not t.announced:
+            prompt_ids, t.announced = t.prompt_token_ids, True
+        metrics = None
+        if reason is not None:
+            metrics = Metrics(t.arrival_time, t.first_token_time, now, len(t.prompt_token_ids),
+                              len(t.output_token_ids))
+        return Update(t.request_id, tokens, text, reason, logprobs, prompt_ids, metrics)
+
+    def _drop(self, tracked: TrackedRequest) -> None:
+        del self.table[tracked.seq]
+        slot = self.clients.get(tracked.client)
+        if slot is not None:
+            slot.requests.pop(tracked.request_id, None)
+
+    # ----------------------------------------------------------------- clients
+    def _slot(self, client: int) -> ClientSlot:
+        slot = self.clients.get(client)
+        if slot is None:
+            inbox = topology.inbox_name(self.instance_id, f"client{client}")
+            sender = Sender(Ring.attach(f"{inbox}.{self.child_id}"))
+            lock_fd = os.open(os.path.join(names.SHM_DIR, inbox.lstrip("/")), os.O_RDWR)
+            slot = self.clients[client] = ClientSlot(client, sender, lock_fd)
+        return slot
+
+    def _deliver(self, client: int, messages: list) -> None:
+        slot = self.clients.get(client)
+        if slot is None:
+            return
+        slot.outbox += messages
+        self._flush(slot)
+
+    def _flush(self, slot: ClientSlot) -> None:
+        if not slot.outbox:
+            return
+        try:
+            slot.sender.send_many(slot.outbox, timeout=0)
+        except RingFull:
+            return  # the client is behind: keep them, retry on the next turn of the loop
+        slot.outbox = []
+
+    def _abandon(self, slot: ClientSlot) -> None:
+        """Abort every request of a slot's previous owner (it is gone, or replaced)."""
+        for seq in list(slot.requests.values()):
+            self.send("scheduler", FinishSeq(seq, "abort"))
+            self._drop(self.table[seq])
+
+    def _owner_alive(self, slot: ClientSlot) -> bool:
+        try:
+            fcntl.flock(slot.lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True  # the owner holds its lock
+        fcntl.flock(slot.lock_fd, fcntl.LOCK_UN)
+        return False
+
+    def after_messages(self) -> None:
+        for slot in self.clients.values():
+            self._flush(slot)
+        now = time.monotonic()
+        if now >= self.next_liveness_check:
+            self.next_liveness_check = now + LIVENESS_INTERVAL
+            for slot in self.clients.values():
+                if slot.requests and not self._owner_alive(slot):
+                    self._abandon(slot)
+                    slot.outbox.clear()
+
+    def wait_timeout(self, interval: float) -> float:
+        if any(slot.outbox for slot in self.clients.values()):
+            return 0.002
+        return min(interval, LIVENESS_INTERVAL) if self.table else interval
+
+    def close(self) -> None:
+        for slot in self.clients.values():
+            slot.sender.close()
+            os.close(slot.lock_fd)
+        super().close()
+
+
+def _explain_decode_error(message: str) -> tuple[str, str]:
+    """msgspec's 'Expected `float`, got `str` - at `$.sampling_params.top_p`' as (field, message)."""
+    text, _, where = message.partition(" - at `$")
+    path = where.rstrip("`").lstrip(".")
+    if text.startswith("Object contains unknown field"):
+        name = text.split("`")[1]
+        return (f"{path}.{name}" if path else name).removeprefix("sampling_params."), "unknown field"
+    field_name = path.removeprefix("sampling_params.") or "body"
+    return field_name, text[0].lower() + text[1:] if text else "invalid value"

@@ -52,6 +52,8 @@ class Actor:
         self.slot = slot
         self._senders: dict[str, Sender] = {}
         self.stopping = False
+        self.receiver: Receiver | None = None  # set by run()
+        self.deferred: list = []  # messages that arrived while waiting for a reply (see call())
 
     # ------------------------------------------------------------------ hooks
     def on_start(self) -> None:
@@ -74,6 +76,13 @@ class Actor:
         """True while work is queued that should make progress (hang detection)."""
         return False
 
+    def after_messages(self) -> None:
+        """Called after each batch of messages (or an idle wait): act on what was learnt."""
+
+    def wait_timeout(self, interval: float) -> float:
+        """How long the loop may wait for a message (shorter while there is work to retry)."""
+        return interval
+
     # --------------------------------------------------------------- plumbing
     def send(self, to: str, message) -> None:
         """Send to another actor's inbox (or the supervisor's) over this actor's link."""
@@ -83,30 +92,53 @@ class Actor:
             sender = self._senders[to] = Sender(Ring.attach(f"{inbox}.{self.child_id}"))
         sender.send(message)
 
+    def call(self, to: str, message, reply_type, timeout: float):
+        """Send ``message`` and wait for the first message of ``reply_type``; everything
+        else that arrives meanwhile is kept, in order, for the loop (``deferred``)."""
+        self.send(to, message)
+        deadline = time.monotonic() + timeout
+        while True:
+            remaining = deadline - time.monotonic()
+            try:
+                batch = self.receiver.recv_many(timeout=max(0.0, remaining))
+            except RingEmpty:
+                raise TimeoutError(f"{self.child_id}: no {reply_type.__name__} from {to} "
+                                   f"within {timeout:g} s") from None
+            for i, reply in enumerate(batch):
+                if isinstance(reply, reply_type):
+                    self.deferred += batch[i + 1:]
+                    return reply
+                self.deferred.append(reply)
+
     def close(self) -> None:
         for sender in self._senders.values():
             sender.close()
 
 
 def run(actor: Actor, inbox: Inbox) -> None:
-    """The loop: receive, handle, tick; returns when asked to stop."""
+    """The loop: receive, handle, let the actor act on what it learnt, tick; returns when asked to stop."""
     board, slot = actor.board, actor.slot
-    receiver = Receiver(inbox, actor.inbox_type)
+    actor.receiver = Receiver(inbox, actor.inbox_type)
     interval = actor.config.supervisor.heartbeat_interval
     progress = 0
     while not actor.stopping:
         board.write(slot, health.HEARTBEAT, time.monotonic_ns())
-        try:
-            messages = receiver.recv_many(timeout=interval)
-        except RingEmpty:
-            continue
-        board.write(slot, health.BUSY, 1)
+        messages, actor.deferred = actor.deferred, []
+        if not messages:
+            try:
+                messages = actor.receiver.recv_many(timeout=actor.wait_timeout(interval))
+            except RingEmpty:
+                messages = []
+        if messages:
+            board.write(slot, health.BUSY, 1)
         for message in messages:
             actor.handle(message)
             progress += 1
             board.write(slot, health.PROGRESS, progress)
             if actor.stopping:
                 break
+        if not actor.stopping:
+            actor.after_messages()
         board.write(slot, health.BUSY, int(actor.has_work()))
 
 

@@ -1,8 +1,174 @@
-"""The scheduler actor (fdcore:scheduler). For now it answers the control messages; its policy lands
-with the serving path."""
+"""The scheduler actor (fdcore:scheduler): continuous batching across the actor tree.
+
+It runs the pure policy (:class:`~fdcore.core.scheduler.Scheduler`: one catch-up
+rule for prefill and decode, token budget, chunked prefill, FCFS, preemption by
+recompute) against the cache manager actor through :class:`RemoteBlocks`, and
+drives the worker one step at a time:
+
+    AddSeq / FinishSeq (engine) -> schedule -> Step (worker) -> StepResult
+    -> policy update -> SeqTokens (engine) -> next step
+
+A step carries each sequence's full token ids only the first time the worker
+sees it, and its block table only when the table changed; otherwise three
+integers. One step is in flight at a time; while it runs, new requests and
+aborts queue up and join the next step.
+"""
+
+from __future__ import annotations
 
 from fdcore.actors.runtime import Actor
+from fdcore.core.scheduler import Request, ScheduledRequest, Scheduler, SchedulerConfig
+from fdcore.protocol import (AddSeq, Allocate, CacheReply, CacheStats, CacheStatsQuery, Computed, FinishSeq,
+                             Free, Grow, NewSeq, SchedulerMessage, SeqTokens, ServingStats, StatsQuery, Step,
+                             StepItem, StepResult)
+
+WORKER = "worker0"
+
+
+class RemoteBlocks:
+    """The cache manager as the policy sees it: KVCacheManager's calls, made over the link.
+
+    Every call reaches the cache actor in the order the policy makes it, so the
+    allocator's decisions are exactly an in-process one's. Only what the policy
+    must know at once waits for an answer: an allocation, and growth past the
+    blocks a sequence already holds (one round trip per 16 tokens of a
+    sequence). Frees and prefix registrations need no answer.
+    """
+
+    def __init__(self, actor: Actor, block_size: int, prefix_caching: bool, timeout: float):
+        self.actor = actor
+        self.block_size = block_size
+        self.prefix_caching = prefix_caching
+        self.timeout = timeout
+        self.tables: dict[int, list[int]] = {}
+        self.registered: dict[int, int] = {}  # blocks of each sequence the cache has hashed
+        self.stats = CacheStats()
+
+    def _call(self, message) -> CacheReply:
+        reply = self.actor.call("cache", message, CacheReply, self.timeout)
+        self.stats = reply.stats
+        return reply
+
+    def allocate(self, seq: int, token_ids: list[int], max_new_tokens: int) -> int | None:
+        reply = self._call(Allocate(seq, token_ids, max_new_tokens))
+        if not reply.ok:
+            return None
+        self.tables[seq] = reply.blocks
+        self.registered[seq] = reply.cached // self.block_size
+        return reply.cached
+
+    def append_slots(self, seq: int, num_tokens: int) -> bool:
+        if -(-num_tokens // self.block_size) <= len(self.tables[seq]):
+            return True
+        reply = self._call(Grow(seq, num_tokens))
+        if reply.ok:
+            self.tables[seq] = reply.blocks  # a new list: the worker is sent tables that changed
+        return reply.ok
+
+    def cache_computed(self, seq: int, token_ids: list[int], num_computed: int) -> None:
+        if not self.prefix_caching:
+            return
+        full = min(num_computed // self.block_size, len(self.tables[seq]))
+        first = self.registered[seq]
+        if full > first:
+            size = self.block_size
+            self.actor.send("cache", Computed(seq, first, token_ids[first * size:full * size], num_computed))
+            self.registered[seq] = full
+
+    def free(self, seq: int) -> None:
+        if self.tables.pop(seq, None) is not None:
+            self.registered.pop(seq, None)
+            self.actor.send("cache", Free(seq))
+
+    def block_table(self, seq: int) -> list[int]:
+        return self.tables[seq]
+
+    def refresh_stats(self) -> CacheStats:
+        return self._call(CacheStatsQuery(-1)).stats
 
 
 class SchedulerActor(Actor):
-    pass
+    inbox_type = SchedulerMessage
+
+    def on_start(self) -> None:
+        c = self.config
+        self.blocks = RemoteBlocks(self, c.cache.block_size, c.cache.enable_prefix_caching,
+                                   c.supervisor.hang_timeout)
+        self.policy = Scheduler(SchedulerConfig(c.scheduler.max_num_seqs, c.scheduler.max_num_batched_tokens,
+                                                c.scheduler.max_model_len), self.blocks)
+        self.epoch = 0
+        self.step_number = 0
+        self.in_flight: list[ScheduledRequest] | None = None
+        self.unsent: dict[int, NewSeq] = {}      # sequences the worker has not been told about yet
+        self.forget: list[int] = []              # finished sequences the worker may drop
+        self.sent_tables: dict[int, list[int]] = {}  # the table object each sequence's worker copy has
+
+    # ---------------------------------------------------------------- messages
+    def handle(self, message) -> None:
+        match message:
+            case AddSeq():
+                self._add(message)
+            case FinishSeq(seq=seq, reason=reason):
+                self.policy.abort(seq, reason)
+                self._forget(seq)
+            case StepResult():
+                self._on_result(message)
+            case StatsQuery(nonce=nonce, client=client):
+                self.send("engine", self._stats(nonce, client))
+            case _:
+                super().handle(message)
+
+    def _add(self, m: AddSeq) -> None:
+        self.policy.add(Request(m.seq, list(m.prompt_token_ids), m.params, tuple(m.eos_token_ids),
+                                list(m.output_token_ids)))
+        self.unsent[m.seq] = NewSeq(m.seq, m.prompt_token_ids, m.output_token_ids, m.params, m.eos_token_ids)
+
+    def _forget(self, seq: int) -> None:
+        if self.unsent.pop(seq, None) is None:  # the worker knows it: tell it to drop it
+            self.forget.append(seq)
+        self.sent_tables.pop(seq, None)
+
+    def _on_result(self, result: StepResult) -> None:
+        if result.step != self.step_number or result.epoch != self.epoch or self.in_flight is None:
+            return  # a result of a step that no longer counts
+        scheduled, self.in_flight = self.in_flight, None
+        sampled = dict(zip(result.seqs, result.token_ids, strict=True))
+        finished = self.policy.update(scheduled, sampled)
+        reasons = {r.request_id: r.finish_reason for r in finished}
+        self.send("engine", SeqTokens(result.seqs, result.token_ids, [reasons.get(s) for s in result.seqs],
+                                      result.logprobs))
+        for request in finished:
+            self._forget(request.request_id)
+
+    def _stats(self, nonce: int, client: int) -> ServingStats:
+        p = self.policy
+        return ServingStats(nonce, len(p.running), len(p.waiting), len(p.requests), self.step_number,
+                            sum(r.num_preemptions for r in p.requests.values()), self.blocks.refresh_stats(),
+                            client)
+
+    # ------------------------------------------------------------------- steps
+    def after_messages(self) -> None:
+        if self.in_flight is None and self.policy.has_work():
+            self._launch()
+
+    def has_work(self) -> bool:
+        return self.in_flight is not None or self.policy.has_work()
+
+    def _launch(self) -> None:
+        scheduled = self.policy.schedule()
+        if not scheduled:
+            return
+        new, items = [], []
+        for s in scheduled:
+            seq = s.request.request_id
+            if seq in self.unsent:
+                new.append(self.unsent.pop(seq))
+            table = s.block_table
+            changed = self.sent_tables.get(seq) is not table
+            if changed:
+                self.sent_tables[seq] = table
+            items.append(StepItem(seq, s.start, s.num_tokens, table if changed else None))
+        self.step_number += 1
+        self.in_flight = scheduled
+        self.send(WORKER, Step(self.step_number, self.epoch, new, items, self.forget))
+        self.forget = []

@@ -34,12 +34,17 @@ def title_of(child_id: str) -> str:
     return f"fdcore:{child_id}"
 
 
+def client_ids(config: Config) -> list[str]:
+    """The client slots: inboxes the engine answers on, each claimed by one client process."""
+    return [f"client{i}" for i in range(config.engine.max_clients)]
+
+
 def producers_of(child_id: str, config: Config) -> list[str]:
     """The links of a child's inbox: everyone allowed to send to it."""
     links = {
         "cache": ["scheduler"],
         "scheduler": ["engine", "cache", *worker_ids(config)],
-        "engine": ["scheduler"],
+        "engine": ["scheduler", *client_ids(config)],
     }
     return [SUPERVISOR, *links.get(child_id, ["scheduler"])]
 

@@ -5,29 +5,113 @@ shape-checked, the model built and the KV cache allocated. Loading reports its
 progress on the health board (and as a bar on stderr); a bad checkpoint is a
 start-up crash whose message names the file, which the supervisor reports
 instead of retrying.
+
+Each :class:`~fdcore.protocol.Step` is one forward over a mixed batch and one
+sampling pass. The worker keeps each sequence's tokens (the prompt, sent once,
+and the tokens it sampled itself) and its block table (sent when it changes),
+so a decode step costs the scheduler three integers per sequence.
 """
 
 from __future__ import annotations
 
 import sys
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
 
 from fdcore.actors import health
 from fdcore.actors.runtime import Actor
 from fdcore.config import model_path
+from fdcore.protocol import SamplingParams, Step, StepResult, WorkerMessage
+
+
+@dataclass(eq=False)
+class SeqState:
+    prompt: list[int]
+    output: list[int]
+    params: SamplingParams
+    eos: tuple[int, ...]
+    blocks: list[int] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt) + len(self.output)
+
+    def tokens(self, start: int, end: int) -> list[int]:
+        n = len(self.prompt)
+        if start >= n:
+            return self.output[start - n:end - n]
+        return (self.prompt + self.output)[start:end] if end > n else self.prompt[start:end]
 
 
 class WorkerActor(Actor):
+    inbox_type = WorkerMessage
+
     def on_start(self) -> None:
-        from fdcore.models.llama import LlamaModel, PagedKVCache
         from fdcore.models.loader import load_checkpoint
+
+        self.seqs: dict[int, SeqState] = {}
+        if self.config.model.backend == "null":
+            from fdcore.models.null import NullModel
+
+            self.model, self.cache = NullModel.from_path(model_path(self.config)), None
+            return
+        from fdcore.models.llama import LlamaModel, PagedKVCache
 
         checkpoint = load_checkpoint(model_path(self.config), progress=self._loading)
         dtype = "float32" if self.config.model.dtype == "auto" else self.config.model.dtype
         self.model = LlamaModel(checkpoint, dtype)
-        self.eos_token_ids = checkpoint.eos_token_ids
         cache = self.config.cache
         self.cache = PagedKVCache(checkpoint.args, cache.num_blocks, cache.block_size)
 
     def _loading(self, done: int, total: int) -> None:
         self.board.write(self.slot, health.LOADING, 1000 * done // total)
         sys.stderr.write(f"{self.child_id}: loading weights {done}/{total} files\n")
+
+    def handle(self, message) -> None:
+        if isinstance(message, Step):
+            self.send("scheduler", self.run_step(message))
+        else:
+            super().handle(message)
+
+    def run_step(self, step: Step) -> StepResult:
+        from fdcore.models.llama import BatchInput
+        from fdcore.sampling import SamplerRequest, sample
+
+        started = time.perf_counter()
+        for seq in step.finished:
+            self.seqs.pop(seq, None)
+        for new in step.new:
+            self.seqs[new.seq] = SeqState(list(new.prompt_token_ids), list(new.output_token_ids), new.params,
+                                          tuple(new.eos_token_ids))
+        token_ids, starts, tables, sampling = [], [], [], []
+        for row, item in enumerate(step.items):
+            state = self.seqs[item.seq]
+            if item.blocks is not None:
+                state.blocks = item.blocks
+            end = item.start + item.num_tokens
+            token_ids.append(state.tokens(item.start, end))
+            starts.append(item.start)
+            tables.append(state.blocks)
+            if end == state.num_tokens:
+                sampling.append((row, item.seq, state))
+        seqs = [seq for _, seq, _ in sampling]
+        if self.cache is None:  # the null model: a token per position, nothing computed
+            tokens = [self.model.next_token(state.num_tokens) for _, _, state in sampling]
+            for (_, _, state), token in zip(sampling, tokens, strict=True):
+                state.output.append(token)
+            return StepResult(step.step, step.epoch, seqs, tokens, None, time.perf_counter() - started)
+        logits = self.model.forward(BatchInput(token_ids, starts, tables), self.cache)
+        if not sampling:
+            return StepResult(step.step, step.epoch, [], [], None, time.perf_counter() - started)
+        picks = sample(logits[np.asarray([row for row, _, _ in sampling])],
+                       [SamplerRequest(s.params, s.prompt, s.output, s.eos) for _, _, s in sampling])
+        logprobs = None
+        if any(s.params.logprobs is not None for _, _, s in sampling):
+            logprobs = [None if p.logprob is None else [(p.token_id, p.logprob), *(p.top_logprobs or [])]
+                        for p in picks]
+        for (_, _, state), pick in zip(sampling, picks, strict=True):
+            state.output.append(pick.token_id)
+        return StepResult(step.step, step.epoch, seqs, [p.token_id for p in picks], logprobs,
+                          time.perf_counter() - started)

@@ -67,6 +67,9 @@ class KVCacheManager:
     def num_free_blocks(self) -> int:
         return len(self._free)
 
+    def num_hashed_blocks(self, request_id: str) -> int:
+        return self._requests[request_id].num_hashed
+
     def block_table(self, request_id: str) -> list[int]:
         return [b.block_id for b in self._requests[request_id].blocks]
 
@@ -110,14 +113,23 @@ class KVCacheManager:
         allocation.blocks += [self._fresh() for _ in range(max(0, needed))]
         return True
 
-    def cache_computed(self, request_id: str, token_ids: list[int], num_computed: int) -> None:
-        """Register the request's newly full, computed blocks in the prefix cache."""
+    def cache_computed(self, request_id: str, token_ids: list[int], num_computed: int,
+                       first_block: int = 0) -> None:
+        """Register the request's newly full, computed blocks in the prefix cache.
+
+        ``token_ids`` may start at block ``first_block`` (at most the number of
+        blocks registered already), so a remote caller sends only what is new.
+        """
         if not self.enable_prefix_caching:
             return
         allocation = self._requests[request_id]
+        if first_block > allocation.num_hashed:
+            raise ValueError(f"request {request_id!r}: tokens start at block {first_block}, "
+                             f"but only {allocation.num_hashed} blocks are registered")
         full = min(num_computed // self.block_size, len(allocation.blocks))
         for index in range(allocation.num_hashed, full):
-            tokens = tuple(token_ids[index * self.block_size:(index + 1) * self.block_size])
+            at = (index - first_block) * self.block_size
+            tokens = tuple(token_ids[at:at + self.block_size])
             block_hash = hash((allocation.last_hash, tokens))
             block = allocation.blocks[index]
             if block.block_hash is None and block_hash not in self._cached:

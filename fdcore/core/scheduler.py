@@ -28,7 +28,7 @@ class Status(enum.Enum):
 
 @dataclass(eq=False)  # identity: list membership tests must not compare every field
 class Request:
-    request_id: str
+    request_id: str | int
     prompt_token_ids: list[int]
     params: SamplingParams
     eos_token_ids: tuple[int, ...] = ()
@@ -146,6 +146,8 @@ class Scheduler:
         finished = []
         for item in scheduled:
             request = item.request
+            if request.status is not Status.RUNNING:  # aborted or preempted while the step ran
+                continue
             request.num_computed_tokens += item.num_tokens
             self.kv.cache_computed(request.request_id, request.all_token_ids, request.num_computed_tokens)
             if item.samples and request.request_id in sampled:
@@ -156,14 +158,15 @@ class Scheduler:
                     finished.append(request)
         return finished
 
-    def abort(self, request_id: str) -> Request | None:
-        """Stop a request at any point; its blocks are freed at once."""
+    def abort(self, request_id: str | int, reason: str = "abort") -> Request | None:
+        """Stop a request at any point (abort, or a stop string the engine saw); its blocks
+        are freed at once."""
         request = self.requests.get(request_id)
         if request is None or request.status is Status.FINISHED:
             return None
         if request in self.waiting:
             self.waiting.remove(request)
-        self._finish(request, "abort")
+        self._finish(request, reason)
         return request
 
     def _finish(self, request: Request, reason: str) -> None:
