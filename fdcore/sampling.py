@@ -5,7 +5,7 @@ prompt and output, presence and frequency over the output), EOS and stop
 tokens masked until ``min_tokens``; then greedy argmax, or temperature, top-k,
 top-p and min-p filters and one draw.
 
-NOTE: a seeded draw uses a generator keyed by ``(seed, position)``, and picks
+NOTE: a seeded draw uses a uniform number keyed by ``(seed, position)``, and picks
 by inverse CDF over the surviving tokens in vocabulary order, so the token
 depends only on the request's own logits, seed and position: never on what
 else is in the batch, nor on how often the request was recomputed.
@@ -45,20 +45,54 @@ class Sampled:
 def sample(logits: np.ndarray, requests: list[SamplerRequest]) -> list[Sampled]:
     """One token for each row of ``logits`` ([batch, vocab], float32)."""
     logits = np.asarray(logits, dtype=np.float32)
-    plain = [i for i, r in enumerate(requests) if _is_plain_greedy(r)]
     tokens = np.empty(len(requests), dtype=np.int64)
-    if plain:
-        tokens[plain] = np.argmax(logits[plain], axis=1)
-    plain_rows = set(plain)
+    greedy, plain, other = [], [], []
     for i, request in enumerate(requests):
-        if i not in plain_rows:
-            tokens[i] = _sample_one(logits[i].copy(), request)
+        kind = _kind(request)
+        (greedy if kind == GREEDY else plain if kind == PLAIN else other).append(i)
+    if greedy:
+        tokens[greedy] = np.argmax(logits[greedy], axis=1)
+    if plain:
+        tokens[plain] = _sample_plain(logits[plain], [requests[i] for i in plain])
+    for i in other:
+        tokens[i] = _sample_one(logits[i].copy(), requests[i])
     wanted = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
     results = [Sampled(int(token)) for token in tokens]
     if wanted:  # a log-softmax over the vocabulary costs as much as the rest of sampling
         for i, row in zip(wanted, _log_softmax(logits[wanted]), strict=True):
             results[i] = _result(results[i].token_id, row, requests[i].params.logprobs)
     return results
+
+
+GREEDY, PLAIN, OTHER = range(3)
+
+
+def _kind(request: SamplerRequest) -> int:
+    """GREEDY: argmax; PLAIN: temperature only (drawn for the whole batch at once); OTHER: row by row.
+
+    A request's kind depends only on its own parameters and position, so it
+    draws the same token whichever rows share its batch.
+    """
+    p = request.params
+    if (p.repetition_penalty != 1 or p.presence_penalty or p.frequency_penalty
+            or len(request.output_token_ids) < p.min_tokens):
+        return OTHER
+    if p.temperature == 0:
+        return GREEDY
+    if p.top_k in (0, -1) and p.top_p >= 1 and p.min_p <= 0:
+        return PLAIN
+    return OTHER
+
+
+def _sample_plain(logits: np.ndarray, requests: list[SamplerRequest]) -> np.ndarray:
+    """Temperature sampling of many rows in a few array operations (inverse CDF, vocabulary order)."""
+    temperatures = np.asarray([r.params.temperature for r in requests], dtype=np.float32)
+    scaled = logits / temperatures[:, None]
+    probs = np.exp(scaled - scaled.max(axis=1, keepdims=True))
+    cumulative = np.cumsum(probs, axis=1, dtype=np.float64)
+    u = np.asarray([_uniform(r.params.seed, r.position) for r in requests])
+    picks = (cumulative <= (u * cumulative[:, -1])[:, None]).sum(axis=1)
+    return np.minimum(picks, logits.shape[1] - 1)
 
 
 def _is_plain_greedy(request: SamplerRequest) -> bool:
@@ -113,12 +147,28 @@ def filtered_distribution(scaled: np.ndarray, p: SamplingParams) -> tuple[np.nda
 
 
 def _draw(weights: np.ndarray, seed: int | None, position: int) -> int:
-    if seed is None:
-        u = np.random.random()
-    else:
-        u = np.random.Generator(np.random.PCG64([seed & (2**63 - 1), position])).random()
     cumulative = np.cumsum(weights, dtype=np.float64)
+    u = _uniform(seed, position)
     return int(min(np.searchsorted(cumulative, u * cumulative[-1], side="right"), len(weights) - 1))
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def _uniform(seed: int | None, position: int) -> float:
+    """A uniform draw in [0, 1): splitmix64 of (seed, position) when seeded, else fresh entropy.
+
+    NOTE: a counter-based generator (a pure hash of seed and position) instead
+    of a seeded numpy Generator per draw, which costs ~20 us to construct:
+    64 draws per step were 4 ms of a 40 ms step.
+    """
+    if seed is None:
+        return float(np.random.random())
+    z = ((seed & _MASK64) * 0x9E3779B97F4A7C15 + (position + 1) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    z ^= z >> 31
+    return (z >> 11) * (1.0 / (1 << 53))
 
 
 def _log_softmax(logits: np.ndarray) -> np.ndarray:
