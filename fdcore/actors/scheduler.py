@@ -143,7 +143,7 @@ class SchedulerActor(Actor):
     def _stats(self, nonce: int, client: int) -> ServingStats:
         p = self.policy
         return ServingStats(nonce, len(p.running), len(p.waiting), len(p.requests), self.step_number,
-                            sum(r.num_preemptions for r in p.requests.values()), self.blocks.refresh_stats(),
+                            p.num_preemptions, self.blocks.refresh_stats(),
                             client)
 
     # ------------------------------------------------------------------- steps

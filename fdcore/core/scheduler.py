@@ -78,6 +78,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0  # since start
 
     def add(self, request: Request) -> None:
         if request.request_id in self.requests:
@@ -138,6 +139,7 @@ class Scheduler:
         victim.num_computed_tokens = 0
         victim.status = Status.WAITING
         victim.num_preemptions += 1
+        self.num_preemptions += 1
         self.waiting.appendleft(victim)
 
     # ----------------------------------------------------------------- update
