@@ -49,7 +49,7 @@ def in_process(model_dir: str, prompts: list[list[int]], params: list[SamplingPa
     checkpoint = load_checkpoint(model_dir, progress=lambda *_: None)
     core = EngineCore(LlamaModel(checkpoint), PagedKVCache(checkpoint.args, 1024, 16),
                       Scheduler(SchedulerConfig(), KVCacheManager(1024, 16)))
-    requests = [Request(f"r{i}", p, sp, checkpoint.eos_token_ids) for i, (p, sp) in enumerate(zip(prompts, params))]
+    requests = [Request(f"r{i}", p, sp, checkpoint.eos_token_ids) for i, (p, sp) in enumerate(zip(prompts, params, strict=True))]
     for request in requests:
         core.add(request)
     core.run()
@@ -65,7 +65,7 @@ def test_tree_greedy_outputs_equal_transformers(llm):
     cases = REFERENCE["checkpoints"]["llama-gqa"]["cases"]
     params = SamplingParams(max_tokens=REFERENCE["new_tokens"], **GREEDY)
     outs = llm.generate([{"prompt_token_ids": c["prompt"]} for c in cases.values()], params)
-    for out, (name, case) in zip(outs, cases.items()):
+    for out, (name, case) in zip(outs, cases.items(), strict=True):
         assert out.outputs.token_ids == case["output"], name
         assert out.outputs.finish_reason == "length" and out.finished
         assert out.prompt_token_ids == case["prompt"]
@@ -231,7 +231,7 @@ def test_bad_requests_get_clear_errors_and_everyone_else_is_served(llm):
 
     bad, good = asyncio.run(scenario())
     fields = [field for _, _, field in BAD_REQUESTS] + ["request_id"]
-    for out, field in zip(bad, fields):
+    for out, field in zip(bad, fields, strict=True):
         assert out.finished and out.outputs.finish_reason == "error", field
         assert out.error_code == 400, (field, out.error_msg)
         assert out.error_msg.startswith(f"{field}:"), (field, out.error_msg)
