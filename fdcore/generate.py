@@ -1,10 +1,11 @@
-"""Generate text in one process: ``python -m fdcore.generate "PROMPT" [PROMPT ...]``.
+"""Generate text: ``python -m fdcore.generate "PROMPT" [PROMPT ...]``.
 
-The scheduler, block manager, model and sampler of fdcore run together in this
-process (:class:`~fdcore.core.engine_core.EngineCore`), on the bundled tiny
-model unless ``--model`` names a Hugging Face checkpoint directory. It is the
-smallest real generation fdcore can do; the actor tree serves the same loop
-across processes.
+Starts the whole actor tree (supervisor, engine, scheduler, cache manager,
+worker) on the bundled tiny model unless ``--model`` names a Hugging Face
+checkpoint directory, sends the prompts concurrently through ``fdcore.LLM``,
+prints one line per prompt and stops the tree. ``--in-process`` runs the same
+serving loop in this one process instead
+(:class:`~fdcore.core.engine_core.EngineCore`).
 """
 
 from __future__ import annotations
@@ -25,7 +26,10 @@ def main(argv=None) -> int:
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--in-process", action="store_true", help="no actor tree: one process does it all")
     opts = parser.parse_args(argv)
+    if not opts.in_process:
+        return _through_the_tree(opts)
 
     from tokenizers import Tokenizer
 
@@ -61,6 +65,29 @@ def main(argv=None) -> int:
     print(f"{produced} tokens in {elapsed:.2f} s ({produced / elapsed:.0f} tokens/s) from {path}",
           file=sys.stderr)
     return 0
+
+
+def _through_the_tree(opts) -> int:
+    from fdcore import LLM, SamplingParams
+    from fdcore.config import parse_config
+
+    config = parse_config(f"[model]\npath = {opts.model!r}\n".replace("'", '"'))
+    params = SamplingParams(temperature=opts.temperature, top_p=opts.top_p, seed=opts.seed,
+                            max_tokens=opts.max_tokens)
+    with LLM(config) as llm:
+        start = time.perf_counter()
+        outputs = llm.generate(opts.prompts, params, use_tqdm=False)
+        elapsed = time.perf_counter() - start
+    for prompt, out in zip(opts.prompts, outputs, strict=True):
+        if out.error_code:
+            print(f"{prompt!r} -> error {out.error_code}: {out.error_msg}")
+            continue
+        c = out.outputs
+        print(f"{prompt!r} -> {c.text!r}  [{len(c.token_ids)} tokens, {c.finish_reason}]")
+    produced = sum(len(o.outputs.token_ids) for o in outputs)
+    print(f"{produced} tokens in {elapsed:.2f} s ({produced / elapsed:.0f} tokens/s) through the actor tree "
+          f"({llm.instance})", file=sys.stderr)
+    return 0 if all(o.error_code == 0 for o in outputs) else 1
 
 
 if __name__ == "__main__":

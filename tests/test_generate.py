@@ -21,3 +21,6 @@ def test_generate_makes_the_tiny_model_and_prints_one_line_per_prompt(tmp_path):
     again = subprocess.run([sys.executable, "-m", "fdcore.generate", "def main():", "--max-tokens", "8"],
                            capture_output=True, text=True, timeout=300, cwd=ROOT, env=env, check=True)
     assert again.stdout.splitlines()[0] == lines[0]  # greedy and deterministic
+    alone = subprocess.run([sys.executable, "-m", "fdcore.generate", "def main():", "--max-tokens", "8",
+                            "--in-process"], capture_output=True, text=True, timeout=300, cwd=ROOT, env=env, check=True)
+    assert alone.stdout.splitlines()[0] == lines[0]  # the actor tree computes what one process does

@@ -10,11 +10,18 @@ drives the worker one step at a time:
 
 A step carries each sequence's full token ids only the first time the worker
 sees it, and its block table only when the table changed; otherwise three
-integers. One step is in flight at a time; while it runs, new requests and
-aborts queue up and join the next step.
+integers.
+
+Scheduling is asynchronous (as in vLLM V1): up to ``PIPELINE_DEPTH`` steps are
+in flight, so the worker finds its next step queued when it finishes one and
+never waits for the scheduler's round trip; the scheduler accounts for a step
+when it sends it (:meth:`Scheduler.launch`) and fills in the sampled tokens
+when its result arrives, in order.
 """
 
 from __future__ import annotations
+
+from collections import deque
 
 from fdcore.actors.runtime import Actor
 from fdcore.core.scheduler import Request, ScheduledRequest, Scheduler, SchedulerConfig
@@ -23,6 +30,7 @@ from fdcore.protocol import (AddSeq, Allocate, CacheReply, CacheStats, CacheStat
                              StepItem, StepResult)
 
 WORKER = "worker0"
+PIPELINE_DEPTH = 2  # steps in flight: the one running and the next, queued
 
 
 class RemoteBlocks:
@@ -98,7 +106,7 @@ class SchedulerActor(Actor):
                                                 c.scheduler.max_model_len), self.blocks)
         self.epoch = 0
         self.step_number = 0
-        self.in_flight: list[ScheduledRequest] | None = None
+        self.in_flight: deque[tuple[int, list[ScheduledRequest]]] = deque()
         self.unsent: dict[int, NewSeq] = {}      # sequences the worker has not been told about yet
         self.forget: list[int] = []              # finished sequences the worker may drop
         self.sent_tables: dict[int, list[int]] = {}  # the table object each sequence's worker copy has
@@ -129,14 +137,16 @@ class SchedulerActor(Actor):
         self.sent_tables.pop(seq, None)
 
     def _on_result(self, result: StepResult) -> None:
-        if result.step != self.step_number or result.epoch != self.epoch or self.in_flight is None:
+        if result.epoch != self.epoch or not self.in_flight or result.step != self.in_flight[0][0]:
             return  # a result of a step that no longer counts
-        scheduled, self.in_flight = self.in_flight, None
-        sampled = dict(zip(result.seqs, result.token_ids, strict=True))
-        finished = self.policy.update(scheduled, sampled)
+        _, scheduled = self.in_flight.popleft()
+        live = [i for i, seq in enumerate(result.seqs) if seq in self.policy.requests]
+        finished = self.policy.update(scheduled, dict(zip(result.seqs, result.token_ids, strict=True)))
         reasons = {r.request_id: r.finish_reason for r in finished}
-        self.send("engine", SeqTokens(result.seqs, result.token_ids, [reasons.get(s) for s in result.seqs],
-                                      result.logprobs))
+        logprobs = [result.logprobs[i] for i in live] if result.logprobs else None
+        seqs = [result.seqs[i] for i in live]
+        self.send("engine", SeqTokens(seqs, [result.token_ids[i] for i in live],
+                                      [reasons.get(s) for s in seqs], logprobs))
         for request in finished:
             self._forget(request.request_id)
 
@@ -148,16 +158,17 @@ class SchedulerActor(Actor):
 
     # ------------------------------------------------------------------- steps
     def after_messages(self) -> None:
-        if self.in_flight is None and self.policy.has_work():
-            self._launch()
+        while len(self.in_flight) < PIPELINE_DEPTH and self.policy.has_work():
+            if not self._launch():
+                break
 
     def has_work(self) -> bool:
-        return self.in_flight is not None or self.policy.has_work()
+        return bool(self.in_flight) or self.policy.has_work()
 
-    def _launch(self) -> None:
+    def _launch(self) -> bool:
         scheduled = self.policy.schedule()
         if not scheduled:
-            return
+            return False
         new, items = [], []
         for s in scheduled:
             seq = s.request.request_id
@@ -168,7 +179,9 @@ class SchedulerActor(Actor):
             if changed:
                 self.sent_tables[seq] = table
             items.append(StepItem(seq, s.start, s.num_tokens, table if changed else None))
+        self.policy.launch(scheduled)
         self.step_number += 1
-        self.in_flight = scheduled
+        self.in_flight.append((self.step_number, scheduled))
         self.send(WORKER, Step(self.step_number, self.epoch, new, items, self.forget))
         self.forget = []
+        return True

@@ -37,6 +37,8 @@ class Request:
     status: Status = Status.WAITING
     finish_reason: str | None = None
     num_preemptions: int = 0
+    num_pending: int = 0        # trailing PLACEHOLDER tokens: sampled on the worker, not yet reported
+    final_pending: bool = False  # its last token (by length) is being sampled: schedule no more
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -47,17 +49,20 @@ class Request:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
 
+PLACEHOLDER = -1  # an output token the worker has sampled (or will) but the scheduler not yet seen
+
+
 @dataclass
 class ScheduledRequest:
     request: Request
     start: int            # position of the first token computed this step
     num_tokens: int       # tokens computed this step
     block_table: list[int]
+    samples: bool = False  # this step brings the request level: its logits give the next token
+    launched: bool = False  # accounted for ahead of its result (see Scheduler.launch)
 
-    @property
-    def samples(self) -> bool:
-        """True when this step brings the request level: its logits give the next token."""
-        return self.start + self.num_tokens == self.request.num_tokens
+    def __post_init__(self):
+        self.samples = self.start + self.num_tokens == self.request.num_tokens
 
     @property
     def token_ids(self) -> list[int]:
@@ -112,7 +117,7 @@ class Scheduler:
 
     def _schedule_running(self, request: Request, budget: int, scheduled) -> ScheduledRequest | None:
         count = min(request.num_tokens - request.num_computed_tokens, budget)
-        if count <= 0:
+        if count <= 0 or request.final_pending:
             return None
         while not self.kv.append_slots(request.request_id, request.num_computed_tokens + count):
             victim = self.running[-1]
@@ -143,22 +148,62 @@ class Scheduler:
         self.waiting.appendleft(victim)
 
     # ----------------------------------------------------------------- update
-    def update(self, scheduled: list[ScheduledRequest], sampled: dict[str, int]) -> list[Request]:
+    def launch(self, scheduled: list[ScheduledRequest]) -> None:
+        """Account for a step as sent, before its result (asynchronous scheduling).
+
+        The next step can then be scheduled while this one runs: each sampling
+        request gets a PLACEHOLDER output token (the worker knows the real one
+        before it runs the next step), and a request whose token count reaches
+        its length limit is scheduled no more. :meth:`update` fills in the real
+        tokens. Only a request that stops early (EOS, stop id, stop string)
+        costs one wasted slot in the step after.
+        """
+        for item in scheduled:
+            request = item.request
+            item.launched = True
+            request.num_computed_tokens += item.num_tokens
+            if item.samples:
+                request.output_token_ids.append(PLACEHOLDER)
+                request.num_pending += 1
+                produced = len(request.output_token_ids)
+                if produced >= request.params.max_tokens or request.num_tokens >= self.config.max_model_len:
+                    request.final_pending = True
+
+    def update(self, scheduled: list[ScheduledRequest], sampled: dict) -> list[Request]:
         """Account for a finished step; returns the requests that finished."""
         finished = []
         for item in scheduled:
             request = item.request
-            if request.status is not Status.RUNNING:  # aborted or preempted while the step ran
+            if request.status is Status.FINISHED:  # ended while its step ran
                 continue
-            request.num_computed_tokens += item.num_tokens
-            self.kv.cache_computed(request.request_id, request.all_token_ids, request.num_computed_tokens)
+            if not item.launched:
+                request.num_computed_tokens += item.num_tokens
             if item.samples and request.request_id in sampled:
-                request.output_token_ids.append(sampled[request.request_id])
-                reason = self._finish_reason(request)
+                reason = self._record(request, item, sampled[request.request_id])
                 if reason:
                     self._finish(request, reason)
                     finished.append(request)
+                    continue
+            if request.status is Status.RUNNING:
+                known = min(request.num_computed_tokens, request.num_tokens - request.num_pending)
+                self.kv.cache_computed(request.request_id, request.all_token_ids, known)
         return finished
+
+    def _record(self, request: Request, item: ScheduledRequest, token: int) -> str | None:
+        """Store a sampled token (in its placeholder when launched); the finish reason it causes."""
+        output = request.output_token_ids
+        if item.launched:
+            produced = len(output) - request.num_pending + 1
+            output[produced - 1] = token
+            request.num_pending -= 1
+        else:
+            output.append(token)
+            produced = len(output)
+        reason = self._finish_reason(request, token, produced)
+        if reason:
+            del output[produced:]
+            request.num_pending = 0
+        return reason
 
     def abort(self, request_id: str | int, reason: str = "abort") -> Request | None:
         """Stop a request at any point (abort, or a stop string the engine saw); its blocks
@@ -174,18 +219,20 @@ class Scheduler:
     def _finish(self, request: Request, reason: str) -> None:
         if request in self.running:
             self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
         self.kv.free(request.request_id)
         request.status = Status.FINISHED
         request.finish_reason = reason
         del self.requests[request.request_id]
 
-    def _finish_reason(self, request: Request) -> str | None:
-        p, last, produced = request.params, request.output_token_ids[-1], len(request.output_token_ids)
+    def _finish_reason(self, request: Request, last: int, produced: int) -> str | None:
+        p = request.params
         if produced >= p.min_tokens:
             if not p.ignore_eos and last in request.eos_token_ids:
                 return "stop"
             if last in p.stop_token_ids:
                 return "stop"
-        if produced >= p.max_tokens or request.num_tokens >= self.config.max_model_len:
+        if produced >= p.max_tokens or len(request.prompt_token_ids) + produced >= self.config.max_model_len:
             return "length"
         return None
