@@ -1,9 +1,11 @@
 """Incremental detokenization with stop strings: text deltas safe to show a user.
 
 Byte-level BPE tokens do not align with characters: one emoji may take four
-tokens, and decoding a prefix of them yields U+FFFD. The detokenizer decodes a
-small window of recent tokens, emits only text that is final (no trailing
-replacement character), and holds back the last ``len(longest stop) - 1``
+tokens, and decoding a prefix of them yields U+FFFD. The ``tokenizers``
+library's ``DecodeStream`` turns each token into the text it completes (none
+while a character is still partial), primed with the prompt's last tokens so
+that the first word gets its leading space right. On top of it this class
+holds back the last ``len(longest stop) - 1``
 characters, so a stop string that arrives split over several tokens is never
 shown in part. When a stop string completes, the text before it is emitted and
 the request finishes with ``stop`` (the stop string itself is not included).
@@ -11,17 +13,14 @@ the request finishes with ``stop`` (the stop string itself is not included).
 
 from __future__ import annotations
 
-REPLACEMENT = "\ufffd"
-
-
 class IncrementalDetokenizer:
     def __init__(self, tokenizer, prompt_token_ids: list[int], stop: list[str] | None = None):
-        self.tokenizer = tokenizer
+        from tokenizers.decoders import DecodeStream
+
+        self.tokenizer = getattr(tokenizer, "tokenizer", tokenizer)  # a ModelTokenizer or a Tokenizer
+        self.stream = DecodeStream(ids=list(prompt_token_ids[-6:]), skip_special_tokens=True)
         self.stop = [s for s in (stop or []) if s]
         self.hold = max((len(s) for s in self.stop), default=1) - 1
-        self.token_ids: list[int] = list(prompt_token_ids[-6:])  # context for the first tokens
-        self.prefix_offset = 0
-        self.read_offset = len(self.token_ids)
         self.text = ""       # all final output text so far (stop string excluded)
         self.emitted = 0     # characters of ``text`` already handed out
         self.stopped = False
@@ -30,12 +29,9 @@ class IncrementalDetokenizer:
         """Feed one generated token; returns the new text that may be shown now."""
         if self.stopped:
             return ""
-        self.token_ids.append(token_id)
-        prefix = self.tokenizer.decode(self.token_ids[self.prefix_offset:self.read_offset])
-        full = self.tokenizer.decode(self.token_ids[self.prefix_offset:])
-        if len(full) > len(prefix) and not full.endswith(REPLACEMENT):
-            self.text += full[len(prefix):]
-            self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
+        piece = self.stream.step(self.tokenizer, token_id)
+        if piece:
+            self.text += piece
         return self._release()
 
     def finish(self) -> str:
