@@ -206,13 +206,16 @@ class _Plan:
 
     def __init__(self, batch: BatchInput, order: list[int], cache: PagedKVCache):
         tokens, positions, write, last, self.prefills = [], [], [], [], []
-        row = 0
+        row, size = 0, cache.block_size
         for s in order:
             ids, start = batch.token_ids[s], batch.start_positions[s]
             end = start + len(ids)
             tokens.extend(ids)
             positions.extend(range(start, end))
-            write.append(cache.slots(batch.block_tables[s], start, end))
+            if len(ids) == 1:  # a decode: its one slot, without numpy's per-call overhead
+                write.append((batch.block_tables[s][start // size] * size + start % size,))
+            else:
+                write.append(cache.slots(batch.block_tables[s], start, end))
             if len(ids) > 1:
                 blocks = _blocks_for(batch.block_tables[s], end, cache.block_size)
                 bias = _causal_bias(start, end, len(blocks) * cache.block_size)
@@ -221,7 +224,7 @@ class _Plan:
             last.append(row - 1)
         self.token_ids = np.asarray(tokens, dtype=np.int64)
         self.positions = np.asarray(positions, dtype=np.int64)
-        self.write_slots = np.concatenate(write) if write else np.zeros(0, np.int64)
+        self.write_slots = np.fromiter((slot for part in write for slot in part), dtype=np.int64)
         self.last_rows = np.asarray(last, dtype=np.int64)
         decode = [s for s in order if len(batch.token_ids[s]) == 1]
         self.num_decode = len(decode)
