@@ -60,3 +60,37 @@ def test_a_partial_stop_string_is_held_back_until_it_cannot_match():
     assert "STO" not in shown  # could still become STOP!
     shown += "".join(detok.add(t) for t in TOKENIZER.encode("x").ids) + detok.finish()
     assert shown == "abc STOx"
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, TOKENIZER.get_vocab_size() - 1), max_size=30))
+def test_any_token_sequence_detokenizes_like_the_tokenizer(ids):
+    detok = IncrementalDetokenizer(TOKENIZER, [], None)
+    assert detok.table is not None  # the byte-level fast path
+    text = "".join(detok.add(t) for t in ids) + detok.finish()
+    assert text == TOKENIZER.decode(ids)
+
+
+def test_sentencepiece_style_byte_fallback_detokenizes_like_the_tokenizer():
+    import json
+
+    vocab = {"<unk>": 0, "<s>": 1, "\u2581hi": 2, "x": 3, "<0xC3>": 4, "<0xA9>": 5, "<0x41>": 6, "\u2581": 7}
+    spec = {
+        "version": "1.0", "truncation": None, "padding": None, "normalizer": None, "pre_tokenizer": None,
+        "post_processor": None,
+        "added_tokens": [{"id": 1, "content": "<s>", "single_word": False, "lstrip": False, "rstrip": False,
+                          "normalized": False, "special": True}],
+        "decoder": {"type": "Sequence", "decoders": [
+            {"type": "Replace", "pattern": {"String": "\u2581"}, "content": " "},
+            {"type": "ByteFallback"}, {"type": "Fuse"},
+            {"type": "Strip", "content": " ", "start": 1, "stop": 0}]},
+        "model": {"type": "BPE", "dropout": None, "unk_token": "<unk>", "continuing_subword_prefix": None,
+                  "end_of_word_suffix": None, "fuse_unk": True, "byte_fallback": True, "vocab": vocab,
+                  "merges": []},
+    }
+    tokenizer = Tokenizer.from_str(json.dumps(spec))
+    ids = [3, 2, 4, 5, 6, 1, 7, 2, 4]  # x, ' hi', é as two bytes, 'A', <s>, ' ', ' hi', a dangling byte
+    detok = IncrementalDetokenizer(tokenizer, [3], None)
+    assert detok.table is not None
+    text = "".join(detok.add(t) for t in ids) + detok.finish()
+    assert text == tokenizer.decode(ids) == "x hiéA  hi\ufffd"

@@ -13,12 +13,20 @@ the request finishes with ``stop`` (the stop string itself is not included).
 
 from __future__ import annotations
 
+import codecs
+import json
+from functools import lru_cache
+
 class IncrementalDetokenizer:
     def __init__(self, tokenizer, prompt_token_ids: list[int], stop: list[str] | None = None):
-        from tokenizers.decoders import DecodeStream
-
         self.tokenizer = getattr(tokenizer, "tokenizer", tokenizer)  # a ModelTokenizer or a Tokenizer
-        self.stream = DecodeStream(ids=list(prompt_token_ids[-6:]), skip_special_tokens=True)
+        self.table = byte_table(self.tokenizer)
+        if self.table is not None:
+            self.utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        else:
+            from tokenizers.decoders import DecodeStream
+
+            self.stream = DecodeStream(ids=list(prompt_token_ids[-6:]), skip_special_tokens=True)
         self.stop = [s for s in (stop or []) if s]
         self.hold = max((len(s) for s in self.stop), default=1) - 1
         self.text = ""       # all final output text so far (stop string excluded)
@@ -29,7 +37,10 @@ class IncrementalDetokenizer:
         """Feed one generated token; returns the new text that may be shown now."""
         if self.stopped:
             return ""
-        piece = self.stream.step(self.tokenizer, token_id)
+        if self.table is not None:
+            piece = self.utf8.decode(self.table[token_id] if 0 <= token_id < len(self.table) else b"")
+        else:
+            piece = self.stream.step(self.tokenizer, token_id)
         if piece:
             self.text += piece
         return self._release()
@@ -38,6 +49,8 @@ class IncrementalDetokenizer:
         """The request ended for another reason: hand out whatever was held back."""
         if self.stopped:
             return ""
+        if self.table is not None:
+            self.text += self.utf8.decode(b"", final=True)  # a dangling partial character
         out = self.text[self.emitted:]
         self.emitted = len(self.text)
         return out
@@ -57,3 +70,81 @@ class IncrementalDetokenizer:
         out = self.text[self.emitted:safe]
         self.emitted = safe
         return out
+
+
+# ----------------------------------------------------------------- byte tables
+_tables: dict[int, list[bytes] | None] = {}
+
+
+def byte_table(tokenizer) -> list[bytes] | None:
+    """Each token id's bytes, when the tokenizer's decoder is one that just concatenates them.
+
+    NOTE: that holds for byte-level BPE (GPT-2, Llama 3, Qwen2, the bundled tiny
+    model) and for SentencePiece-style metaspace + byte fallback (Llama 2,
+    Mistral); then detokenizing a token is a table lookup and an incremental
+    UTF-8 decode (~1 us), against ~13 us for a ``DecodeStream`` step, which was
+    the engine's largest cost per token. Other decoders return None and use
+    ``DecodeStream``. Special tokens decode to nothing (skip_special_tokens).
+    """
+    key = id(tokenizer)
+    if key not in _tables:
+        _tables[key] = _build_byte_table(tokenizer)
+    return _tables[key]
+
+
+def _build_byte_table(tokenizer) -> list[bytes] | None:
+    spec = json.loads(tokenizer.to_str())
+    to_bytes = _token_bytes_function(spec.get("decoder"))
+    if to_bytes is None:
+        return None
+    special = {t["id"] for t in spec.get("added_tokens", []) if t.get("special")}
+    added = {t["id"]: t["content"].encode() for t in spec.get("added_tokens", []) if not t.get("special")}
+    size = tokenizer.get_vocab_size(with_added_tokens=True)
+    table = []
+    for token_id in range(size):
+        if token_id in special:
+            table.append(b"")
+        elif token_id in added:
+            table.append(added[token_id])
+        else:
+            text = tokenizer.id_to_token(token_id)
+            table.append(b"" if text is None else to_bytes(text))
+    return table
+
+
+def _token_bytes_function(decoder):
+    if not decoder:
+        return None
+    if decoder.get("type") == "ByteLevel":
+        byte_of = {c: b for b, c in _bytes_to_unicode().items()}
+        return lambda text: bytes(byte_of[c] for c in text) if all(c in byte_of for c in text) else text.encode()
+    if decoder.get("type") == "Sequence" and _is_metaspace_byte_fallback(decoder.get("decoders", [])):
+        def metaspace(text: str) -> bytes:
+            if len(text) == 6 and text.startswith("<0x") and text.endswith(">"):
+                return bytes([int(text[3:5], 16)])
+            return text.replace("\u2581", " ").encode()
+        return metaspace
+    return None
+
+
+def _is_metaspace_byte_fallback(steps: list) -> bool:
+    kinds = [step.get("type") for step in steps]
+    replace_ok = all(step.get("pattern", {}).get("String") == "\u2581" and step.get("content") == " "
+                     for step in steps if step.get("type") == "Replace")
+    # Strip (of the sequence's first space) only matters at the start of a text: a continuation keeps it.
+    return set(kinds) <= {"Replace", "ByteFallback", "Fuse", "Strip"} and "ByteFallback" in kinds and replace_ok
+
+
+@lru_cache(maxsize=1)
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible map from bytes to printable characters (byte-level BPE's alphabet)."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("\xa1"), ord("\xac") + 1)) + \
+        list(range(ord("\xae"), ord("\xff") + 1))
+    chars = printable[:]
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return {b: chr(c) for b, c in zip(printable, chars, strict=True)}
