@@ -174,6 +174,13 @@ class Grow(Message):
     num_tokens: int
 
 
+class GrowMany(Message):
+    """Several grows in order, stopping at the first that does not fit (answered by GrowReply)."""
+
+    seqs: list[int]
+    num_tokens: list[int]
+
+
 class Free(Message):
     seq: int
 
@@ -216,6 +223,14 @@ class CacheReply(Message):
     ok: bool
     blocks: list[int]
     cached: int
+    stats: CacheStats
+
+
+class GrowReply(Message):
+    """The tables of the first ``granted`` sequences of a GrowMany (the rest were not grown)."""
+
+    granted: int
+    tables: list[list[int]]
     stats: CacheStats
 
 
@@ -273,8 +288,8 @@ class StepResult(Message):
 ControlMessage = Stop | Ping | Pong
 ClientMessage = Welcome | Update | ServingStats | Pong
 EngineMessage = Stop | Ping | Hello | AddRequest | AbortRequest | StatsQuery | SeqTokens | ServingStats
-SchedulerMessage = Stop | Ping | AddSeq | FinishSeq | StatsQuery | StepResult | CacheReply
-CacheMessage = Stop | Ping | Allocate | Grow | Free | Computed | CacheStatsQuery | CacheReset
+SchedulerMessage = Stop | Ping | AddSeq | FinishSeq | StatsQuery | StepResult | CacheReply | GrowReply
+CacheMessage = Stop | Ping | Allocate | Grow | GrowMany | Free | Computed | CacheStatsQuery | CacheReset
 WorkerMessage = Stop | Ping | Step
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 from fdcore.actors.runtime import Actor
 from fdcore.core.kv_cache_manager import KVCacheManager
 from fdcore.protocol import (Allocate, CacheMessage, CacheReply, CacheReset, CacheStats, CacheStatsQuery,
-                             Computed, Free, Grow)
+                             Computed, Free, Grow, GrowMany, GrowReply)
 
 
 class CacheActor(Actor):
@@ -35,6 +35,13 @@ class CacheActor(Actor):
             case Grow(seq=seq, num_tokens=num_tokens):
                 ok = self.kv.append_slots(seq, num_tokens)
                 self._reply(seq, ok, self.kv.block_table(seq), 0)
+            case GrowMany(seqs=seqs, num_tokens=targets):
+                tables = []
+                for seq, num_tokens in zip(seqs, targets, strict=True):
+                    if not self.kv.append_slots(seq, num_tokens):
+                        break
+                    tables.append(self.kv.block_table(seq))
+                self.send("scheduler", GrowReply(len(tables), tables, statistics(self.kv)))
             case Free(seq=seq):
                 self.kv.free(seq)
             case Computed(seq=seq, first_block=first, token_ids=token_ids, num_computed=num):

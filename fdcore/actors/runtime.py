@@ -84,18 +84,29 @@ class Actor:
         return interval
 
     # --------------------------------------------------------------- plumbing
-    def send(self, to: str, message) -> None:
-        """Send to another actor's inbox (or the supervisor's) over this actor's link."""
+    def _sender(self, to: str) -> Sender:
         sender = self._senders.get(to)
         if sender is None:
             inbox = topology.inbox_name(self.instance_id, to)
             sender = self._senders[to] = Sender(Ring.attach(f"{inbox}.{self.child_id}"))
-        sender.send(message)
+        return sender
 
-    def call(self, to: str, message, reply_type, timeout: float):
-        """Send ``message`` and wait for the first message of ``reply_type``; everything
-        else that arrives meanwhile is kept, in order, for the loop (``deferred``)."""
-        self.send(to, message)
+    def send(self, to: str, message) -> None:
+        """Send to another actor's inbox (or the supervisor's) over this actor's link."""
+        self._sender(to).send(message)
+
+    def send_many(self, to: str, messages: list) -> None:
+        """Several messages as one record: one copy, one publish, one wake-up."""
+        if len(messages) == 1:
+            self._sender(to).send(messages[0])
+        elif messages:
+            self._sender(to).send_many(messages)
+
+    def call(self, to: str, message, reply_type, timeout: float, prelude: list = ()):
+        """Send ``message`` (after ``prelude``, in the same record) and wait for the first
+        message of ``reply_type``; everything else that arrives meanwhile is kept, in
+        order, for the loop (``deferred``)."""
+        self.send_many(to, [*prelude, message])
         deadline = time.monotonic() + timeout
         while True:
             remaining = deadline - time.monotonic()

@@ -26,7 +26,7 @@ from collections import deque
 from fdcore.actors.runtime import Actor
 from fdcore.core.scheduler import Request, ScheduledRequest, Scheduler, SchedulerConfig
 from fdcore.protocol import (AddSeq, Allocate, CacheReply, CacheStats, CacheStatsQuery, Computed, FinishSeq,
-                             Free, Grow, NewSeq, SchedulerMessage, SeqTokens, ServingStats, StatsQuery, Step,
+                             Free, Grow, GrowMany, GrowReply, NewSeq, SchedulerMessage, SeqTokens, ServingStats, StatsQuery, Step,
                              StepItem, StepResult)
 
 WORKER = "worker0"
@@ -45,6 +45,7 @@ class RemoteBlocks:
 
     def __init__(self, actor: Actor, block_size: int, prefix_caching: bool, timeout: float):
         self.actor = actor
+        self.outgoing: list = []  # fire-and-forget calls, sent with the next call or flush()
         self.block_size = block_size
         self.prefix_caching = prefix_caching
         self.timeout = timeout
@@ -52,10 +53,32 @@ class RemoteBlocks:
         self.registered: dict[int, int] = {}  # blocks of each sequence the cache has hashed
         self.stats = CacheStats()
 
-    def _call(self, message) -> CacheReply:
-        reply = self.actor.call("cache", message, CacheReply, self.timeout)
+    def _call(self, message, reply_type=CacheReply):
+        prelude, self.outgoing = self.outgoing, []
+        reply = self.actor.call("cache", message, reply_type, self.timeout, prelude)
         self.stats = reply.stats
         return reply
+
+    def flush(self) -> None:
+        """Send the queued fire-and-forget calls (in order, one record)."""
+        if self.outgoing:
+            self.actor.send_many("cache", self.outgoing)
+            self.outgoing = []
+
+    def grow_ahead(self, targets: list[tuple[int, int]]) -> None:
+        """Grow several sequences in one round trip, in order, before the policy asks one by one.
+
+        The cache applies them in the order given and stops at the first that does
+        not fit; the policy's own append_slots calls then find the blocks in place
+        (no round trip) up to that one, and from there on it runs its preemption
+        logic call by call, exactly as it would have.
+        """
+        needed = [(seq, n) for seq, n in targets if -(-n // self.block_size) > len(self.tables[seq])]
+        if not needed:
+            return
+        reply = self._call(GrowMany([s for s, _ in needed], [n for _, n in needed]), GrowReply)
+        for (seq, _), table in zip(needed[:reply.granted], reply.tables, strict=True):
+            self.tables[seq] = table
 
     def allocate(self, seq: int, token_ids: list[int], max_new_tokens: int) -> int | None:
         reply = self._call(Allocate(seq, token_ids, max_new_tokens))
@@ -80,13 +103,13 @@ class RemoteBlocks:
         first = self.registered[seq]
         if full > first:
             size = self.block_size
-            self.actor.send("cache", Computed(seq, first, token_ids[first * size:full * size], num_computed))
+            self.outgoing.append(Computed(seq, first, token_ids[first * size:full * size], num_computed))
             self.registered[seq] = full
 
     def free(self, seq: int) -> None:
         if self.tables.pop(seq, None) is not None:
             self.registered.pop(seq, None)
-            self.actor.send("cache", Free(seq))
+            self.outgoing.append(Free(seq))
 
     def block_table(self, seq: int) -> list[int]:
         return self.tables[seq]
@@ -161,11 +184,13 @@ class SchedulerActor(Actor):
         while len(self.in_flight) < PIPELINE_DEPTH and self.policy.has_work():
             if not self._launch():
                 break
+        self.blocks.flush()
 
     def has_work(self) -> bool:
         return bool(self.in_flight) or self.policy.has_work()
 
     def _launch(self) -> bool:
+        self.blocks.grow_ahead(self.policy.growth_plan())
         scheduled = self.policy.schedule()
         if not scheduled:
             return False

@@ -115,6 +115,17 @@ class Scheduler:
             budget -= item.num_tokens
         return scheduled
 
+    def growth_plan(self) -> list[tuple[object, int]]:
+        """(request id, tokens to hold) for each running request, as the next schedule() will
+        ask for them if blocks do not run out: lets a remote block manager grow them all at once."""
+        budget, plan = self.config.max_num_batched_tokens, []
+        for request in self.running:
+            count = min(request.num_tokens - request.num_computed_tokens, budget)
+            if count > 0 and not request.final_pending:
+                plan.append((request.request_id, request.num_computed_tokens + count))
+                budget -= count
+        return plan
+
     def _schedule_running(self, request: Request, budget: int, scheduled) -> ScheduledRequest | None:
         count = min(request.num_tokens - request.num_computed_tokens, budget)
         if count <= 0 or request.final_pending:
