@@ -150,3 +150,21 @@ def test_missing_shard_names_it_and_the_index(tmp_path):
     os.remove(os.path.join(path, "model-00001-of-00002.safetensors"))
     with pytest.raises(CheckpointError, match="model-00001-of-00002.safetensors: missing .listed in"):
         load_checkpoint(path)
+
+
+def test_paged_attention_kernel_equals_the_python_path(models):
+    model = models["llama-gqa"]
+    assert model.paged_attention is not None, "the C++ kernel should build on this machine"
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(5, 4000, size=n).tolist() for n in (3, 17, 40, 64, 1)]
+    cache = PagedKVCache(model.args, 64, BLOCK)
+    tables = [list(range(i, 64, len(prompts)))[:8] for i in range(len(prompts))]
+    model.forward(BatchInput(prompts, [0] * len(prompts), tables), cache)  # prefill every sequence
+    decode = BatchInput([[7] for _ in prompts], [len(p) for p in prompts], tables)
+    fast = model.forward(decode, cache)
+    kernel, model.paged_attention = model.paged_attention, None
+    try:
+        slow = model.forward(decode, cache)
+    finally:
+        model.paged_attention = kernel
+    np.testing.assert_allclose(fast, slow, rtol=1e-4, atol=1e-4)

@@ -49,6 +49,13 @@ class PagedKVCache:
         self.k = [np.zeros(shape, dtype=dtype) for _ in range(args.num_layers)]
         self.v = [np.zeros(shape, dtype=dtype) for _ in range(args.num_layers)]
         self._k_buffer = self._v_buffer = np.empty(0, dtype=dtype)
+        self._tensors: list | None = None
+
+    def tensors(self, layer: int) -> tuple[paddle.Tensor, paddle.Tensor]:
+        """Paddle views (no copy) of one layer's K and V arrays, for the paged attention op."""
+        if self._tensors is None:
+            self._tensors = [(_shared(k), _shared(v)) for k, v in zip(self.k, self.v, strict=True)]
+        return self._tensors[layer]
 
     def slots(self, block_table: list[int], start: int, end: int) -> np.ndarray:
         """Slot index (block * block_size + offset) of each position in [start, end)."""
@@ -108,6 +115,9 @@ class LlamaModel:
         self.inv_freq = (1.0 / (args.rope_theta ** (np.arange(0, half * 2, 2, dtype=np.float32)
                                                     / (half * 2)))).astype(np.float32)
         self.scale = args.head_dim ** -0.5
+        from fdcore.models.kernels import paged_decode_attention
+
+        self.paged_attention = paged_decode_attention()
 
     def _tensor(self, array: np.ndarray) -> paddle.Tensor:
         return paddle.to_tensor(np.ascontiguousarray(array), dtype=self.dtype)
@@ -175,6 +185,11 @@ class LlamaModel:
 
     def _decode_attention(self, q, layer, cache, plan):
         a = self.args
+        if self.paged_attention is not None:  # reads the blocks in place
+            k, v = cache.tensors(layer)
+            out = self.paged_attention(_shared(np.ascontiguousarray(q)), k, v, plan.decode_tables,
+                                       plan.decode_lengths)
+            return out.numpy().reshape(plan.num_decode, a.num_heads * a.head_dim)
         b, groups = plan.num_decode, a.num_heads // a.num_kv_heads
         k, v = (_shared(x).reshape([a.num_kv_heads, b, -1, a.head_dim])
                 for x in cache.gather(layer, plan.decode_blocks))
@@ -242,6 +257,8 @@ class _Plan:
         keys = np.arange(width * block_size)[None, :]
         bias = np.where(keys < lengths[:, None], 0.0, -np.inf).astype(np.float32)
         self.decode_blocks = blocks.reshape(-1)
+        self.decode_tables = paddle.to_tensor(blocks)
+        self.decode_lengths = paddle.to_tensor(lengths.astype(np.int64))
         self.decode_bias = paddle.to_tensor(bias.reshape(1, len(decode), 1, -1))
 
 

@@ -1,0 +1,73 @@
+"""fdcore's own Paddle C++ operators, compiled on first use (``paddle.utils.cpp_extension``).
+
+``paged_decode_attention`` reads the KV cache's blocks in place: the Python path
+gathers every decoding sequence's blocks into a contiguous copy per layer and
+then runs three Paddle ops, which at batch 64 cost ~2 ms per layer; the
+operator does it in ~0.2 ms. The build (~15 s, once per machine and source
+version) goes to ``$FDCORE_KERNEL_DIR`` (default ``~/.cache/fdcore-kernels``)
+under a file lock, so concurrent processes build it once. Anything that goes
+wrong (no compiler, no Paddle headers) is reported once and the model falls
+back to the Python path: slower, same results.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SOURCE = os.path.join(HERE, "paged_attention.cc")
+_loaded: dict[str, object] = {}
+
+
+def kernel_dir() -> str:
+    root = os.environ.get("FDCORE_KERNEL_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "fdcore-kernels")
+    import paddle
+
+    with open(SOURCE, "rb") as f:
+        digest = hashlib.sha256(f.read() + paddle.__version__.encode()).hexdigest()[:16]
+    return os.path.join(root, digest)
+
+
+def paged_decode_attention():
+    """The compiled operator (a callable), or None when it cannot be built here."""
+    if "op" not in _loaded:
+        _loaded["op"] = _build()
+    return _loaded["op"]
+
+
+@contextlib.contextmanager
+def _stdout_to_stderr():
+    """Paddle's builder prints progress on stdout (and its compiler subprocess inherits fd 1):
+    keep the caller's stdout clean for its own output."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
+def _build():
+    if os.environ.get("FDCORE_NO_KERNELS"):
+        return None
+    try:
+        from paddle.utils.cpp_extension import load
+
+        directory = kernel_dir()
+        os.makedirs(directory, exist_ok=True)
+        with open(os.path.join(directory, ".lock"), "w") as lock, _stdout_to_stderr():
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            module = load(name="fdcore_kernels", sources=[SOURCE], build_directory=directory,
+                          extra_cxx_cflags=["-O3", "-march=native", "-fopenmp-simd"], verbose=False)
+        return module.fdcore_paged_decode_attention
+    except Exception as exc:  # a missing compiler must not stop serving
+        sys.stderr.write(f"fdcore: paged attention kernel unavailable ({type(exc).__name__}: {exc}); "
+                         "using the slower Python path\n")
+        return None

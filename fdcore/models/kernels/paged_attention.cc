@@ -1,0 +1,86 @@
+// Decode attention over a paged KV cache, reading each block in place (no gather).
+//
+// q        [B, H, D]          float32, already scaled by 1/sqrt(D)
+// k_cache  [KVH, NB, BS, D]   float32 (the worker's cache of one layer, shared with numpy)
+// v_cache  [KVH, NB, BS, D]   float32
+// tables   [B, W]             int64, block ids of each row's sequence (padded)
+// lengths  [B]                int64, keys each row attends to (its position + 1)
+// out      [B, H, D]          float32
+//
+// Grouped-query attention: head h reads KV head h / (H / KVH). Softmax in float32
+// with the running maximum subtracted, as the reference does.
+#include <cmath>
+#include <vector>
+
+#include "paddle/extension.h"
+
+std::vector<paddle::Tensor> PagedDecodeAttention(const paddle::Tensor& q, const paddle::Tensor& k_cache,
+                                                 const paddle::Tensor& v_cache, const paddle::Tensor& tables,
+                                                 const paddle::Tensor& lengths) {
+  const auto qs = q.shape();
+  const auto ks = k_cache.shape();
+  const int64_t B = qs[0], H = qs[1], D = qs[2];
+  const int64_t KVH = ks[0], NB = ks[1], BS = ks[2];
+  const int64_t W = tables.shape()[1];
+  PD_CHECK(ks[3] == D && H % KVH == 0, "paged_decode_attention: head sizes do not match");
+  PD_CHECK(v_cache.shape() == ks, "paged_decode_attention: K and V caches differ in shape");
+  const int64_t G = H / KVH;
+  auto out = paddle::empty({B, H, D}, paddle::DataType::FLOAT32, paddle::CPUPlace());
+  const float* Q = q.data<float>();
+  const float* K = k_cache.data<float>();
+  const float* V = v_cache.data<float>();
+  const int64_t* T = tables.data<int64_t>();
+  const int64_t* LEN = lengths.data<int64_t>();
+  float* O = out.data<float>();
+  std::vector<float> scores;
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t L = LEN[b];
+    PD_CHECK(L >= 1 && L <= W * BS, "paged_decode_attention: length out of range of the block table");
+    const int64_t* table = T + b * W;
+    for (int64_t i = 0; i < (L + BS - 1) / BS; ++i) {
+      PD_CHECK(table[i] >= 0 && table[i] < NB, "paged_decode_attention: block id out of range");
+    }
+    scores.resize(G * L);
+    for (int64_t kvh = 0; kvh < KVH; ++kvh) {
+      const float* qg = Q + (b * H + kvh * G) * D;
+      for (int64_t l = 0; l < L; ++l) {
+        const float* kr = K + ((kvh * NB + table[l / BS]) * BS + l % BS) * D;
+        for (int64_t g = 0; g < G; ++g) {
+          const float* qr = qg + g * D;
+          float s = 0.f;
+#pragma omp simd reduction(+ : s)
+          for (int64_t d = 0; d < D; ++d) s += qr[d] * kr[d];
+          scores[g * L + l] = s;
+        }
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        float* row = scores.data() + g * L;
+        float top = row[0];
+        for (int64_t l = 1; l < L; ++l) top = row[l] > top ? row[l] : top;
+        float total = 0.f;
+        for (int64_t l = 0; l < L; ++l) {
+          row[l] = std::exp(row[l] - top);
+          total += row[l];
+        }
+        const float inv = 1.f / total;
+        for (int64_t l = 0; l < L; ++l) row[l] *= inv;
+        float* o = O + (b * H + kvh * G + g) * D;
+        for (int64_t d = 0; d < D; ++d) o[d] = 0.f;
+      }
+      for (int64_t l = 0; l < L; ++l) {
+        const float* vr = V + ((kvh * NB + table[l / BS]) * BS + l % BS) * D;
+        for (int64_t g = 0; g < G; ++g) {
+          const float p = scores[g * L + l];
+          float* o = O + (b * H + kvh * G + g) * D;
+          for (int64_t d = 0; d < D; ++d) o[d] += p * vr[d];
+        }
+      }
+    }
+  }
+  return {out};
+}
+
+PD_BUILD_OP(fdcore_paged_decode_attention)
+    .Inputs({"Q", "KCache", "VCache", "Tables", "Lengths"})
+    .Outputs({"Out"})
+    .SetKernelFn(PD_KERNEL(PagedDecodeAttention));
