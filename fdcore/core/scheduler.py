@@ -52,17 +52,19 @@ class Request:
 PLACEHOLDER = -1  # an output token the worker has sampled (or will) but the scheduler not yet seen
 
 
-@dataclass
 class ScheduledRequest:
-    request: Request
-    start: int            # position of the first token computed this step
-    num_tokens: int       # tokens computed this step
-    block_table: list[int]
-    samples: bool = False  # this step brings the request level: its logits give the next token
-    launched: bool = False  # accounted for ahead of its result (see Scheduler.launch)
+    """One request's share of a step."""
 
-    def __post_init__(self):
-        self.samples = self.start + self.num_tokens == self.request.num_tokens
+    __slots__ = ("request", "start", "num_tokens", "block_table", "samples", "launched")
+
+    def __init__(self, request: Request, start: int, num_tokens: int, block_table: list[int]):
+        self.request = request
+        self.start = start            # position of the first token computed this step
+        self.num_tokens = num_tokens  # tokens computed this step
+        self.block_table = block_table
+        # this step brings the request level: its logits give the next token
+        self.samples = start + num_tokens == request.num_tokens
+        self.launched = False         # accounted for ahead of its result (see Scheduler.launch)
 
     @property
     def token_ids(self) -> list[int]:
@@ -99,7 +101,7 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
         for request in list(self.running):
-            if request not in self.running:  # preempted by an older one this step
+            if request.status is not Status.RUNNING:  # preempted by an older one this step
                 continue
             item = self._schedule_running(request, budget, scheduled)
             if item is not None:
