@@ -65,7 +65,8 @@ def _build():
         with open(os.path.join(directory, ".lock"), "w") as lock, _stdout_to_stderr():
             fcntl.flock(lock, fcntl.LOCK_EX)
             module = load(name="fdcore_kernels", sources=[SOURCE], build_directory=directory,
-                          extra_cxx_cflags=["-O3", "-march=native", "-fopenmp-simd"], verbose=False)
+                          extra_cxx_cflags=["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno",
+                                            "-fno-trapping-math"], verbose=False)
         return module.fdcore_paged_decode_attention
     except Exception as exc:  # a missing compiler must not stop serving
         sys.stderr.write(f"fdcore: paged attention kernel unavailable ({type(exc).__name__}: {exc}); "

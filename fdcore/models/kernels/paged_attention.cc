@@ -44,9 +44,9 @@ std::vector<paddle::Tensor> PagedDecodeAttention(const paddle::Tensor& q, const 
     for (int64_t kvh = 0; kvh < KVH; ++kvh) {
       const float* qg = Q + (b * H + kvh * G) * D;
       for (int64_t l = 0; l < L; ++l) {
-        const float* kr = K + ((kvh * NB + table[l / BS]) * BS + l % BS) * D;
+        const float* __restrict__ kr = K + ((kvh * NB + table[l / BS]) * BS + l % BS) * D;
         for (int64_t g = 0; g < G; ++g) {
-          const float* qr = qg + g * D;
+          const float* __restrict__ qr = qg + g * D;
           float s = 0.f;
 #pragma omp simd reduction(+ : s)
           for (int64_t d = 0; d < D; ++d) s += qr[d] * kr[d];
@@ -56,10 +56,12 @@ std::vector<paddle::Tensor> PagedDecodeAttention(const paddle::Tensor& q, const 
       for (int64_t g = 0; g < G; ++g) {
         float* row = scores.data() + g * L;
         float top = row[0];
+#pragma omp simd reduction(max : top)
         for (int64_t l = 1; l < L; ++l) top = row[l] > top ? row[l] : top;
         float total = 0.f;
+#pragma omp simd reduction(+ : total)
         for (int64_t l = 0; l < L; ++l) {
-          row[l] = std::exp(row[l] - top);
+          row[l] = expf(row[l] - top);
           total += row[l];
         }
         const float inv = 1.f / total;
@@ -68,10 +70,11 @@ std::vector<paddle::Tensor> PagedDecodeAttention(const paddle::Tensor& q, const 
         for (int64_t d = 0; d < D; ++d) o[d] = 0.f;
       }
       for (int64_t l = 0; l < L; ++l) {
-        const float* vr = V + ((kvh * NB + table[l / BS]) * BS + l % BS) * D;
+        const float* __restrict__ vr = V + ((kvh * NB + table[l / BS]) * BS + l % BS) * D;
         for (int64_t g = 0; g < G; ++g) {
           const float p = scores[g * L + l];
-          float* o = O + (b * H + kvh * G + g) * D;
+          float* __restrict__ o = O + (b * H + kvh * G + g) * D;
+#pragma omp simd
           for (int64_t d = 0; d < D; ++d) o[d] += p * vr[d];
         }
       }
