@@ -193,7 +193,7 @@ class Connection:
             engine = topology.inbox_name(tree.instance, "engine")
             self.sender = Sender(Ring.attach(f"{engine}.{client}"))
             self._send_lock = threading.Lock()
-            self.welcome = self._handshake(timeout)
+            self.welcome = self.handshake(timeout)
         except BaseException:
             os.close(self.lock_fd)
             raise
@@ -215,7 +215,12 @@ class Connection:
                 os.close(fd)
                 slot += 1
 
-    def _handshake(self, timeout: float) -> Welcome:
+    def engine_alive(self) -> bool:
+        return names.pid_alive(self.welcome.engine_pid)
+
+    def handshake(self, timeout: float) -> Welcome:
+        """Hello / Welcome with the engine (a restarted one too: our links outlive it). The
+        engine aborts whatever this slot had running; what it had sent is dropped here."""
         session = secrets.randbits(62)
         self.send(Hello(self.slot, session))
         deadline = time.monotonic() + timeout
@@ -225,13 +230,15 @@ class Connection:
             except RingEmpty:
                 raise EngineError(f"the engine of {self.tree.instance} did not answer within {timeout:g} s") from None
             if isinstance(message, Welcome) and message.session == session:
+                self.welcome = message
                 return message
 
     def send(self, message) -> None:
         with self._send_lock:
             self.sender.send(message, timeout=30.0)
 
-    def submit(self, request_id: str, prompt, params: SamplingParams, resume_token_ids=()) -> None:
+    def submit(self, request_id: str, prompt, params: SamplingParams, resume_token_ids=(),
+               resume_text_chars: int = 0) -> None:
         body: dict = {"sampling_params": params}
         if isinstance(prompt, str):
             body["prompt"] = prompt
@@ -242,7 +249,7 @@ class Connection:
         else:
             body["prompt_token_ids"] = prompt
         self.send(AddRequest(self.slot, request_id, msgspec.Raw(_ENCODE(body)), time.time(),
-                             list(resume_token_ids)))
+                             list(resume_token_ids), resume_text_chars))
 
     def abort(self, request_id: str) -> None:
         self.send(AbortRequest(self.slot, request_id))
@@ -295,6 +302,7 @@ class AsyncLLM:
                 self._tree.stop()
             raise
         self._queues: dict[str, asyncio.Queue] = {}
+        self._inflight: dict[str, _InFlight] = {}  # what a restarted engine must be given again
         self._stats: dict[int, asyncio.Future] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._reader: threading.Thread | None = None
@@ -318,20 +326,21 @@ class AsyncLLM:
         if request_id in self._queues:
             raise ValueError(f"request_id {request_id!r} is already streaming in this client")
         queue = self._queues[request_id] = asyncio.Queue()
+        params = sampling_params or SamplingParams()
+        self._inflight[request_id] = _InFlight(prompt, params)
         finished = False
         prompt_ids = None
         try:
-            self._conn.submit(request_id, prompt, sampling_params or SamplingParams())
+            self._conn.submit(request_id, prompt, params)
             while not finished:
                 update = await queue.get()
-                if isinstance(update, EngineError):
-                    raise update
                 prompt_ids = update.prompt_token_ids or prompt_ids
                 out = _output(request_id, prompt, update, prompt_ids)
                 finished = out.finished
                 yield out
         finally:
             self._queues.pop(request_id, None)
+            self._inflight.pop(request_id, None)
             if not finished and not self._closing.is_set():
                 self._conn.abort(request_id)  # the caller stopped listening: stop computing
 
@@ -373,31 +382,77 @@ class AsyncLLM:
             self._reader.start()
 
     def _read(self) -> None:
-        """Reader thread: wait on the inbox, hand batches to the event loop."""
+        """Reader thread: wait on the inbox, hand batches to the event loop; notice a dead engine."""
+        next_check = time.monotonic() + ENGINE_CHECK_INTERVAL
         while not self._closing.is_set():
             try:
-                messages = self._conn.receiver.recv_many(timeout=0.25)
+                messages = self._conn.receiver.recv_many(timeout=ENGINE_CHECK_INTERVAL)
             except RingEmpty:
+                messages = []
+            if messages:
+                self._loop.call_soon_threadsafe(self._dispatch, messages)
+            if time.monotonic() >= next_check:
+                next_check = time.monotonic() + ENGINE_CHECK_INTERVAL
                 if not self._tree.alive():
-                    self._loop.call_soon_threadsafe(self._fail_all, EngineError("the fdcore tree stopped"))
+                    self._loop.call_soon_threadsafe(self._fail_all, _tree_gone(self._tree))
                     return
-                continue
-            self._loop.call_soon_threadsafe(self._dispatch, messages)
+                if not self._conn.engine_alive():
+                    self._recover()
+
+    def _recover(self) -> None:
+        """The engine died: greet its successor, then hand it every stream again, each with the
+        tokens and text already received, so the streams resume where they were."""
+        try:
+            self._conn.handshake(RECOVERY_TIMEOUT)
+        except EngineError:
+            self._loop.call_soon_threadsafe(self._fail_all, _tree_gone(self._tree))
+            return
+        self._loop.call_soon_threadsafe(self._resubmit_all)
+
+    def _resubmit_all(self) -> None:
+        for request_id, flight in self._inflight.items():
+            self._conn.submit(request_id, flight.prompt, flight.params, flight.token_ids, flight.text_chars)
 
     def _dispatch(self, messages: list) -> None:
         for message in messages:
             if isinstance(message, Update):
                 queue = self._queues.get(message.request_id)
                 if queue is not None:
+                    self._inflight[message.request_id].received(message)
                     queue.put_nowait(message)
             elif isinstance(message, ServingStats):
                 future = self._stats.get(message.nonce)
                 if future is not None and not future.done():
                     future.set_result(message)
 
-    def _fail_all(self, error: EngineError) -> None:
-        for queue in self._queues.values():
-            queue.put_nowait(error)
+    def _fail_all(self, reason: str) -> None:
+        """The tree is gone: every open stream ends with an error output saying why."""
+        for request_id, queue in self._queues.items():
+            queue.put_nowait(Update(request_id, [], "", "error", error_code=503, error_msg=reason))
+
+
+ENGINE_CHECK_INTERVAL = 0.2  # seconds between looks at whether the engine (and the tree) still live
+RECOVERY_TIMEOUT = 300.0     # how long a restarted engine may take to answer
+
+
+@dataclass
+class _InFlight:
+    """A request as its client knows it: enough to submit it again to a restarted engine."""
+
+    prompt: object
+    params: SamplingParams
+    token_ids: list[int] = field(default_factory=list)
+    text_chars: int = 0
+
+    def received(self, update: Update) -> None:
+        self.token_ids += update.token_ids
+        self.text_chars += len(update.text)
+
+
+def _tree_gone(tree: _Tree) -> str:
+    if tree.proc is not None and tree.proc.poll() is not None:
+        return f"the fdcore tree stopped (supervisor exit code {tree.proc.returncode}; its log says why)"
+    return f"the fdcore tree {tree.instance} stopped"
 
 
 # --------------------------------------------------------------------- sync
@@ -433,23 +488,36 @@ class LLM:
         results = {f"{batch}-{i}": RequestOutput(f"{batch}-{i}", p) for i, p in enumerate(prompts)}
         for (request_id, out), p in zip(results.items(), params, strict=True):
             self._conn.submit(request_id, out.prompt, p or SamplingParams())
+        flights = {rid: _InFlight(out.prompt, p or SamplingParams())
+                   for (rid, out), p in zip(results.items(), params, strict=True)}
         bar = _Progress(len(prompts), enabled=use_tqdm)
         pending = len(results)
+        next_check = time.monotonic() + ENGINE_CHECK_INTERVAL
         while pending:
             try:
-                messages = self._conn.receiver.recv_many(timeout=1.0)
+                messages = self._conn.receiver.recv_many(timeout=ENGINE_CHECK_INTERVAL)
             except RingEmpty:
-                if not self._tree.alive():
-                    raise EngineError("the fdcore tree stopped") from None
-                continue
+                messages = []
             for message in messages:
                 out = results.get(getattr(message, "request_id", None))
                 if out is None or out.finished:
                     continue
+                flights[out.request_id].received(message)
                 _accumulate(out, message)
                 if out.finished:
                     pending -= 1
                     bar.advance()
+            if time.monotonic() >= next_check:
+                next_check = time.monotonic() + ENGINE_CHECK_INTERVAL
+                if not self._tree.alive():
+                    _fail(results, _tree_gone(self._tree))
+                    break
+                if not self._conn.engine_alive():  # resume every unfinished request on the new engine
+                    self._conn.handshake(RECOVERY_TIMEOUT)
+                    for rid, out in results.items():
+                        if not out.finished:
+                            f = flights[rid]
+                            self._conn.submit(rid, f.prompt, f.params, f.token_ids, f.text_chars)
         bar.close()
         return list(results.values())
 
@@ -489,6 +557,12 @@ def _accumulate(out: RequestOutput, update: Update) -> None:
         out.finished = True
         out.metrics = update.metrics
         out.error_code, out.error_msg = update.error_code, update.error_msg
+
+
+def _fail(results: dict[str, RequestOutput], reason: str) -> None:
+    for out in results.values():
+        if not out.finished:
+            _accumulate(out, Update(out.request_id, [], "", "error", error_code=503, error_msg=reason))
 
 
 class _Progress:

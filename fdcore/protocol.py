@@ -77,6 +77,7 @@ class Welcome(Message):
     vocab_size: int
     max_model_len: int
     model: str
+    engine_pid: int = 0   # a client watches it: when it dies, the client re-submits to the next engine
 
 
 class AddRequest(Message):
@@ -89,6 +90,7 @@ class AddRequest(Message):
     body: msgspec.Raw
     arrival_time: float
     resume_token_ids: list[int] = []  # tokens the client already received (engine restart)
+    resume_text_chars: int = 0        # characters of text the client already received
 
 
 class AbortRequest(Message):
@@ -151,11 +153,26 @@ class FinishSeq(Message):
 class SeqTokens(Message):
     """One step's sampled tokens (scheduler -> engine), one entry per sampling sequence."""
 
+    epoch: int
     seqs: list[int]
     token_ids: list[int]
     finish_reasons: list[str | None]
     logprobs: list[list[tuple[int, float]] | None] | None = None
-    cached: list[tuple[int, int]] = []  # (seq, prefix-cached tokens) of sequences admitted this step
+
+
+class Resync(Message):
+    """Engine -> scheduler: a new epoch. Drop every request, step and block of the old one
+    (reset the cache manager and the worker too); the engine re-sends what is unfinished,
+    each with the tokens its client already has."""
+
+    epoch: int
+
+
+class Restarted(Message):
+    """Supervisor -> engine: an actor was restarted and is ready (its state is gone)."""
+
+    child: str
+    generation: int
 
 
 # ------------------------------------------------------ scheduler <-> cache
@@ -200,7 +217,9 @@ class CacheStatsQuery(Message):
 
 
 class CacheReset(Message):
-    """Forget every allocation and cached prefix (a new epoch: the KV is gone)."""
+    """Forget every allocation and cached prefix (a new epoch: the KV is gone). A cache
+    manager ignores everything before its first CacheReset (stale calls of a dead scheduler
+    or of an epoch that ended)."""
 
     epoch: int
 
@@ -224,6 +243,7 @@ class CacheReply(Message):
     blocks: list[int]
     cached: int
     stats: CacheStats
+    epoch: int = 0
 
 
 class GrowReply(Message):
@@ -232,6 +252,7 @@ class GrowReply(Message):
     granted: int
     tables: list[list[int]]
     stats: CacheStats
+    epoch: int = 0
 
 
 class StatsQuery(Message):
@@ -268,6 +289,13 @@ class StepItem(msgspec.Struct, array_like=True, gc=False):
     blocks: list[int] | None = None  # the full block table when it changed, else None
 
 
+class WorkerSync(Message):
+    """Scheduler -> worker: a new epoch; forget every sequence. A worker ignores steps of
+    any other epoch (a restarted worker finds its predecessor's steps in its inbox)."""
+
+    epoch: int
+
+
 class Step(Message):
     step: int
     epoch: int
@@ -287,10 +315,11 @@ class StepResult(Message):
 
 ControlMessage = Stop | Ping | Pong
 ClientMessage = Welcome | Update | ServingStats | Pong
-EngineMessage = Stop | Ping | Hello | AddRequest | AbortRequest | StatsQuery | SeqTokens | ServingStats
-SchedulerMessage = Stop | Ping | AddSeq | FinishSeq | StatsQuery | StepResult | CacheReply | GrowReply
+EngineMessage = (Stop | Ping | Hello | AddRequest | AbortRequest | StatsQuery | SeqTokens | ServingStats
+                 | Restarted)
+SchedulerMessage = Stop | Ping | Resync | AddSeq | FinishSeq | StatsQuery | StepResult | CacheReply | GrowReply
 CacheMessage = Stop | Ping | Allocate | Grow | GrowMany | Free | Computed | CacheStatsQuery | CacheReset
-WorkerMessage = Stop | Ping | Step
+WorkerMessage = Stop | Ping | WorkerSync | Step
 
 
 _decoders: dict[object, msgspec.msgpack.Decoder] = {}

@@ -34,7 +34,7 @@ from fdcore.actors import health, topology
 from fdcore.actors.health import HealthBoard, State
 from fdcore.config import Config, ConfigError, load_config
 from fdcore.ipc import Inbox, Ring, Sender, names
-from fdcore.protocol import Stop
+from fdcore.protocol import Restarted, Stop
 from fdcore.supervision import ChildSpec, RestartIntensity, should_restart, to_restart
 
 POLL = 0.05  # seconds between looks at the health board when nothing else happens
@@ -74,6 +74,7 @@ class Supervisor:
         self.generation = 0
         self.exit_code = 0
         self.stopping = False
+        self.stop_reason = "the supervisor was asked to stop"
         self._signals: list[int] = []
         self._wake_r = self._wake_w = -1
         self.board: HealthBoard | None = None
@@ -139,6 +140,7 @@ class Supervisor:
         affected = to_restart(self.config.supervisor.strategy, order, child.spec.id)
         if not self.intensity.record():
             log("intensity_exceeded", id=child.spec.id, reason=self.intensity.describe())
+            self.stop_reason = f"{child.spec.id} failed too often: {self.intensity.describe()}"
             self.exit_code = 1
             self.stopping = True
             return
@@ -148,6 +150,9 @@ class Supervisor:
         self.generation += 1
         for cid in affected:
             self._restart(cid)
+        if not self.stopping and "engine" in self.children and any(c != "engine" for c in affected):
+            # The engine re-submits every unfinished request in a new epoch (crash-resume).
+            self._send("engine", Restarted(",".join(affected), self.generation))
 
     def _restart(self, cid: str) -> None:
         spec = next(s for s in self.specs if s.id == cid)
@@ -158,6 +163,7 @@ class Supervisor:
             log("restart_failed", id=cid, reason=str(exc))
             if not self.intensity.record():
                 log("intensity_exceeded", id=cid, reason=self.intensity.describe())
+                self.stop_reason = f"{cid} could not be restarted: {exc}"
                 self.exit_code = 1
                 self.stopping = True
             else:
@@ -240,7 +246,7 @@ class Supervisor:
         timeout = child.spec.shutdown_timeout
         how = "stop message"
         if not self._kill_now:
-            self._send(child.spec.id, Stop("supervisor shutdown"))
+            self._send(child.spec.id, Stop(self.stop_reason))
             if not self._wait_exit(child, timeout):
                 how = "SIGTERM"
                 _killpg(child.proc.pid, signal.SIGTERM)

@@ -13,7 +13,7 @@ from __future__ import annotations
 from fdcore.actors.runtime import Actor
 from fdcore.core.kv_cache_manager import KVCacheManager
 from fdcore.protocol import (Allocate, CacheMessage, CacheReply, CacheReset, CacheStats, CacheStatsQuery,
-                             Computed, Free, Grow, GrowMany, GrowReply)
+                             Computed, Free, Grow, GrowMany, GrowReply, Ping, Stop)
 
 
 class CacheActor(Actor):
@@ -21,12 +21,15 @@ class CacheActor(Actor):
 
     def on_start(self) -> None:
         self.kv = self._fresh_manager()
+        self.epoch: int | None = None  # nothing is served before the scheduler's first CacheReset
 
     def _fresh_manager(self) -> KVCacheManager:
         c = self.config.cache
         return KVCacheManager(c.num_blocks, c.block_size, c.enable_prefix_caching)
 
     def handle(self, message) -> None:
+        if self.epoch is None and not isinstance(message, (CacheReset, Stop, Ping)):
+            return  # a call of a scheduler (or an epoch) that is gone
         match message:
             case Allocate(seq=seq, token_ids=token_ids, max_new_tokens=max_new):
                 cached = self.kv.allocate(seq, token_ids, max_new)
@@ -41,20 +44,21 @@ class CacheActor(Actor):
                     if not self.kv.append_slots(seq, num_tokens):
                         break
                     tables.append(self.kv.block_table(seq))
-                self.send("scheduler", GrowReply(len(tables), tables, statistics(self.kv)))
+                self.send("scheduler", GrowReply(len(tables), tables, statistics(self.kv), self.epoch))
             case Free(seq=seq):
                 self.kv.free(seq)
             case Computed(seq=seq, first_block=first, token_ids=token_ids, num_computed=num):
                 self.kv.cache_computed(seq, token_ids, num, first)
             case CacheStatsQuery(nonce=nonce):
                 self._reply(nonce, True, [], 0)
-            case CacheReset():
+            case CacheReset(epoch=epoch):
                 self.kv = self._fresh_manager()
+                self.epoch = epoch
             case _:
                 super().handle(message)
 
     def _reply(self, seq: int, ok: bool, blocks: list[int], cached: int) -> None:
-        self.send("scheduler", CacheReply(seq, ok, blocks, cached, statistics(self.kv)))
+        self.send("scheduler", CacheReply(seq, ok, blocks, cached, statistics(self.kv), self.epoch))
 
 
 def statistics(kv: KVCacheManager) -> CacheStats:

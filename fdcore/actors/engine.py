@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from fdcore.actors import topology
+from fdcore.actors import health, topology
 from fdcore.actors.runtime import Actor
 from fdcore.config import model_path
 from fdcore.core.detokenizer import IncrementalDetokenizer
@@ -35,8 +35,10 @@ from fdcore.core.validation import (ModelLimits, RequestError, check_length, che
                                     check_token_ids, validate_request_id)
 from fdcore.ipc import Ring, RingFull, Sender, names
 from fdcore.protocol import (AbortRequest, AddRequest, AddSeq, EngineMessage, FinishSeq, Hello, Metrics,
-                             RequestBody, SamplingParams, SeqTokens, ServingStats, StatsQuery, Update, Welcome)
+                             RequestBody, Restarted, Resync, SamplingParams, SeqTokens, ServingStats, StatsQuery,
+                             Update, Welcome)
 
+EPOCHS_PER_GENERATION = 1_000_000
 LIVENESS_INTERVAL = 1.0  # seconds between checks that each busy client slot still has its owner
 
 
@@ -80,6 +82,10 @@ class EngineActor(Actor):
         self.next_seq = 1
         self.next_liveness_check = time.monotonic() + LIVENESS_INTERVAL
         self._decode_body = msgspec.msgpack.Decoder(RequestBody).decode
+        # Epochs only grow, across engine restarts too: the supervisor's restart generation
+        # (which counts every restart of the tree) leads.
+        self.epoch = self.board.read(self.slot, health.GENERATION) * EPOCHS_PER_GENERATION
+        self.send("scheduler", Resync(self.epoch))
 
     # ---------------------------------------------------------------- messages
     def handle(self, message) -> None:
@@ -94,10 +100,32 @@ class EngineActor(Actor):
                 self._on_hello(client, session)
             case StatsQuery():
                 self.send("scheduler", message)
+            case Restarted():
+                self._resync()
             case ServingStats():
                 self._deliver(message.client, [msgspec.structs.replace(message, requests=len(self.table))])
             case _:
                 super().handle(message)
+
+    def _resync(self) -> None:
+        """An actor behind us was restarted and lost its state: start a new epoch and hand the
+        scheduler every unfinished request again, with the tokens already sent to its client
+        (they count toward max_tokens and are recomputed, not re-sent)."""
+        self.epoch += 1
+        self.send("scheduler", Resync(self.epoch))
+        eos = list(self.tokenizer.eos_token_ids)
+        for tracked in sorted(self.table.values(), key=lambda t: t.seq):
+            self.send("scheduler", AddSeq(tracked.seq, tracked.prompt_token_ids, tracked.params, eos,
+                                          list(tracked.output_token_ids)))
+
+    def on_stop(self) -> None:
+        """The tree is stopping: every unfinished request ends now with the reason."""
+        for tracked in list(self.table.values()):
+            self._deliver(tracked.client, [Update(tracked.request_id, [], "", "error", error_code=503,
+                                                  error_msg=f"fdcore stopped: {self.stop_reason}")])
+            self._drop(tracked)
+        for slot in self.clients.values():
+            self._flush(slot)
 
     def _on_hello(self, client: int, session: int) -> None:
         if not 0 <= client < self.config.engine.max_clients:
@@ -107,7 +135,7 @@ class EngineActor(Actor):
         slot.session = session
         slot.outbox.clear()
         self._deliver(client, [Welcome(session, self.limits.vocab_size, self.limits.max_model_len,
-                                       model_path(self.config))])
+                                       model_path(self.config), os.getpid())])
 
     def _on_request(self, m: AddRequest) -> None:
         if not 0 <= m.client < self.config.engine.max_clients:
@@ -152,7 +180,8 @@ class EngineActor(Actor):
         detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop)
         for token in resumed:
             detokenizer.add(token)
-        detokenizer.emitted = len(detokenizer.text)  # the client has shown those already
+        # what the client has shown already (text held back then is still to come)
+        detokenizer.emitted = min(m.resume_text_chars, len(detokenizer.text)) if resumed else 0
         return TrackedRequest(seq, m.client, m.request_id, prompt_ids, params, detokenizer, m.arrival_time,
                               resumed, announced=bool(resumed))
 
@@ -177,6 +206,8 @@ class EngineActor(Actor):
 
     # ------------------------------------------------------------------ tokens
     def _on_tokens(self, m: SeqTokens) -> None:
+        if m.epoch != self.epoch:
+            return  # computed before a restart: the new epoch recomputes these tokens
         now = time.time()
         by_client: dict[int, list[Update]] = {}
         for i, seq in enumerate(m.seqs):

@@ -34,6 +34,10 @@ from fdcore.protocol import ControlMessage, Ping, Pong, Stop
 PR_SET_PDEATHSIG = 1
 
 
+class Interrupted(Exception):
+    """A wait for a reply ended by a message that changes everything (see Actor.call)."""
+
+
 class StopRequested(BaseException):
     """Raised by the SIGTERM handler so a blocking wait ends at once."""
 
@@ -52,6 +56,7 @@ class Actor:
         self.slot = slot
         self._senders: dict[str, Sender] = {}
         self.stopping = False
+        self.stop_reason = "stopped"
         self.receiver: Receiver | None = None  # set by run()
         self.deferred: list = []  # messages that arrived while waiting for a reply (see call())
 
@@ -64,8 +69,9 @@ class Actor:
         match message:
             case Ping(nonce=nonce):
                 self.send(topology.SUPERVISOR, Pong(nonce, self.child_id))
-            case Stop():
+            case Stop(reason=reason):
                 self.stopping = True
+                self.stop_reason = reason
             case _:
                 raise ValueError(f"{self.child_id}: unexpected message {type(message).__name__}")
 
@@ -102,10 +108,12 @@ class Actor:
         elif messages:
             self._sender(to).send_many(messages)
 
-    def call(self, to: str, message, reply_type, timeout: float, prelude: list = ()):
+    def call(self, to: str, message, reply_type, timeout: float, prelude: list = (), *,
+             accept=None, interrupt=None):
         """Send ``message`` (after ``prelude``, in the same record) and wait for the first
-        message of ``reply_type``; everything else that arrives meanwhile is kept, in
-        order, for the loop (``deferred``)."""
+        message of ``reply_type`` (that ``accept`` approves, if given); everything else that
+        arrives meanwhile is kept, in order, for the loop (``deferred``). A message of type
+        ``interrupt`` ends the wait at once with :class:`Interrupted` (it stays deferred)."""
         self.send_many(to, [*prelude, message])
         deadline = time.monotonic() + timeout
         while True:
@@ -116,10 +124,15 @@ class Actor:
                 raise TimeoutError(f"{self.child_id}: no {reply_type.__name__} from {to} "
                                    f"within {timeout:g} s") from None
             for i, reply in enumerate(batch):
-                if isinstance(reply, reply_type):
+                if isinstance(reply, reply_type) and (accept is None or accept(reply)):
                     self.deferred += batch[i + 1:]
                     return reply
+                if isinstance(reply, reply_type):
+                    continue  # a stale answer (another epoch): dropped
                 self.deferred.append(reply)
+                if interrupt is not None and isinstance(reply, interrupt):
+                    self.deferred += batch[i + 1:]
+                    raise Interrupted(reply)
 
     def close(self) -> None:
         for sender in self._senders.values():

@@ -23,11 +23,11 @@ from __future__ import annotations
 
 from collections import deque
 
-from fdcore.actors.runtime import Actor
+from fdcore.actors.runtime import Actor, Interrupted
 from fdcore.core.scheduler import Request, ScheduledRequest, Scheduler, SchedulerConfig
-from fdcore.protocol import (AddSeq, Allocate, CacheReply, CacheStats, CacheStatsQuery, Computed, FinishSeq,
-                             Free, Grow, GrowMany, GrowReply, NewSeq, SchedulerMessage, SeqTokens, ServingStats, StatsQuery, Step,
-                             StepItem, StepResult)
+from fdcore.protocol import (AddSeq, Allocate, CacheReply, CacheReset, CacheStats, CacheStatsQuery, Computed,
+                             FinishSeq, Free, Grow, GrowMany, GrowReply, NewSeq, Resync, SchedulerMessage, SeqTokens,
+                             ServingStats, StatsQuery, Step, StepItem, StepResult, WorkerSync)
 
 WORKER = "worker0"
 PIPELINE_DEPTH = 2  # steps in flight: the one running and the next, queued
@@ -55,7 +55,9 @@ class RemoteBlocks:
 
     def _call(self, message, reply_type=CacheReply):
         prelude, self.outgoing = self.outgoing, []
-        reply = self.actor.call("cache", message, reply_type, self.timeout, prelude)
+        epoch = self.actor.epoch
+        reply = self.actor.call("cache", message, reply_type, self.timeout, prelude,
+                                accept=lambda r: r.epoch == epoch, interrupt=Resync)
         self.stats = reply.stats
         return reply
 
@@ -122,12 +124,17 @@ class SchedulerActor(Actor):
     inbox_type = SchedulerMessage
 
     def on_start(self) -> None:
+        self.epoch: int | None = None  # nothing is scheduled before the engine's first Resync
+        self._reset()
+
+    def _reset(self) -> None:
         c = self.config
+        # An RPC is normally answered in microseconds; a dead cache manager is replaced and
+        # announced (Resync) within seconds, which interrupts the wait (see Actor.call).
         self.blocks = RemoteBlocks(self, c.cache.block_size, c.cache.enable_prefix_caching,
-                                   c.supervisor.hang_timeout)
+                                   2 * c.supervisor.hang_timeout)
         self.policy = Scheduler(SchedulerConfig(c.scheduler.max_num_seqs, c.scheduler.max_num_batched_tokens,
                                                 c.scheduler.max_model_len), self.blocks)
-        self.epoch = 0
         self.step_number = 0
         self.in_flight: deque[tuple[int, list[ScheduledRequest]]] = deque()
         self.unsent: dict[int, NewSeq] = {}      # sequences the worker has not been told about yet
@@ -136,6 +143,14 @@ class SchedulerActor(Actor):
 
     # ---------------------------------------------------------------- messages
     def handle(self, message) -> None:
+        if isinstance(message, Resync):
+            self._resync(message.epoch)
+        elif self.epoch is None and isinstance(message, (AddSeq, FinishSeq, StepResult)):
+            return  # sent to a scheduler that is gone; the engine re-sends after Resync
+        else:
+            self._handle(message)
+
+    def _handle(self, message) -> None:
         match message:
             case AddSeq():
                 self._add(message)
@@ -148,6 +163,13 @@ class SchedulerActor(Actor):
                 self.send("engine", self._stats(nonce, client))
             case _:
                 super().handle(message)
+
+    def _resync(self, epoch: int) -> None:
+        """A new epoch: everything scheduled, allocated or computed before is void."""
+        self._reset()
+        self.epoch = epoch
+        self.send("cache", CacheReset(epoch))
+        self.send(WORKER, WorkerSync(epoch))
 
     def _add(self, m: AddSeq) -> None:
         self.policy.add(Request(m.seq, list(m.prompt_token_ids), m.params, tuple(m.eos_token_ids),
@@ -168,22 +190,30 @@ class SchedulerActor(Actor):
         reasons = {r.request_id: r.finish_reason for r in finished}
         logprobs = [result.logprobs[i] for i in live] if result.logprobs else None
         seqs = [result.seqs[i] for i in live]
-        self.send("engine", SeqTokens(seqs, [result.token_ids[i] for i in live],
+        self.send("engine", SeqTokens(self.epoch, seqs, [result.token_ids[i] for i in live],
                                       [reasons.get(s) for s in seqs], logprobs))
         for request in finished:
             self._forget(request.request_id)
 
     def _stats(self, nonce: int, client: int) -> ServingStats:
         p = self.policy
+        try:
+            cache = self.blocks.refresh_stats() if self.epoch is not None else self.blocks.stats
+        except Interrupted:
+            cache = self.blocks.stats
         return ServingStats(nonce, len(p.running), len(p.waiting), len(p.requests), self.step_number,
-                            p.num_preemptions, self.blocks.refresh_stats(),
-                            client)
+                            p.num_preemptions, cache, client)
 
     # ------------------------------------------------------------------- steps
     def after_messages(self) -> None:
-        while len(self.in_flight) < PIPELINE_DEPTH and self.policy.has_work():
-            if not self._launch():
-                break
+        if self.epoch is None:
+            return
+        try:
+            while len(self.in_flight) < PIPELINE_DEPTH and self.policy.has_work():
+                if not self._launch():
+                    break
+        except Interrupted:
+            return  # a Resync arrived mid-call: the loop handles it next, and it voids all this
         self.blocks.flush()
 
     def has_work(self) -> bool:

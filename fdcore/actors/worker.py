@@ -23,7 +23,7 @@ import numpy as np
 from fdcore.actors import health
 from fdcore.actors.runtime import Actor
 from fdcore.config import model_path
-from fdcore.protocol import SamplingParams, Step, StepResult, WorkerMessage
+from fdcore.protocol import SamplingParams, Step, StepResult, WorkerMessage, WorkerSync
 
 
 @dataclass(eq=False)
@@ -52,6 +52,7 @@ class WorkerActor(Actor):
         from fdcore.models.loader import load_checkpoint
 
         self.seqs: dict[int, SeqState] = {}
+        self.epoch: int | None = None  # no step is run before the scheduler's WorkerSync
         if self.config.model.backend == "null":
             from fdcore.models.null import NullModel
 
@@ -71,7 +72,11 @@ class WorkerActor(Actor):
 
     def handle(self, message) -> None:
         if isinstance(message, Step):
-            self.send("scheduler", self.run_step(message))
+            if message.epoch == self.epoch:  # else: a step of an epoch that ended (or of our predecessor)
+                self.send("scheduler", self.run_step(message))
+        elif isinstance(message, WorkerSync):
+            self.seqs.clear()
+            self.epoch = message.epoch
         else:
             super().handle(message)
 

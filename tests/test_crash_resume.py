@@ -1,0 +1,209 @@
+"""Crash-proof serving: SIGKILL any actor mid-generation and every stream finishes with exactly
+the tokens of a run without the crash (greedy and seeded sampling), with nothing left behind."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+
+import psutil
+import pytest
+
+from fdcore import AsyncLLM, SamplingParams
+from fdcore.config import parse_config
+from fdcore.ipc import names
+from fdcore.models import tiny
+
+TITLES = {"worker": "fdcore:worker:0", "scheduler": "fdcore:scheduler", "cache": "fdcore:cache",
+          "engine": "fdcore:engine"}
+
+
+def config(model: str, **supervisor):
+    keys = {"max_restarts": 100, "period": 60.0, **supervisor}
+    text = (f'[model]\npath = "{model}"\n[scheduler]\nmax_num_batched_tokens = 64\n[supervisor]\n'
+            + "".join(f"{k} = {json.dumps(v)}\n" for k, v in keys.items()))
+    return parse_config(text)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return tiny.make_tiny_model(str(tmp_path_factory.mktemp("crash") / "tiny"))
+
+
+def actor_pid(client: AsyncLLM, kind: str) -> int | None:
+    for child in psutil.Process(client._tree.proc.pid).children():
+        try:
+            if child.cmdline() and child.cmdline()[0].startswith(TITLES[kind]):
+                return child.pid
+        except psutil.NoSuchProcess:
+            continue
+    return None
+
+
+def requests(count: int = 8, length: int = 24, max_tokens: int = 40):
+    prompts = [[5 + (i * 131 + j * 17) % 4000 for j in range(length + 3 * i)] for i in range(count)]
+    params = [SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True) if i % 2 else
+              SamplingParams(temperature=0.8, top_p=0.95, seed=40 + i, max_tokens=max_tokens, ignore_eos=True)
+              for i in range(count)]
+    return prompts, params
+
+
+async def stream_all(client: AsyncLLM, prompts, params, on_progress=None):
+    """Every request streamed concurrently; returns (token ids, text, finish reason) per request."""
+    received = [0]
+
+    async def one(i):
+        tokens, text = [], ""
+        async for out in client.generate(prompts[i], params[i], request_id=f"r{i}"):
+            tokens += out.outputs.token_ids
+            text += out.outputs.text
+            received[0] += len(out.outputs.token_ids)
+            if on_progress is not None:
+                await on_progress(received[0])
+        return tokens, text, out.outputs.finish_reason, out.error_msg
+
+    return await asyncio.gather(*(one(i) for i in range(len(prompts))))
+
+
+def kill(client: AsyncLLM, kind: str) -> int:
+    pid = actor_pid(client, kind)
+    assert pid is not None, f"no {kind} to kill"
+    os.kill(pid, signal.SIGKILL)
+    return pid
+
+
+async def wait_for_new(client: AsyncLLM, kind: str, old: int, timeout: float = 60.0) -> int:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        pid = actor_pid(client, kind)
+        if pid is not None and pid != old:
+            return pid
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"{kind} was not restarted within {timeout} s")
+
+
+def run(model_dir, scenario, prompts=None, params=None):
+    """A fault-free run and a run with ``scenario(client, total_tokens)`` killing actors."""
+    prompts, params = (prompts, params) if prompts else requests()
+
+    async def main():
+        async with AsyncLLM(config(model_dir)) as client:
+            clean = await stream_all(client, prompts, params)
+            state = {"done": False, "busy": False}
+
+            async def progress(total):  # called by every stream: run the scenario once at a time
+                if not state["done"] and not state["busy"]:
+                    state["busy"] = True
+                    state["done"] = await scenario(client, total)
+                    state["busy"] = False
+
+            crashed = await stream_all(client, prompts, params, progress)
+            health = await client.check_health()
+            return clean, crashed, state["done"], health
+
+    clean, crashed, done, health = asyncio.run(main())
+    assert done, "the scenario did not run"
+    for i, (want, got) in enumerate(zip(clean, crashed, strict=True)):
+        assert got[3] == "", f"request {i} failed: {got[3]}"
+        assert got[0] == want[0], f"request {i}: tokens differ after the crash"
+        assert got[1] == want[1], f"request {i}: text differs after the crash"
+        assert got[2] == want[2] == "length"
+    assert health == (True, "")
+    return clean
+
+
+def kill_at(kind: str, tokens: int):
+    async def scenario(client, total):
+        if total >= tokens:
+            kill(client, kind)
+            return True
+        return False
+    return scenario
+
+
+@pytest.mark.parametrize("kind", ["worker", "scheduler", "cache", "engine"])
+def test_sigkill_mid_generation_changes_no_token(model_dir, kind):
+    run(model_dir, kill_at(kind, 100))
+
+
+def test_worker_killed_twice_in_a_row(model_dir):
+    async def scenario(client, total):
+        if total < 60:
+            return False
+        first = kill(client, "worker")
+        second = await wait_for_new(client, "worker", first)
+        os.kill(second, signal.SIGKILL)  # again, while it loads or recomputes
+        return True
+    run(model_dir, scenario)
+
+
+def test_worker_killed_mid_prefill(model_dir):
+    prompts, params = requests(count=6, length=200, max_tokens=12)
+
+    async def main():
+        async with AsyncLLM(config(model_dir)) as client:
+            clean = await stream_all(client, prompts, params)
+            task = asyncio.ensure_future(stream_all(client, prompts, params))
+            while (await client.stats()).steps < 4:  # a few 64-token prefill chunks in
+                await asyncio.sleep(0.005)
+            kill(client, "worker")
+            return clean, await task
+
+    clean, crashed = asyncio.run(main())
+    assert [c[:3] for c in crashed] == [c[:3] for c in clean]
+
+
+def test_intensity_exceeded_ends_every_stream_with_an_error_and_leaves_nothing(model_dir):
+    prompts, params = requests(count=4, max_tokens=400)
+
+    async def main():
+        client = AsyncLLM(config(model_dir, max_restarts=1, period=60.0))
+        supervisor = client._tree.proc
+        pids = [p.pid for p in psutil.Process(supervisor.pid).children()]
+        outputs = asyncio.ensure_future(stream_all(client, prompts, params))
+        while actor_pid(client, "worker") is None:
+            await asyncio.sleep(0.01)
+        first = kill(client, "worker")
+        second = await wait_for_new(client, "worker", first)
+        os.kill(second, signal.SIGKILL)
+        results = await outputs
+        await client.shutdown()
+        return results, supervisor, pids + [first, second]
+
+    results, supervisor, pids = asyncio.run(main())
+    assert supervisor.returncode == 1
+    for _tokens, _text, reason, error in results:
+        assert reason == "error" and error.startswith("fdcore stopped: worker0 "), error
+    assert not [pid for pid in pids if names.pid_alive(pid)]
+    assert not [e for e in names.list_entries() if e.owner_pid == supervisor.pid]
+
+
+def test_sync_llm_resumes_after_an_engine_kill(model_dir):
+    import threading
+
+    from fdcore import LLM
+
+    prompts, params = requests(count=6, max_tokens=60)
+    with LLM(config(model_dir)) as llm:
+        clean = [(o.outputs.token_ids, o.outputs.text) for o in llm.generate(prompts, params)]
+        watcher = LLM.connect(llm.instance)  # a second client, in another slot, pulls the trigger
+        killed = threading.Event()
+
+        def killer():
+            start = watcher.stats().steps
+            while watcher.stats().steps < start + 10:
+                pass
+            os.kill(next(p.pid for p in psutil.Process(llm._tree.proc.pid).children()
+                         if p.cmdline()[0].startswith("fdcore:engine")), signal.SIGKILL)
+            killed.set()
+
+        thread = threading.Thread(target=killer)
+        thread.start()
+        crashed = [(o.outputs.token_ids, o.outputs.text) for o in llm.generate(prompts, params)]
+        assert killed.is_set(), "the engine was meant to die while generate() ran"
+        thread.join()
+        watcher._conn.close()
+        assert crashed == clean
