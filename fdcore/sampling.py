@@ -5,10 +5,11 @@ prompt and output, presence and frequency over the output), EOS and stop
 tokens masked until ``min_tokens``; then greedy argmax, or temperature, top-k,
 top-p and min-p filters and one draw.
 
-NOTE: a seeded draw uses a uniform number keyed by ``(seed, position)``, and picks
-by inverse CDF over the surviving tokens in vocabulary order, so the token
-depends only on the request's own logits, seed and position: never on what
-else is in the batch, nor on how often the request was recomputed.
+NOTE: a draw is Gumbel-max with noise from a counter-based hash of ``(seed,
+position, token id)`` (:func:`gumbel_noise`), so the token depends only on the
+request's own logits, seed and position: never on what else is in the batch,
+nor on how often the request was recomputed, and it is robust to the few-ulp
+differences a recompute in another batch shape brings.
 """
 
 from __future__ import annotations
@@ -85,20 +86,28 @@ def _kind(request: SamplerRequest) -> int:
 
 
 def _sample_plain(logits: np.ndarray, requests: list[SamplerRequest]) -> np.ndarray:
-    """Temperature sampling of many rows in a few array operations (inverse CDF, vocabulary order)."""
-    temperatures = np.asarray([r.params.temperature for r in requests], dtype=np.float32)
-    scaled = logits / temperatures[:, None]
-    probs = np.exp(scaled - scaled.max(axis=1, keepdims=True))
-    cumulative = np.cumsum(probs, axis=1, dtype=np.float64)
-    u = np.asarray([_uniform(r.params.seed, r.position) for r in requests])
-    picks = (cumulative <= (u * cumulative[:, -1])[:, None]).sum(axis=1)
-    return np.minimum(picks, logits.shape[1] - 1)
+    """Temperature sampling of many rows at once (Gumbel-max; the C++ kernel when built)."""
+    keys = np.asarray([_draw_key(r.params.seed, r.position) for r in requests], dtype=np.uint64)
+    inv_t = np.asarray([1.0 / r.params.temperature for r in requests], dtype=np.float32)
+    kernel = _gumbel_kernel()
+    if kernel is not None:
+        from fdcore.models.llama import _shared
+
+        picks = kernel(_shared(np.ascontiguousarray(logits)), _shared(keys.view(np.int64)), _shared(inv_t))
+        return picks.numpy()
+    return np.asarray([int(np.argmax(row * t + gumbel_noise(int(k), row.size)))
+                       for row, k, t in zip(logits, keys, inv_t, strict=True)])
 
 
-def _is_plain_greedy(request: SamplerRequest) -> bool:
-    p = request.params
-    return (p.temperature == 0 and p.repetition_penalty == 1 and not p.presence_penalty
-            and not p.frequency_penalty and len(request.output_token_ids) >= p.min_tokens)
+_kernels: list = []
+
+
+def _gumbel_kernel():
+    if not _kernels:
+        from fdcore.models.kernels import gumbel_sample
+
+        _kernels.append(gumbel_sample())
+    return _kernels[0]
 
 
 def _sample_one(row: np.ndarray, request: SamplerRequest) -> int:
@@ -109,8 +118,10 @@ def _sample_one(row: np.ndarray, request: SamplerRequest) -> int:
         row[banned] = -np.inf
     if p.temperature == 0:
         return int(np.argmax(row))
-    candidates, weights = filtered_distribution(row / p.temperature, p)
-    return int(candidates[_draw(weights, p.seed, request.position)])
+    candidates, _ = filtered_distribution(row / p.temperature, p)
+    noise = gumbel_noise(_draw_key(p.seed, request.position), row.size)[candidates]
+    scores = row[candidates] * np.float32(1.0 / p.temperature) + noise
+    return int(candidates[np.argmax(scores)])
 
 
 def apply_penalties(row: np.ndarray, request: SamplerRequest) -> None:
@@ -146,29 +157,47 @@ def filtered_distribution(scaled: np.ndarray, p: SamplingParams) -> tuple[np.nda
     return candidates, probs[candidates]
 
 
-def _draw(weights: np.ndarray, seed: int | None, position: int) -> int:
-    cumulative = np.cumsum(weights, dtype=np.float64)
-    u = _uniform(seed, position)
-    return int(min(np.searchsorted(cumulative, u * cumulative[-1], side="right"), len(weights) - 1))
-
-
 _MASK64 = (1 << 64) - 1
 
 
-def _uniform(seed: int | None, position: int) -> float:
-    """A uniform draw in [0, 1): splitmix64 of (seed, position) when seeded, else fresh entropy.
+def _draw_key(seed: int | None, position: int) -> int:
+    """64 random bits for one draw: splitmix64 of (seed, position) when seeded, else fresh entropy.
 
-    NOTE: a counter-based generator (a pure hash of seed and position) instead
-    of a seeded numpy Generator per draw, which costs ~20 us to construct:
-    64 draws per step were 4 ms of a 40 ms step.
+    NOTE: counter-based (a pure hash of seed and position) rather than a seeded
+    numpy Generator per draw, which costs ~20 us to construct.
     """
     if seed is None:
-        return float(np.random.random())
+        return int(np.random.randint(0, 2**63, dtype=np.int64)) * 2 + int(np.random.randint(2))
     z = ((seed & _MASK64) * 0x9E3779B97F4A7C15 + (position + 1) * 0xBF58476D1CE4E5B9) & _MASK64
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
-    z ^= z >> 31
-    return (z >> 11) * (1.0 / (1 << 53))
+    return z ^ (z >> 31)
+
+
+def _mix32(h: np.ndarray) -> np.ndarray:
+    h = h ^ (h >> np.uint32(16))
+    h = h * np.uint32(0x7FEB352D)
+    h = h ^ (h >> np.uint32(15))
+    h = h * np.uint32(0x846CA68B)
+    return h ^ (h >> np.uint32(16))
+
+
+def gumbel_noise(key: int, size: int) -> np.ndarray:
+    """Gumbel(0, 1) noise for token ids 0..size-1 under one draw key (what the C++ kernel computes).
+
+    Sampling = argmax(logits / T + noise): the same distribution as softmax(logits / T), and
+    a different token needs the two best perturbed scores to lie within the logits' rounding
+    noise, so a request recomputed in another batch (a few ulps apart) draws the same token.
+    An inverse-CDF draw, by contrast, moved whenever the sum of probabilities before the
+    chosen token moved across the uniform number: after a crash's recompute ~1 seeded
+    stream in 16 changed.
+    """
+    k1, k2 = np.uint32(key & 0xFFFFFFFF), np.uint32(key >> 32)
+    with np.errstate(over="ignore"):
+        ids = np.arange(size, dtype=np.uint32) * np.uint32(0x9E3779B9)
+        h = _mix32(_mix32(ids ^ k1) + k2)
+    u = ((h >> np.uint32(8)).astype(np.float32) + np.float32(0.5)) * np.float32(1.0 / 16777216.0)
+    return -np.log(-np.log(u))
 
 
 def _log_softmax(logits: np.ndarray) -> np.ndarray:

@@ -145,7 +145,7 @@ class LlamaModel:
     def forward(self, batch: BatchInput, cache: PagedKVCache) -> np.ndarray:
         """Logits of each sequence's last new token, [num_seqs, vocab] float32, caller's order."""
         order = sorted(range(batch.num_seqs), key=lambda s: len(batch.token_ids[s]) != 1)
-        plan = _Plan(batch, order, cache)
+        plan = _Plan(batch, order, cache, masks=self.paged_attention is None)
         hidden = paddle.index_select(self.embed, paddle.to_tensor(plan.token_ids))
         cos, sin = self._rope(plan.positions)
         for index, layer in enumerate(self.layers):
@@ -176,6 +176,13 @@ class LlamaModel:
 
     def _attention(self, q: np.ndarray, layer: int, cache: PagedKVCache, plan) -> np.ndarray:
         """Attention output [tokens, heads * head_dim] for scaled queries ``q`` [tokens, heads, dim]."""
+        if self.paged_attention is not None:
+            # Every row (decode or prefill) attends to its own prefix in place, computed the same
+            # way whatever the batch: a recomputed token gets exactly the K/V it had.
+            k, v = cache.tensors(layer)
+            tables, lengths = plan.row_tables()
+            out = self.paged_attention(_shared(np.ascontiguousarray(q)), k, v, tables, lengths)
+            return out.numpy().reshape(q.shape[0], self.args.num_heads * self.args.head_dim)
         parts = []
         if plan.num_decode:
             parts.append(self._decode_attention(q[:plan.num_decode], layer, cache, plan))
@@ -185,11 +192,6 @@ class LlamaModel:
 
     def _decode_attention(self, q, layer, cache, plan):
         a = self.args
-        if self.paged_attention is not None:  # reads the blocks in place
-            k, v = cache.tensors(layer)
-            out = self.paged_attention(_shared(np.ascontiguousarray(q)), k, v, plan.decode_tables,
-                                       plan.decode_lengths)
-            return out.numpy().reshape(plan.num_decode, a.num_heads * a.head_dim)
         b, groups = plan.num_decode, a.num_heads // a.num_kv_heads
         k, v = (_shared(x).reshape([a.num_kv_heads, b, -1, a.head_dim])
                 for x in cache.gather(layer, plan.decode_blocks))
@@ -219,19 +221,22 @@ class LlamaModel:
 class _Plan:
     """Index arrays for one step, built once in numpy (decodes first, then prefills)."""
 
-    def __init__(self, batch: BatchInput, order: list[int], cache: PagedKVCache):
+    def __init__(self, batch: BatchInput, order: list[int], cache: PagedKVCache, masks: bool = True):
         tokens, positions, write, last, self.prefills = [], [], [], [], []
+        self._rows = []  # (block table, first position, token count) per sequence, in row order
+        self._kernel_inputs = None
         row, size = 0, cache.block_size
         for s in order:
             ids, start = batch.token_ids[s], batch.start_positions[s]
             end = start + len(ids)
             tokens.extend(ids)
             positions.extend(range(start, end))
+            self._rows.append((batch.block_tables[s], start, len(ids)))
             if len(ids) == 1:  # a decode: its one slot, without numpy's per-call overhead
                 write.append((batch.block_tables[s][start // size] * size + start % size,))
             else:
                 write.append(cache.slots(batch.block_tables[s], start, end))
-            if len(ids) > 1:
+            if len(ids) > 1 and masks:  # (the paged kernel needs no masks)
                 blocks = _blocks_for(batch.block_tables[s], end, cache.block_size)
                 bias = _causal_bias(start, end, len(blocks) * cache.block_size)
                 self.prefills.append((row, row + len(ids), blocks, paddle.to_tensor(bias)))
@@ -243,8 +248,23 @@ class _Plan:
         self.last_rows = np.asarray(last, dtype=np.int64)
         decode = [s for s in order if len(batch.token_ids[s]) == 1]
         self.num_decode = len(decode)
-        if decode:
+        if decode and masks:
             self._plan_decode(batch, decode, cache.block_size)
+
+    def row_tables(self) -> tuple[paddle.Tensor, paddle.Tensor]:
+        """Per row: its sequence's block table (padded) and how many keys it sees (position + 1)."""
+        if self._kernel_inputs is None:
+            total = sum(count for _, _, count in self._rows)
+            width = max(len(table) for table, _, _ in self._rows)
+            tables = np.zeros((total, width), dtype=np.int64)
+            lengths = np.empty(total, dtype=np.int64)
+            row = 0
+            for table, start, count in self._rows:
+                tables[row:row + count, :len(table)] = table
+                lengths[row:row + count] = np.arange(start + 1, start + count + 1)
+                row += count
+            self._kernel_inputs = (paddle.to_tensor(tables), paddle.to_tensor(lengths))
+        return self._kernel_inputs
 
     def _plan_decode(self, batch, decode, block_size) -> None:
         """Every decode sequence padded to the same number of blocks, the padding masked."""
@@ -257,8 +277,6 @@ class _Plan:
         keys = np.arange(width * block_size)[None, :]
         bias = np.where(keys < lengths[:, None], 0.0, -np.inf).astype(np.float32)
         self.decode_blocks = blocks.reshape(-1)
-        self.decode_tables = paddle.to_tensor(blocks)
-        self.decode_lengths = paddle.to_tensor(lengths.astype(np.int64))
         self.decode_bias = paddle.to_tensor(bias.reshape(1, len(decode), 1, -1))
 
 

@@ -33,10 +33,21 @@ def kernel_dir() -> str:
 
 
 def paged_decode_attention():
-    """The compiled operator (a callable), or None when it cannot be built here."""
-    if "op" not in _loaded:
-        _loaded["op"] = _build()
-    return _loaded["op"]
+    """The compiled attention operator (a callable), or None when it cannot be built here."""
+    ops = _ops()
+    return ops and ops[0]
+
+
+def gumbel_sample():
+    """The compiled Gumbel-max sampling operator, or None when it cannot be built here."""
+    ops = _ops()
+    return ops and ops[1]
+
+
+def _ops():
+    if "ops" not in _loaded:
+        _loaded["ops"] = _build()
+    return _loaded["ops"]
 
 
 @contextlib.contextmanager
@@ -84,7 +95,10 @@ def _build():
             return _C_ops._run_custom_op("fdcore_paged_decode_attention", q, k_cache, v_cache, tables,
                                          lengths)[0]
 
-        return paged_decode_attention
+        def gumbel(logits, keys, inv_temperature):
+            return _C_ops._run_custom_op("fdcore_gumbel_sample", logits, keys, inv_temperature)[0]
+
+        return paged_decode_attention, gumbel
     except Exception as exc:  # a missing compiler must not stop serving
         sys.stderr.write(f"fdcore: paged attention kernel unavailable ({type(exc).__name__}: {exc}); "
                          "using the slower Python path\n")

@@ -87,3 +87,53 @@ PD_BUILD_OP(fdcore_paged_decode_attention)
     .Inputs({"Q", "KCache", "VCache", "Tables", "Lengths"})
     .Outputs({"Out"})
     .SetKernelFn(PD_KERNEL(PagedDecodeAttention));
+
+// ---------------------------------------------------------------------------------------------
+// Gumbel-max sampling: token = argmax_i(logits[r, i] / T_r + G(key_r, i)), where G is Gumbel noise
+// from a counter-based hash of the row's key (a function of its seed and position) and the token
+// id. The same distribution as drawing from softmax(logits / T), and robust: a different draw needs
+// two perturbed scores within the logits' numerical noise of each other, so recomputing a request
+// (different batch, different kernels, a few ulps apart) draws the same tokens.
+//
+// logits [R, V] float32; keys [R] int64 (64 random bits per draw); inv_temperature [R] float32
+// out [R] int64
+static inline uint32_t mix32(uint32_t h) {
+  h ^= h >> 16;
+  h *= 0x7feb352dU;
+  h ^= h >> 15;
+  h *= 0x846ca68bU;
+  h ^= h >> 16;
+  return h;
+}
+
+std::vector<paddle::Tensor> GumbelSample(const paddle::Tensor& logits, const paddle::Tensor& keys,
+                                         const paddle::Tensor& inv_temperature) {
+  const int64_t R = logits.shape()[0], V = logits.shape()[1];
+  auto out = paddle::empty({R}, paddle::DataType::INT64, paddle::CPUPlace());
+  const float* X = logits.data<float>();
+  const int64_t* KEY = keys.data<int64_t>();
+  const float* INV_T = inv_temperature.data<float>();
+  int64_t* O = out.data<int64_t>();
+  std::vector<float> score(V);
+  for (int64_t r = 0; r < R; ++r) {
+    const uint64_t key = static_cast<uint64_t>(KEY[r]);
+    const uint32_t k1 = static_cast<uint32_t>(key), k2 = static_cast<uint32_t>(key >> 32);
+    const float* row = X + r * V;
+    const float inv_t = INV_T[r];
+#pragma omp simd
+    for (int64_t i = 0; i < V; ++i) {
+      const uint32_t h = mix32(mix32(k1 ^ (static_cast<uint32_t>(i) * 0x9E3779B9U)) + k2);
+      const float u = (static_cast<float>(h >> 8) + 0.5f) * (1.0f / 16777216.0f);  // (0, 1)
+      score[i] = row[i] * inv_t - logf(-logf(u));
+    }
+    int64_t best = 0;
+    for (int64_t i = 1; i < V; ++i) best = score[i] > score[best] ? i : best;
+    O[r] = best;
+  }
+  return {out};
+}
+
+PD_BUILD_OP(fdcore_gumbel_sample)
+    .Inputs({"Logits", "Keys", "InvTemperature"})
+    .Outputs({"Out"})
+    .SetKernelFn(PD_KERNEL(GumbelSample));

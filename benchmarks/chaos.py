@@ -1,0 +1,142 @@
+"""Chaos: SIGKILL random actors while streams run; every stream must equal its fault-free run.
+
+N concurrent streaming requests (half greedy, half seeded sampling) run once
+without faults, then again while K SIGKILLs hit random actors (worker,
+scheduler, cache manager, engine) at random moments, all drawn from one seed.
+Each kill waits until tokens flow again, then a random pause, then the next.
+
+Reported: requests identical to the fault-free run / total, kills (= restarts)
+per actor, and the pause each crash caused: from the kill to the next token
+any stream receives (p50 and max, per actor kind and overall).
+
+Usage: python benchmarks/chaos.py [--streams 32] [--kills 10] [--seed 0] [--max-tokens 300]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import signal
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+import psutil  # noqa: E402
+
+from fdcore import AsyncLLM, SamplingParams  # noqa: E402
+from fdcore.config import default_model_path, parse_config  # noqa: E402
+from fdcore.models.tiny import ensure_tiny_model  # noqa: E402
+
+TITLES = {"worker": "fdcore:worker:0", "scheduler": "fdcore:scheduler", "cache": "fdcore:cache",
+          "engine": "fdcore:engine"}
+
+
+def actor_pid(client: AsyncLLM, kind: str) -> int | None:
+    for child in psutil.Process(client._tree.proc.pid).children():
+        try:
+            if child.cmdline() and child.cmdline()[0].startswith(TITLES[kind]):
+                return child.pid
+        except psutil.NoSuchProcess:
+            continue
+    return None
+
+
+def workload(streams: int, max_tokens: int, rng: random.Random):
+    prompts = [[rng.randrange(5, 4000) for _ in range(rng.randrange(16, 64))] for _ in range(streams)]
+    params = [SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True) if i % 2 else
+              SamplingParams(temperature=0.9, top_p=0.95, seed=i, max_tokens=max_tokens, ignore_eos=True)
+              for i in range(streams)]
+    return prompts, params
+
+
+class Clock:
+    """When the latest token arrived, and an event per token so the chaos task can wait on it."""
+
+    def __init__(self):
+        self.last = 0.0
+        self.tick = asyncio.Event()
+
+    def token(self) -> None:
+        self.last = time.monotonic()
+        self.tick.set()
+
+
+async def stream(client, prompt, params, request_id, clock: Clock | None):
+    tokens, text, error = [], "", ""
+    async for out in client.generate(prompt, params, request_id=request_id):
+        tokens += out.outputs.token_ids
+        text += out.outputs.text
+        error = out.error_msg
+        if clock is not None and out.outputs.token_ids:
+            clock.token()
+    return tokens, text, error
+
+
+async def chaos(client, clock: Clock, kills: int, rng: random.Random, kinds: list[str], log: list):
+    await clock.tick.wait()
+    for _ in range(kills):
+        await asyncio.sleep(rng.uniform(0.05, 0.4))
+        kind = rng.choice(kinds)
+        pid = actor_pid(client, kind)
+        if pid is None:
+            continue
+        killed_at = time.monotonic()
+        os.kill(pid, signal.SIGKILL)
+        clock.tick.clear()
+        while clock.last <= killed_at:  # the next token any stream receives
+            clock.tick.clear()
+            await clock.tick.wait()
+        log.append((kind, clock.last - killed_at))
+
+
+async def main_async(args) -> int:
+    rng = random.Random(args.seed)
+    prompts, params = workload(args.streams, args.max_tokens, rng)
+    model = ensure_tiny_model(default_model_path())
+    config = parse_config(f'[model]\npath = "{model}"\n[supervisor]\nmax_restarts = {args.kills + 5}\n'
+                          f'period = 600.0\n')
+    async with AsyncLLM(config) as client:
+        clean = await asyncio.gather(*(stream(client, p, s, f"clean-{i}", None)
+                                       for i, (p, s) in enumerate(zip(prompts, params, strict=True))))
+        clock, log = Clock(), []
+        started = time.monotonic()
+        chaos_task = asyncio.ensure_future(chaos(client, clock, args.kills, rng, args.actors.split(","), log))
+        crashed = await asyncio.gather(*(stream(client, p, s, f"chaos-{i}", clock)
+                                         for i, (p, s) in enumerate(zip(prompts, params, strict=True))))
+        elapsed = time.monotonic() - started
+        chaos_task.cancel()
+        healthy = await client.check_health()
+    identical = sum(1 for a, b in zip(clean, crashed, strict=True) if a[:2] == b[:2] and not b[2])
+    for i, (a, b) in enumerate(zip(clean, crashed, strict=True)):
+        if a[:2] != b[:2] or b[2]:
+            at = next((j for j, (x, y) in enumerate(zip(a[0], b[0])) if x != y), min(len(a[0]), len(b[0])))
+            print(f"stream {i} differs ({'greedy' if i % 2 else 'seeded'}): {len(a[0])} vs {len(b[0])} tokens, "
+                  f"first difference at token {at}: {a[0][at:at + 4]} vs {b[0][at:at + 4]}; "
+                  f"text equal: {a[1] == b[1]}; error: {b[2]!r}")
+    print(f"\nchaos: {args.streams} streams x {args.max_tokens} tokens, {len(log)} of {args.kills} kills done "
+          f"in {elapsed:.1f} s (seed {args.seed}); health after: {healthy}")
+    print(f"identical to the fault-free run: {identical}/{args.streams}")
+    print(f"{'actor':10s} {'kills':>5s} {'pause p50 s':>12s} {'pause max s':>12s}")
+    for kind in [*TITLES, "all"]:
+        pauses = [p for k, p in log if kind in (k, "all")]
+        if pauses:
+            print(f"{kind:10s} {len(pauses):5d} {statistics.median(pauses):12.3f} {max(pauses):12.3f}")
+    return 0 if identical == args.streams and len(log) == args.kills else 1
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--streams", type=int, default=32)
+    parser.add_argument("--kills", type=int, default=10)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-tokens", type=int, default=300)
+    parser.add_argument("--actors", default="worker,scheduler,cache,engine")
+    return asyncio.run(main_async(parser.parse_args(argv)))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
