@@ -29,6 +29,8 @@ Example (every key shown with its default)::
     [workers]
     count = 1
     omp_threads = 1
+    standby = true            # keep a loaded spare per worker: a crashed worker is replaced in ~0.1 s
+                              # instead of a fresh start (import + weights); costs its memory
 
     [supervisor]
     strategy = "one_for_one"  # one_for_one | one_for_all | rest_for_one
@@ -88,6 +90,7 @@ class EngineConfig(_Section):
 class WorkersConfig(_Section):
     count: int = 1
     omp_threads: int = 1
+    standby: bool = True
 
 
 class SupervisorConfig(_Section):

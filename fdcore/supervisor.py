@@ -30,6 +30,8 @@ import subprocess
 import sys
 import time
 
+import posix_ipc
+
 from fdcore.actors import health, topology
 from fdcore.actors.health import HealthBoard, State
 from fdcore.config import Config, ConfigError, load_config
@@ -79,6 +81,9 @@ class Supervisor:
         self._wake_r = self._wake_w = -1
         self.board: HealthBoard | None = None
         self.inboxes: list[Inbox] = []
+        self.started = False
+        self.standbys: dict[str, subprocess.Popen] = {}  # warm spare workers, by the child they replace
+        self.standby_semaphores: dict = {}
         self.senders: dict[str, Sender] = {}
 
     # ------------------------------------------------------------------ main
@@ -119,6 +124,7 @@ class Supervisor:
     def _loop(self) -> None:
         while not self.stopping:
             self._wait_events(POLL)
+            self._check_standbys()
             for child in list(self.children.values()):
                 if child.proc.poll() is not None:
                     self._on_exit(child, _exit_reason(child.proc.returncode),
@@ -187,14 +193,23 @@ class Supervisor:
         for spec in self.specs:
             self._start_child(spec)
             log("started", id=spec.id, pid=self.children[spec.id].proc.pid)
+        self.started = True  # spares load only now, not competing with the tree's own start
+        for spec in self.specs:
+            self._spawn_standby(spec)
 
     def _start_child(self, spec: ChildSpec) -> None:
         slot = self.slots[spec.id]
         self.board.reset(slot, self.generation)
-        cmd = [sys.executable, "-m", "fdcore.actors", spec.kind, "--id", spec.id,
-               "--instance", self.instance, "--slot", str(slot), "--config", self.config_path,
-               "--parent", str(os.getpid())]
-        proc = subprocess.Popen(cmd, process_group=0, env=self._child_env(), stdin=subprocess.DEVNULL)
+        standby = self.standbys.pop(spec.id, None)
+        if standby is not None and standby.poll() is None:
+            proc = standby  # a warm spare: loaded already, it takes the place at once
+            self.standby_semaphores[spec.id].release()
+            log("promoted", id=spec.id, pid=proc.pid)
+        else:
+            if standby is not None:
+                standby.wait()
+            proc = subprocess.Popen(self._command(spec), process_group=0, env=self._child_env(),
+                                    stdin=subprocess.DEVNULL)
         child = self.children[spec.id] = Child(spec, slot, proc)
         try:
             self._wait_ready(child)
@@ -202,6 +217,51 @@ class Supervisor:
             self._kill(child)
             del self.children[spec.id]
             raise
+        self._spawn_standby(spec)
+
+    def _command(self, spec: ChildSpec, standby: str | None = None) -> list[str]:
+        cmd = [sys.executable, "-m", "fdcore.actors", spec.kind, "--id", spec.id,
+               "--instance", self.instance, "--slot", str(self.slots[spec.id]), "--config", self.config_path,
+               "--parent", str(os.getpid())]
+        return cmd + ["--standby", standby] if standby else cmd
+
+    # ------------------------------------------------------------- standbys
+    def _spawn_standby(self, spec: ChildSpec) -> None:
+        """Start a warm spare for a worker (it loads, then waits on its semaphore to take over)."""
+        if spec.kind != "worker" or not self.config.workers.standby or self.stopping or not self.started:
+            return
+        if spec.id in self.standbys and self.standbys[spec.id].poll() is None:
+            return
+        semaphore = self.standby_semaphores.get(spec.id)
+        if semaphore is None:
+            semaphore = self.standby_semaphores[spec.id] = posix_ipc.Semaphore(
+                names.object_name(self.instance, f"standby.{spec.id}"), posix_ipc.O_CREX, 0o600, 0)
+        while True:  # a promotion the previous spare never took must not promote the next one
+            try:
+                semaphore.acquire(0)
+            except posix_ipc.BusyError:
+                break
+        self.standbys[spec.id] = subprocess.Popen(self._command(spec, semaphore.name), process_group=0,
+                                                  env=self._child_env(), stdin=subprocess.DEVNULL)
+        log("standby", id=spec.id, pid=self.standbys[spec.id].pid)
+
+    def _check_standbys(self) -> None:
+        for cid, proc in list(self.standbys.items()):
+            if proc.poll() is not None:
+                log("standby_exited", id=cid, pid=proc.pid, reason=_exit_reason(proc.returncode))
+                del self.standbys[cid]
+                self._spawn_standby(next(s for s in self.specs if s.id == cid))
+
+    def _stop_standbys(self) -> None:
+        for proc in self.standbys.values():
+            _killpg(proc.pid, signal.SIGTERM)
+        for proc in self.standbys.values():
+            try:
+                proc.wait(self.config.supervisor.shutdown_timeout)
+            except subprocess.TimeoutExpired:
+                _killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        self.standbys.clear()
 
     def _wait_ready(self, child: Child) -> None:
         deadline = time.monotonic() + self.config.supervisor.start_timeout
@@ -235,6 +295,7 @@ class Supervisor:
 
     # -------------------------------------------------------------- stopping
     def _stop_all(self) -> None:
+        self._stop_standbys()
         for spec in reversed(self.specs):
             child = self.children.pop(spec.id, None)
             if child is not None:
@@ -329,6 +390,8 @@ class Supervisor:
                                              capacity=capacity))
 
     def _destroy_ipc(self) -> None:
+        for semaphore in self.standby_semaphores.values():
+            semaphore.close()
         for sender in self.senders.values():
             sender.close()
         for inbox in self.inboxes:

@@ -56,6 +56,7 @@ class Actor:
         self.slot = slot
         self._senders: dict[str, Sender] = {}
         self.stopping = False
+        self.standby = False  # a warm spare that has not taken over yet: it must not touch the slot
         self.stop_reason = "stopped"
         self.receiver: Receiver | None = None  # set by run()
         self.deferred: list = []  # messages that arrived while waiting for a reply (see call())
@@ -169,34 +170,62 @@ def run(actor: Actor, inbox: Inbox) -> None:
 def main(actor_cls, argv=None) -> int:
     args = _parse_args(argv)
     _die_with_parent(args.parent)
-    _set_title(topology.title_of(args.id))
+    standby = args.standby is not None
+    _set_title(topology.standby_title(args.id) if standby else topology.title_of(args.id))
     signal.signal(signal.SIGTERM, _raise_stop)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the supervisor's to handle
     config = load_config(args.config, check_model=False)
     board = HealthBoard.attach(topology.health_name(args.instance))
-    board.write(args.slot, health.PID, os.getpid())
-    board.write(args.slot, health.STATE, State.STARTING)
-    inbox = Inbox.attach(topology.inbox_name(args.instance, args.id),
-                         topology.producers_of(args.id, config))
+    if not standby:
+        board.write(args.slot, health.PID, os.getpid())
+        board.write(args.slot, health.STATE, State.STARTING)
     actor = actor_cls(args.id, args.instance, config, board, args.slot)
+    actor.standby = standby
+    inbox = None
     try:
         actor.on_start()
+        if standby:  # loaded and warm: wait to replace the actor when it dies
+            _wait_for_promotion(args.standby)
+            _set_title(topology.title_of(args.id))
+            board.write(args.slot, health.PID, os.getpid())
+            actor.standby = False
+        inbox = Inbox.attach(topology.inbox_name(args.instance, args.id),
+                             topology.producers_of(args.id, config))
         board.write(args.slot, health.STATE, State.READY)
         run(actor, inbox)
         board.write(args.slot, health.STATE, State.STOPPING)
         actor.on_stop()
     except StopRequested:
-        board.write(args.slot, health.STATE, State.STOPPING)
-        actor.on_stop()
+        if not actor.standby:
+            board.write(args.slot, health.STATE, State.STOPPING)
+            actor.on_stop()
     except Exception:
         _crash_report(args.id)
         return 1
     finally:
         actor.close()
-        inbox.close()
-    board.write(args.slot, health.STATE, State.STOPPED)
+        if inbox is not None:
+            inbox.close()
+    if not actor.standby:
+        board.write(args.slot, health.STATE, State.STOPPED)
     board.close()
     return 0
+
+
+def _wait_for_promotion(semaphore_name: str) -> None:
+    """Block until the supervisor releases our semaphore (SIGTERM still ends the wait)."""
+    import posix_ipc
+
+    semaphore = posix_ipc.Semaphore(semaphore_name)
+    try:
+        while True:
+            try:
+                semaphore.acquire(1.0)
+                return
+            except posix_ipc.BusyError:
+                continue
+    finally:
+        semaphore.close()
 
 
 def _parse_args(argv):
@@ -207,6 +236,8 @@ def _parse_args(argv):
     parser.add_argument("--slot", type=int, required=True)
     parser.add_argument("--config", required=True)
     parser.add_argument("--parent", type=int, required=True, help="the supervisor's pid")
+    parser.add_argument("--standby", default=None,
+                        help="load, then wait on this semaphore before taking over the actor's place")
     return parser.parse_args(argv)
 
 

@@ -39,6 +39,11 @@ def client_ids(config: Config) -> list[str]:
     return [f"client{i}" for i in range(config.engine.max_clients)]
 
 
+def standby_title(child_id: str) -> str:
+    """A warm spare's title until it takes over: fdcore:standby:worker:0."""
+    return title_of(child_id).replace("fdcore:", "fdcore:standby:", 1)
+
+
 def producers_of(child_id: str, config: Config) -> list[str]:
     """The links of a child's inbox: everyone allowed to send to it."""
     links = {

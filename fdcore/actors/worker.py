@@ -67,7 +67,8 @@ class WorkerActor(Actor):
         self.cache = PagedKVCache(checkpoint.args, cache.num_blocks, cache.block_size)
 
     def _loading(self, done: int, total: int) -> None:
-        self.board.write(self.slot, health.LOADING, 1000 * done // total)
+        if not self.standby:  # a spare's slot belongs to the worker it may replace
+            self.board.write(self.slot, health.LOADING, 1000 * done // total)
         sys.stderr.write(f"{self.child_id}: loading weights {done}/{total} files\n")
 
     def handle(self, message) -> None:
