@@ -113,7 +113,7 @@ async def main_async(args) -> int:
     identical = sum(1 for a, b in zip(clean, crashed, strict=True) if a[:2] == b[:2] and not b[2])
     for i, (a, b) in enumerate(zip(clean, crashed, strict=True)):
         if a[:2] != b[:2] or b[2]:
-            at = next((j for j, (x, y) in enumerate(zip(a[0], b[0])) if x != y), min(len(a[0]), len(b[0])))
+            at = next((j for j, (x, y) in enumerate(zip(a[0], b[0], strict=False)) if x != y), min(len(a[0]), len(b[0])))
             print(f"stream {i} differs ({'greedy' if i % 2 else 'seeded'}): {len(a[0])} vs {len(b[0])} tokens, "
                   f"first difference at token {at}: {a[0][at:at + 4]} vs {b[0][at:at + 4]}; "
                   f"text equal: {a[1] == b[1]}; error: {b[2]!r}")

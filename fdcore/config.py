@@ -42,10 +42,14 @@ Example (every key shown with its default)::
     hang_timeout = 10.0       # no tick (or no progress while busy) this long = hung: killed, restarted
     ring_capacity = 1048576   # bytes per inbox link
 
-    [server]
+    [server]                  # the OpenAI-compatible HTTP server (actor fdcore:api)
     enabled = false
-    host = "127.0.0.1"
+    host = "127.0.0.1"        # only this machine, unless you say otherwise
     port = 8000
+    model_name = ""           # the model id clients send; "" = the model directory's name
+    api_key = ""              # "" = no key; else clients send "Authorization: Bearer KEY"
+                              # (the environment variable FDCORE_API_KEY overrides it)
+    max_request_bytes = 1048576  # larger request bodies get 413
 """
 
 from __future__ import annotations
@@ -108,6 +112,9 @@ class ServerConfig(_Section):
     enabled: bool = False
     host: str = "127.0.0.1"
     port: int = 8000
+    model_name: str = ""
+    api_key: str = ""
+    max_request_bytes: int = 1 << 20
 
 
 class Config(_Section):
@@ -133,6 +140,7 @@ _MINIMA = [
     ("supervisor", "start_timeout", 0.001), ("supervisor", "shutdown_timeout", 0.0),
     ("supervisor", "heartbeat_interval", 0.001), ("supervisor", "hang_timeout", 0.001),
     ("supervisor", "ring_capacity", 4096), ("server", "port", 0),
+    ("server", "max_request_bytes", 1024),
 ]
 
 

@@ -82,6 +82,7 @@ class Supervisor:
         self.board: HealthBoard | None = None
         self.inboxes: list[Inbox] = []
         self.started = False
+        self.restart_counts: dict[str, int] = {}
         self.standbys: dict[str, subprocess.Popen] = {}  # warm spare workers, by the child they replace
         self.standby_semaphores: dict = {}
         self.senders: dict[str, Sender] = {}
@@ -155,6 +156,7 @@ class Supervisor:
                 self._stop_child(self.children.pop(cid))
         self.generation += 1
         for cid in affected:
+            self.restart_counts[cid] = self.restart_counts.get(cid, 0) + 1
             self._restart(cid)
         if not self.stopping and "engine" in self.children and any(c != "engine" for c in affected):
             # The engine re-submits every unfinished request in a new epoch (crash-resume).
@@ -200,6 +202,7 @@ class Supervisor:
     def _start_child(self, spec: ChildSpec) -> None:
         slot = self.slots[spec.id]
         self.board.reset(slot, self.generation)
+        self.board.write(slot, health.RESTARTS, self.restart_counts.get(spec.id, 0))
         standby = self.standbys.pop(spec.id, None)
         if standby is not None and standby.poll() is None:
             proc = standby  # a warm spare: loaded already, it takes the place at once

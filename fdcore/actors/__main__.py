@@ -10,6 +10,7 @@ KINDS = {
     "scheduler": "fdcore.actors.scheduler:SchedulerActor",
     "cache": "fdcore.actors.cache:CacheActor",
     "worker": "fdcore.actors.worker:WorkerActor",
+    "api": "fdcore.actors.api:ApiActor",
 }
 
 

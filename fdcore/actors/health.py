@@ -6,7 +6,7 @@ first)::
 
     0 pid   1 state   2 heartbeat (monotonic ns)   3 progress (messages handled)
     4 busy (1 while it has work queued)   5 generation (restarts)
-    6 loading (permille of start-up done, e.g. weight files read)   7 reserved
+    6 loading (permille of start-up done, e.g. weight files read)   7 restarts of this child
 
 ``heartbeat`` moves whenever the actor's loop turns (at least every
 ``heartbeat_interval`` when idle); ``progress`` moves whenever it finishes a
@@ -24,7 +24,7 @@ import posix_ipc
 from fdcore.ipc.shm import map_segment, unlink_quietly
 
 WORDS_PER_SLOT = 8
-PID, STATE, HEARTBEAT, PROGRESS, BUSY, GENERATION, LOADING = range(7)
+PID, STATE, HEARTBEAT, PROGRESS, BUSY, GENERATION, LOADING, RESTARTS = range(8)
 
 
 class State(enum.IntEnum):

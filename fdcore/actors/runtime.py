@@ -192,7 +192,10 @@ def main(actor_cls, argv=None) -> int:
         inbox = Inbox.attach(topology.inbox_name(args.instance, args.id),
                              topology.producers_of(args.id, config))
         board.write(args.slot, health.STATE, State.READY)
-        run(actor, inbox)
+        if hasattr(actor, "serve"):  # an actor with its own event loop (the HTTP server)
+            actor.serve(inbox)
+        else:
+            run(actor, inbox)
         board.write(args.slot, health.STATE, State.STOPPING)
         actor.on_stop()
     except StopRequested:

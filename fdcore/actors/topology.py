@@ -20,7 +20,7 @@ def worker_ids(config: Config) -> list[str]:
 
 def child_ids(config: Config) -> list[str]:
     """Start order of the children."""
-    return ["cache", *worker_ids(config), "scheduler", "engine"]
+    return ["cache", *worker_ids(config), "scheduler", "engine", *(["api"] if config.server.enabled else [])]
 
 
 def kind_of(child_id: str) -> str:
@@ -50,6 +50,7 @@ def producers_of(child_id: str, config: Config) -> list[str]:
         "cache": ["scheduler"],
         "scheduler": ["engine", "cache", *worker_ids(config)],
         "engine": ["scheduler", *client_ids(config)],
+        "api": [],
     }
     return [SUPERVISOR, *links.get(child_id, ["scheduler"])]
 

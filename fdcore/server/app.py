@@ -1,0 +1,272 @@
+"""The OpenAI-compatible ASGI app (Starlette): completions, chat completions, models, health, metrics.
+
+Requests are decoded with msgspec (a wrong type or a missing field is a 400
+naming the parameter), checked by the engine like every other client's (the
+same field-named errors), and answered in OpenAI's shapes: JSON, or
+server-sent events when ``stream`` is true. Errors are always
+``{"error": {"message", "type", "param", "code"}}`` with a 4xx/5xx status.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import time
+import uuid
+from dataclasses import dataclass
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from fdcore.server.metrics import Metrics
+from fdcore.server.schemas import (BadRequest, ChatCompletionRequest, CompletionRequest, chat_params,
+                                   completion_params, decode, prompts_of)
+
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+               405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
+               503: "service_unavailable"}
+
+
+@dataclass
+class Settings:
+    model_name: str
+    max_model_len: int
+    api_key: str = ""
+    max_request_bytes: int = 1 << 20
+
+
+def error_response(message: str, status: int, param: str | None = None, code: str | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": ERROR_TYPES.get(status, "api_error"),
+                                   "param": param, "code": code}}, status_code=status)
+
+
+def build_app(llm, settings: Settings, tokenizer, health, restarts) -> Starlette:
+    """``llm``: an AsyncLLM; ``health()`` -> (ok, reason); ``restarts()`` -> {actor: count}."""
+    metrics = Metrics()
+    api = _Api(llm, settings, tokenizer, metrics)
+
+    async def completions(request: Request) -> Response:
+        return await api.handle(request, api.completions)
+
+    async def chat(request: Request) -> Response:
+        return await api.handle(request, api.chat)
+
+    async def models(request: Request) -> Response:
+        if (denied := api.check_key(request)) is not None:
+            return denied
+        return JSONResponse({"object": "list", "data": [
+            {"id": settings.model_name, "object": "model", "created": api.started, "owned_by": "fdcore",
+             "max_model_len": settings.max_model_len}]})
+
+    async def health_check(request: Request) -> Response:
+        ok, reason = health()
+        return JSONResponse({"status": "ok"} if ok else {"status": "unhealthy", "reason": reason},
+                            status_code=200 if ok else 503)
+
+    async def metrics_endpoint(request: Request) -> Response:
+        try:
+            metrics.observe_stats(await llm.stats(timeout=2.0), restarts())
+        except Exception:  # the engine is restarting: serve what we have
+            pass
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    async def http_error(request: Request, exc: HTTPException) -> Response:
+        return error_response(f"{request.method} {request.url.path}: {exc.detail}", exc.status_code)
+
+    return Starlette(routes=[
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/chat/completions", chat, methods=["POST"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/health", health_check, methods=["GET"]),
+        Route("/metrics", metrics_endpoint, methods=["GET"]),
+    ], exception_handlers={HTTPException: http_error})
+
+
+class _Api:
+    def __init__(self, llm, settings: Settings, tokenizer, metrics: Metrics):
+        self.llm, self.settings, self.tokenizer, self.metrics = llm, settings, tokenizer, metrics
+        self.started = int(time.time())
+
+    # ------------------------------------------------------------- plumbing
+    def check_key(self, request: Request) -> Response | None:
+        key = self.settings.api_key
+        if not key:
+            return None
+        given = request.headers.get("authorization", "")
+        if hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
+            return None
+        return error_response("Incorrect or missing API key (Authorization: Bearer ...)", 401,
+                              code="invalid_api_key")
+
+    async def body(self, request: Request) -> bytes:
+        limit = self.settings.max_request_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise BadRequest(f"The request body is {declared} bytes, more than the {limit} allowed", status=413)
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise BadRequest(f"The request body is more than the {limit} bytes allowed", status=413)
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    async def handle(self, request: Request, endpoint) -> Response:
+        if (denied := self.check_key(request)) is not None:
+            return denied
+        try:
+            return await endpoint(await self.body(request))
+        except BadRequest as exc:
+            return error_response(str(exc), exc.status, exc.param, exc.code)
+
+    def check_model(self, model: str) -> None:
+        if model != self.settings.model_name:
+            raise BadRequest(f"The model '{model}' does not exist; this server serves "
+                             f"'{self.settings.model_name}'", "model", 404, code="model_not_found")
+
+    async def start(self, prompt, params):
+        """The request's output stream and its first output; an engine refusal becomes a BadRequest."""
+        stream = self.llm.generate(prompt, params)
+        first = await stream.__anext__()
+        if first.outputs.finish_reason == "error":
+            await stream.aclose()
+            self.metrics.finished("error", None)
+            field = first.error_msg.split(":", 1)[0] if ":" in first.error_msg else None
+            raise BadRequest(first.error_msg, field, first.error_code or 500,
+                             code="rate_limit_exceeded" if first.error_code == 429 else None)
+        return stream, first
+
+    async def outputs(self, stream, first):
+        yield first
+        if not first.finished:
+            async for out in stream:
+                yield out
+
+    def token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    # ---------------------------------------------------------- completions
+    async def completions(self, raw: bytes) -> Response:
+        body = decode(raw, CompletionRequest)
+        self.check_model(body.model)
+        params = completion_params(body)
+        [prompt] = prompts_of(body)
+        stream, first = await self.start(prompt, params)
+        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        if body.stream:
+            usage = bool((body.stream_options or {}).get("include_usage"))
+            return _sse(self._completion_chunks(stream, first, rid, created, body.model, usage))
+        text, tokens, logprobs, out = "", [], [], first
+        async for out in self.outputs(stream, first):
+            text += out.outputs.text
+            tokens += out.outputs.token_ids
+            logprobs += out.outputs.logprobs or []
+        self.metrics.finished(out.outputs.finish_reason, out.metrics)
+        if out.outputs.finish_reason == "error":
+            return error_response(out.error_msg, out.error_code or 500)
+        choice = {"index": 0, "text": text, "finish_reason": out.outputs.finish_reason,
+                  "logprobs": self._completion_logprobs(tokens, logprobs, 0) if body.logprobs is not None else None}
+        return JSONResponse({"id": rid, "object": "text_completion", "created": created, "model": body.model,
+                             "choices": [choice], "usage": _usage(first, len(tokens))})
+
+    async def _completion_chunks(self, stream, first, rid, created, model, include_usage):
+        produced, offset = 0, 0
+        async for out in self.outputs(stream, first):
+            produced += len(out.outputs.token_ids)
+            logprobs = None
+            if out.outputs.logprobs:
+                logprobs = self._completion_logprobs(out.outputs.token_ids, out.outputs.logprobs, offset)
+            offset += len(out.outputs.text)
+            if out.outputs.text or out.finished:
+                yield {"id": rid, "object": "text_completion", "created": created, "model": model,
+                       "choices": [{"index": 0, "text": out.outputs.text, "logprobs": logprobs,
+                                    "finish_reason": out.outputs.finish_reason}]}
+            if out.finished:
+                self.metrics.finished(out.outputs.finish_reason, out.metrics)
+        if include_usage:
+            yield {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [],
+                   "usage": _usage(first, produced)}
+
+    def _completion_logprobs(self, tokens, logprobs, offset):
+        texts = [self.token_text(t) for t in tokens]
+        offsets, at = [], offset
+        for text in texts:
+            offsets.append(at)
+            at += len(text)
+        return {"tokens": texts, "token_logprobs": [lp[0][1] for lp in logprobs],
+                "top_logprobs": [{self.token_text(t): p for t, p in lp[1:]} for lp in logprobs],
+                "text_offset": offsets}
+
+    # ----------------------------------------------------------------- chat
+    async def chat(self, raw: bytes) -> Response:
+        body = decode(raw, ChatCompletionRequest)
+        self.check_model(body.model)
+        params = chat_params(body, self.settings.max_model_len)
+        stream, first = await self.start({"messages": body.messages}, params)
+        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        if body.stream:
+            usage = bool((body.stream_options or {}).get("include_usage"))
+            return _sse(self._chat_chunks(stream, first, rid, created, body.model, usage, body.logprobs))
+        text, tokens, logprobs, out = "", [], [], first
+        async for out in self.outputs(stream, first):
+            text += out.outputs.text
+            tokens += out.outputs.token_ids
+            logprobs += out.outputs.logprobs or []
+        self.metrics.finished(out.outputs.finish_reason, out.metrics)
+        if out.outputs.finish_reason == "error":
+            return error_response(out.error_msg, out.error_code or 500)
+        choice = {"index": 0, "message": {"role": "assistant", "content": text},
+                  "finish_reason": out.outputs.finish_reason,
+                  "logprobs": {"content": self._chat_logprobs(tokens, logprobs)} if body.logprobs else None}
+        return JSONResponse({"id": rid, "object": "chat.completion", "created": created, "model": body.model,
+                             "choices": [choice], "usage": _usage(first, len(tokens))})
+
+    async def _chat_chunks(self, stream, first, rid, created, model, include_usage, want_logprobs):
+        base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
+        yield {**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                    "logprobs": None, "finish_reason": None}]}
+        produced = 0
+        async for out in self.outputs(stream, first):
+            produced += len(out.outputs.token_ids)
+            logprobs = None
+            if want_logprobs and out.outputs.logprobs:
+                logprobs = {"content": self._chat_logprobs(out.outputs.token_ids, out.outputs.logprobs)}
+            if out.outputs.text or out.finished:
+                delta = {"content": out.outputs.text} if out.outputs.text else {}
+                yield {**base, "choices": [{"index": 0, "delta": delta, "logprobs": logprobs,
+                                            "finish_reason": out.outputs.finish_reason}]}
+            if out.finished:
+                self.metrics.finished(out.outputs.finish_reason, out.metrics)
+        if include_usage:
+            yield {**base, "choices": [], "usage": _usage(first, produced)}
+
+    def _chat_logprobs(self, tokens, logprobs):
+        entries = []
+        for lp in logprobs:
+            text = self.token_text(lp[0][0])
+            entries.append({"token": text, "logprob": lp[0][1], "bytes": list(text.encode()),
+                            "top_logprobs": [{"token": self.token_text(t), "logprob": p,
+                                              "bytes": list(self.token_text(t).encode())} for t, p in lp[1:]]})
+        return entries
+
+
+def _usage(first, completion_tokens: int) -> dict:
+    prompt_tokens = len(first.prompt_token_ids or [])
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def _sse(chunks) -> StreamingResponse:
+    async def events():
+        try:
+            async for chunk in chunks:
+                yield f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
+            yield "data: [DONE]\n\n"
+        except asyncio.CancelledError:  # the client went away: the request is aborted upstream
+            raise
+    return StreamingResponse(events(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

@@ -1,0 +1,201 @@
+"""The OpenAI-compatible HTTP server (fdcore:api) under the official openai client, curl, and a
+table of malformed requests."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import socket
+import subprocess
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.supervised import Tree
+
+MODEL = "tiny"
+KEY = "sk-test-fdcore"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    from fdcore.models import tiny
+
+    root = tmp_path_factory.mktemp("server")
+    model = tiny.make_tiny_model(str(root / MODEL))
+    port = free_port()
+    config = root / "server.toml"
+    config.write_text(f'[model]\npath = "{model}"\n[server]\nenabled = true\nport = {port}\n'
+                      f'api_key = "{KEY}"\nmax_request_bytes = 65536\n[engine]\nmax_pending_requests = 64\n')
+    tree = Tree(str(config))
+    try:
+        tree.wait("ready", timeout=120)
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 30
+        while True:  # the API is ready when the tree is; its socket may take a moment more
+            try:
+                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                if time.monotonic() > deadline:
+                    raise
+        yield base
+    finally:
+        tree.proc.send_signal(signal.SIGINT)  # a clean stop; whatever is left is killed
+        try:
+            tree.exit_code(30)
+        finally:
+            tree.destroy()
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=f"{server}/v1", api_key=KEY, max_retries=0)
+
+
+def test_models_lists_the_served_model(client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+
+
+def test_completions_with_the_openai_client(client):
+    out = client.completions.create(model=MODEL, prompt="def main():", max_tokens=8, temperature=0)
+    assert out.object == "text_completion" and out.choices[0].finish_reason == "length"
+    assert out.usage.completion_tokens == 8 and out.usage.prompt_tokens > 0
+    again = client.completions.create(model=MODEL, prompt="def main():", max_tokens=8, temperature=0)
+    assert again.choices[0].text == out.choices[0].text  # greedy
+    pieces = [c.choices[0].text for c in client.completions.create(
+        model=MODEL, prompt="def main():", max_tokens=8, temperature=0, stream=True) if c.choices]
+    assert "".join(pieces) == out.choices[0].text
+
+
+def test_completion_logprobs(client):
+    out = client.completions.create(model=MODEL, prompt="abc", max_tokens=4, temperature=0, logprobs=3)
+    lp = out.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4
+    assert all(value <= 0 for value in lp.token_logprobs)
+    assert all(len(top) <= 3 for top in lp.top_logprobs)
+
+
+def test_chat_with_the_openai_client_streaming_and_not(client):
+    messages = [{"role": "user", "content": "Hello there"}]
+    out = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0,
+                                         logprobs=True, top_logprobs=2)
+    assert out.object == "chat.completion" and out.choices[0].message.role == "assistant"
+    assert out.usage.completion_tokens == 10
+    assert len(out.choices[0].logprobs.content) == 10
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == out.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == 10
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+
+
+@pytest.mark.skipif(shutil.which("curl") is None, reason="no curl on this machine")
+def test_curl(server):
+    body = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 3, "temperature": 0, "stream": True})
+    result = subprocess.run(["curl", "-sN", f"{server}/v1/completions", "-H", f"Authorization: Bearer {KEY}",
+                             "-H", "Content-Type: application/json", "-d", body],
+                            capture_output=True, text=True, timeout=60, check=True)
+    events = [line for line in result.stdout.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "data: [DONE]" and len(events) >= 2
+    assert json.loads(events[-2][6:])["choices"][0]["finish_reason"] == "length"
+
+
+def test_health_and_metrics(server, client):
+    assert httpx.get(f"{server}/health").json() == {"status": "ok"}
+    client.completions.create(model=MODEL, prompt="x", max_tokens=2)
+    text = httpx.get(f"{server}/metrics").text
+    for name in ("fdcore_requests_total", "fdcore_requests_running", "fdcore_requests_waiting",
+                 "fdcore_kv_cache_usage_ratio", "fdcore_prefix_cache_hit_rate",
+                 "fdcore_time_to_first_token_seconds_bucket", "fdcore_time_per_output_token_seconds_bucket",
+                 "fdcore_e2e_request_latency_seconds_bucket", 'fdcore_actor_restarts{actor="worker0"}'):
+        assert name in text, name
+    assert 'fdcore_requests_total{outcome="length"}' in text
+
+
+def _post(server, path, body, key=KEY, raw=None, headers=None):
+    h = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {}), **(headers or {})}
+    return httpx.post(f"{server}{path}", content=raw if raw is not None else json.dumps(body), headers=h, timeout=60)
+
+
+OK = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+MALFORMED = [
+    ("bad json", "/v1/completions", None, b"{not json", 400, None),
+    ("empty body", "/v1/completions", None, b"", 400, None),
+    ("body not an object", "/v1/completions", None, b"[1, 2]", 400, None),
+    ("missing model", "/v1/completions", {"prompt": "hi"}, None, 400, "model"),
+    ("missing prompt", "/v1/completions", {"model": MODEL}, None, 400, "prompt"),
+    ("missing messages", "/v1/chat/completions", {"model": MODEL}, None, 400, "messages"),
+    ("unknown model", "/v1/completions", {**OK, "model": "gpt-9"}, None, 404, "model"),
+    ("unknown field", "/v1/completions", {**OK, "frobnicate": 1}, None, 400, "frobnicate"),
+    ("max_tokens a string", "/v1/completions", {**OK, "max_tokens": "ten"}, None, 400, "max_tokens"),
+    ("max_tokens zero", "/v1/completions", {**OK, "max_tokens": 0}, None, 400, "max_tokens"),
+    ("max_tokens huge", "/v1/completions", {**OK, "max_tokens": 10**7}, None, 400, "max_tokens"),
+    ("temperature negative", "/v1/completions", {**OK, "temperature": -1}, None, 400, "temperature"),
+    ("temperature a string", "/v1/completions", {**OK, "temperature": "hot"}, None, 400, "temperature"),
+    ("top_p zero", "/v1/completions", {**OK, "top_p": 0}, None, 400, "top_p"),
+    ("n two", "/v1/completions", {**OK, "n": 2}, None, 400, "n"),
+    ("logprobs too many", "/v1/completions", {**OK, "logprobs": 50}, None, 400, "logprobs"),
+    ("presence penalty", "/v1/completions", {**OK, "presence_penalty": 5}, None, 400, "presence_penalty"),
+    ("stop a number", "/v1/completions", {**OK, "stop": 3}, None, 400, "stop"),
+    ("prompt token out of vocabulary", "/v1/completions", {**OK, "prompt": [999999]}, None, 400, "prompt_token_ids[0]"),
+    ("empty prompt", "/v1/completions", {**OK, "prompt": ""}, None, 400, "prompt"),
+    ("prompt too long", "/v1/completions", {**OK, "prompt": [5] * 3000}, None, 400, "prompt"),
+    ("chat role unknown", "/v1/chat/completions", {**CHAT, "messages": [{"role": "wizard", "content": "x"}]},
+     None, 400, "messages[0].role"),
+    ("chat content missing", "/v1/chat/completions", {**CHAT, "messages": [{"role": "user"}]}, None, 400,
+     "messages[0].content"),
+    ("top_logprobs without logprobs", "/v1/chat/completions", {**CHAT, "top_logprobs": 2}, None, 400,
+     "top_logprobs"),
+    ("oversized body", "/v1/completions", None, json.dumps({**OK, "prompt": "x" * 70000}).encode(), 413, None),
+]
+
+
+@pytest.mark.parametrize("name, path, body, raw, status, param", MALFORMED, ids=[m[0] for m in MALFORMED])
+def test_malformed_requests_get_openai_errors_and_the_server_keeps_serving(server, name, path, body, raw,
+                                                                           status, param):
+    response = _post(server, path, body, raw=raw)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["message"] and error["type"]
+    assert error["param"] == param, error
+    assert _post(server, "/v1/completions", OK).status_code == 200
+
+
+def test_api_key_and_unknown_routes(server):
+    assert _post(server, "/v1/completions", OK, key=None).status_code == 401
+    assert _post(server, "/v1/completions", OK, key="wrong").json()["error"]["code"] == "invalid_api_key"
+    missing = httpx.get(f"{server}/v1/nothing-here")
+    assert missing.status_code == 404 and "error" in missing.json()
+
+
+def test_queue_full_is_429(server):
+    import asyncio
+
+    async def burst():
+        async with httpx.AsyncClient(timeout=120) as http:
+            body = {**OK, "max_tokens": 200, "ignore_eos": True}
+            return await asyncio.gather(*(http.post(f"{server}/v1/completions", json=body,
+                                                    headers={"Authorization": f"Bearer {KEY}"})
+                                          for _ in range(100)))
+
+    codes = [r.status_code for r in asyncio.run(burst())]
+    assert 429 in codes and 200 in codes, codes
+    assert all(r in (200, 429) for r in codes)
+
+
+def test_binds_localhost_by_default():
+    from fdcore.config import parse_config
+
+    assert parse_config("[server]\nenabled = true\n", check_model=False).server.host == "127.0.0.1"
