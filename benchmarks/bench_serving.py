@@ -86,8 +86,7 @@ def start_vllm(model: str, peer_dir: str, max_num_seqs: int) -> Server:
     python = os.path.join(peer_dir, "venv", "bin", "python")
     cli = os.path.join(peer_dir, "vllm_cli.py")
     cmd = (f"source {peer_dir}/env.sh && exec {python} {cli} serve {model} --host 127.0.0.1 --port {port} "
-           f"--dtype float32 --max-model-len 1024 --max-num-seqs {max_num_seqs} --served-model-name bench "
-           f"--disable-log-requests")
+           f"--dtype float32 --max-model-len 1024 --max-num-seqs {max_num_seqs} --served-model-name bench")
     return Server(["bash", "-c", cmd], port, "bench")
 
 

@@ -129,27 +129,30 @@ def test_sigkill_mid_generation_changes_no_token(model_dir, kind):
     run(model_dir, kill_at(kind, 100))
 
 
-def test_worker_killed_twice_in_a_row(model_dir):
+@pytest.mark.parametrize("kind", ["worker", "scheduler", "cache", "engine"])
+def test_killed_twice_in_a_row(model_dir, kind):
     async def scenario(client, total):
         if total < 60:
             return False
-        first = kill(client, "worker")
-        second = await wait_for_new(client, "worker", first)
-        os.kill(second, signal.SIGKILL)  # again, while it loads or recomputes
+        first = kill(client, kind)
+        second = await wait_for_new(client, kind, first)
+        os.kill(second, signal.SIGKILL)  # again, while it starts or while requests recompute
         return True
     run(model_dir, scenario)
 
 
-def test_worker_killed_mid_prefill(model_dir):
+@pytest.mark.parametrize("kind", ["worker", "scheduler", "cache", "engine"])
+def test_killed_mid_prefill(model_dir, kind):
     prompts, params = requests(count=6, length=200, max_tokens=12)
 
     async def main():
         async with AsyncLLM(config(model_dir)) as client:
             clean = await stream_all(client, prompts, params)
+            base = (await client.stats()).steps
             task = asyncio.ensure_future(stream_all(client, prompts, params))
-            while (await client.stats()).steps < 4:  # a few 64-token prefill chunks in
+            while (await client.stats()).steps < base + 4:  # a few of ~19 prefill chunks in, no token yet
                 await asyncio.sleep(0.005)
-            kill(client, "worker")
+            kill(client, kind)
             return clean, await task
 
     clean, crashed = asyncio.run(main())

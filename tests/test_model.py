@@ -152,7 +152,7 @@ def test_missing_shard_names_it_and_the_index(tmp_path):
         load_checkpoint(path)
 
 
-def test_paged_attention_kernel_equals_the_python_path(models):
+def test_the_kernels_equal_the_python_path(models):
     model = models["llama-gqa"]
     assert model.paged_attention is not None, "the C++ kernel should build on this machine"
     rng = np.random.default_rng(3)
@@ -162,9 +162,10 @@ def test_paged_attention_kernel_equals_the_python_path(models):
     model.forward(BatchInput(prompts, [0] * len(prompts), tables), cache)  # prefill every sequence
     decode = BatchInput([[7] for _ in prompts], [len(p) for p in prompts], tables)
     fast = model.forward(decode, cache)
-    kernel, model.paged_attention = model.paged_attention, None
+    kernels = model.paged_attention, model.fused
+    model.paged_attention = model.fused = None
     try:
         slow = model.forward(decode, cache)
     finally:
-        model.paged_attention = kernel
+        model.paged_attention, model.fused = kernels
     np.testing.assert_allclose(fast, slow, rtol=1e-4, atol=1e-4)

@@ -115,9 +115,16 @@ class LlamaModel:
         self.inv_freq = (1.0 / (args.rope_theta ** (np.arange(0, half * 2, 2, dtype=np.float32)
                                                     / (half * 2)))).astype(np.float32)
         self.scale = args.head_dim ** -0.5
-        from fdcore.models.kernels import paged_decode_attention
+        from fdcore.models.kernels import fused_ops, paged_decode_attention
 
         self.paged_attention = paged_decode_attention()
+        self.fused = fused_ops()  # (add_rms_norm, silu_mul) or None
+        if self.fused is not None:
+            self.norm_t = self._tensor(self.norm)
+            for layer in self.layers:
+                layer["in_norm_t"] = self._tensor(layer["in_norm"])
+                layer["post_norm_t"] = self._tensor(layer["post_norm"])
+            self.no_delta = paddle.empty([0], dtype=paddle.float32)
 
     def _tensor(self, array: np.ndarray) -> paddle.Tensor:
         return paddle.to_tensor(np.ascontiguousarray(array), dtype=self.dtype)
@@ -148,13 +155,45 @@ class LlamaModel:
         plan = _Plan(batch, order, cache, masks=self.paged_attention is None)
         hidden = paddle.index_select(self.embed, paddle.to_tensor(plan.token_ids))
         cos, sin = self._rope(plan.positions)
-        for index, layer in enumerate(self.layers):
-            hidden = self._layer_forward(hidden, layer, index, cos, sin, plan, cache)
-        last = paddle.index_select(hidden, paddle.to_tensor(plan.last_rows))
-        logits = _linear(_rms_norm(last, self.norm, self.args.rms_norm_eps), self.lm_head)
+        if self.fused is not None and self.paged_attention is not None:
+            normed = self._fused_layers(hidden, cos, sin, plan, cache)
+            logits = _linear(paddle.index_select(normed, paddle.to_tensor(plan.last_rows)), self.lm_head)
+        else:
+            for index, layer in enumerate(self.layers):
+                hidden = self._layer_forward(hidden, layer, index, cos, sin, plan, cache)
+            last = paddle.index_select(hidden, paddle.to_tensor(plan.last_rows))
+            logits = _linear(_rms_norm(last, self.norm, self.args.rms_norm_eps), self.lm_head)
         out = np.empty((batch.num_seqs, self.args.vocab_size), dtype=np.float32)
         out[order] = logits.numpy()
         return out
+
+    def _fused_layers(self, hidden, cos, sin, plan, cache) -> paddle.Tensor:
+        """Every layer with fdcore's fused operators: each residual add travels with the next
+        RMSNorm, SwiGLU is one op, attention output stays a Paddle tensor; the final norm's
+        output (all rows) is returned. 8 operator calls per layer instead of ~25."""
+        add_rms_norm, silu_mul = self.fused
+        eps = self.args.rms_norm_eps
+        delta = self.no_delta
+        for index, layer in enumerate(self.layers):
+            hidden, x = add_rms_norm(hidden, delta, layer["in_norm_t"], eps)
+            attn = self._qkv_attention(x, layer, index, cos, sin, plan, cache)
+            hidden, x = add_rms_norm(hidden, _linear(attn, layer["o"]), layer["post_norm_t"], eps)
+            delta = _linear(silu_mul(_linear(x, layer["gate_up"])), layer["down"])
+        return add_rms_norm(hidden, delta, self.norm_t, eps)[1]
+
+    def _qkv_attention(self, x, layer, index, cos, sin, plan, cache) -> paddle.Tensor:
+        a = self.args
+        qkv = _linear(x, layer["qkv"])
+        if "qkv_bias" in layer:
+            qkv = qkv + layer["qkv_bias"]
+        heads = qkv.numpy().reshape(-1, a.num_heads + 2 * a.num_kv_heads, a.head_dim)
+        qk = _apply_rope(heads[:, :a.num_heads + a.num_kv_heads], cos, sin)
+        q = qk[:, :a.num_heads] * np.float32(self.scale)
+        cache.write(index, plan.write_slots, qk[:, a.num_heads:], heads[:, a.num_heads + a.num_kv_heads:])
+        k, v = cache.tensors(index)
+        tables, lengths = plan.row_tables()
+        out = self.paged_attention(_shared(np.ascontiguousarray(q)), k, v, tables, lengths)
+        return out.reshape([q.shape[0], a.num_heads * a.head_dim])
 
     def _layer_forward(self, hidden, layer, index, cos, sin, plan, cache):
         a = self.args

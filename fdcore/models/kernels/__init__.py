@@ -44,6 +44,12 @@ def gumbel_sample():
     return ops and ops[1]
 
 
+def fused_ops():
+    """(add_rms_norm, silu_mul) compiled, or None when the kernels cannot be built here."""
+    ops = _ops()
+    return ops and ops[2:]
+
+
 def _ops():
     if "ops" not in _loaded:
         _loaded["ops"] = _build()
@@ -98,7 +104,13 @@ def _build():
         def gumbel(logits, keys, inv_temperature):
             return _C_ops._run_custom_op("fdcore_gumbel_sample", logits, keys, inv_temperature)[0]
 
-        return paged_decode_attention, gumbel
+        def add_rms_norm(hidden, delta, weight, eps):
+            return _C_ops._run_custom_op("fdcore_add_rms_norm", hidden, delta, weight, float(eps))
+
+        def silu_mul(gate_up):
+            return _C_ops._run_custom_op("fdcore_silu_mul", gate_up)[0]
+
+        return paged_decode_attention, gumbel, add_rms_norm, silu_mul
     except Exception as exc:  # a missing compiler must not stop serving
         sys.stderr.write(f"fdcore: paged attention kernel unavailable ({type(exc).__name__}: {exc}); "
                          "using the slower Python path\n")

@@ -137,3 +137,66 @@ PD_BUILD_OP(fdcore_gumbel_sample)
     .Inputs({"Logits", "Keys", "InvTemperature"})
     .Outputs({"Out"})
     .SetKernelFn(PD_KERNEL(GumbelSample));
+
+// ---------------------------------------------------------------------------------------------
+// Residual add + RMSNorm in one pass (no hand-over to numpy and back between Paddle ops):
+//   hidden_out = hidden + delta          (delta may be empty: then hidden_out = hidden)
+//   normed     = hidden_out * rsqrt(mean(hidden_out^2) + eps) * weight
+// hidden, delta [T, E] float32; weight [E] float32.
+std::vector<paddle::Tensor> AddRmsNorm(const paddle::Tensor& hidden, const paddle::Tensor& delta,
+                                       const paddle::Tensor& weight, float eps) {
+  const int64_t T = hidden.shape()[0], E = hidden.shape()[1];
+  const bool add = delta.numel() > 0;
+  PD_CHECK(!add || delta.numel() == T * E, "add_rms_norm: delta shape differs from hidden");
+  auto sum = paddle::empty({T, E}, paddle::DataType::FLOAT32, paddle::CPUPlace());
+  auto normed = paddle::empty({T, E}, paddle::DataType::FLOAT32, paddle::CPUPlace());
+  const float* __restrict__ H = hidden.data<float>();
+  const float* __restrict__ DL = add ? delta.data<float>() : nullptr;
+  const float* __restrict__ W = weight.data<float>();
+  float* __restrict__ S = sum.data<float>();
+  float* __restrict__ N = normed.data<float>();
+  for (int64_t t = 0; t < T; ++t) {
+    const float* h = H + t * E;
+    float* s = S + t * E;
+    if (add) {
+      const float* d = DL + t * E;
+#pragma omp simd
+      for (int64_t e = 0; e < E; ++e) s[e] = h[e] + d[e];
+    } else {
+#pragma omp simd
+      for (int64_t e = 0; e < E; ++e) s[e] = h[e];
+    }
+    float squares = 0.f;
+#pragma omp simd reduction(+ : squares)
+    for (int64_t e = 0; e < E; ++e) squares += s[e] * s[e];
+    const float scale = 1.f / std::sqrt(squares / static_cast<float>(E) + eps);
+    float* n = N + t * E;
+#pragma omp simd
+    for (int64_t e = 0; e < E; ++e) n[e] = s[e] * scale * W[e];
+  }
+  return {sum, normed};
+}
+
+PD_BUILD_OP(fdcore_add_rms_norm)
+    .Inputs({"Hidden", "Delta", "Weight"})
+    .Outputs({"Sum", "Normed"})
+    .Attrs({"eps: float"})
+    .SetKernelFn(PD_KERNEL(AddRmsNorm));
+
+// SwiGLU: out = silu(gate) * up for gate_up = [gate | up] along the last axis ([T, 2I] -> [T, I]).
+std::vector<paddle::Tensor> SiluMul(const paddle::Tensor& gate_up) {
+  const int64_t T = gate_up.shape()[0], I = gate_up.shape()[1] / 2;
+  auto out = paddle::empty({T, I}, paddle::DataType::FLOAT32, paddle::CPUPlace());
+  const float* __restrict__ G = gate_up.data<float>();
+  float* __restrict__ O = out.data<float>();
+  for (int64_t t = 0; t < T; ++t) {
+    const float* g = G + t * 2 * I;
+    const float* u = g + I;
+    float* o = O + t * I;
+#pragma omp simd
+    for (int64_t i = 0; i < I; ++i) o[i] = g[i] / (1.f + expf(-g[i])) * u[i];
+  }
+  return {out};
+}
+
+PD_BUILD_OP(fdcore_silu_mul).Inputs({"GateUp"}).Outputs({"Out"}).SetKernelFn(PD_KERNEL(SiluMul));
