@@ -72,11 +72,11 @@ class Server:
             self.proc.wait()
 
 
-def start_fdcore(model: str, max_num_seqs: int) -> Server:
+def start_fdcore(model: str, max_num_seqs: int, omp_threads: int = 1) -> Server:
     port = free_port()
     config = tempfile.NamedTemporaryFile("w", suffix=".toml", delete=False, prefix="fdcore-bench-")
     config.write(f'[model]\npath = "{model}"\n[server]\nenabled = true\nport = {port}\nmodel_name = "bench"\n'
-                 f'[scheduler]\nmax_num_seqs = {max_num_seqs}\n')
+                 f'[scheduler]\nmax_num_seqs = {max_num_seqs}\n[workers]\nomp_threads = {omp_threads}\n')
     config.close()
     return Server([sys.executable, "-m", "fdcore.supervisor", "--config", config.name], port, "bench")
 
@@ -164,6 +164,7 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--peer-dir", default="/tmp/vllm-peer")
     parser.add_argument("--no-peer", action="store_true")
+    parser.add_argument("--omp-threads", type=int, default=1, help="fdcore's workers.omp_threads")
     args = parser.parse_args(argv)
 
     from fdcore.config import default_model_path
@@ -174,7 +175,7 @@ def main(argv=None) -> int:
     rng = random.Random(args.seed)
     prompts = [[rng.randrange(3, vocab) for _ in range(args.input_len)] for _ in range(args.prompts)]
     loads = [("rate", None, args.rate)] if args.rate else [(f"concurrency {c}", c, None) for c in args.concurrency]
-    systems = [("fdcore", lambda: start_fdcore(model, 128))]
+    systems = [("fdcore", lambda: start_fdcore(model, 128, args.omp_threads))]
     if not args.no_peer and os.path.exists(os.path.join(args.peer_dir, "venv", "bin", "python")):
         systems.append(("vLLM CPU fp32", lambda: start_vllm(model, args.peer_dir, 128)))
     table: dict[str, dict[str, dict]] = {}
