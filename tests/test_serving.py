@@ -237,3 +237,34 @@ def test_bad_requests_get_clear_errors_and_everyone_else_is_served(llm):
         assert out.error_msg.startswith(f"{field}:"), (field, out.error_msg)
     assert good.outputs.finish_reason == "length" and len(good.outputs.token_ids) == 30
     assert llm.check_health() == (True, "")
+
+
+DYING_CLIENT = """
+import sys
+from fdcore import LLM, SamplingParams
+llm = LLM.connect(sys.argv[1])
+llm._conn.submit("doomed", [5] * 40, SamplingParams(temperature=0.0, max_tokens=2000, ignore_eos=True))
+print("submitted", flush=True)
+sys.stdin.read()  # until killed
+"""
+
+
+def test_a_client_that_dies_has_its_requests_aborted(llm):
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-c", DYING_CLIENT, llm.instance], stdout=subprocess.PIPE,
+                            stdin=subprocess.PIPE, text=True, cwd=ROOT, start_new_session=True)
+    try:
+        assert proc.stdout.readline().strip() == "submitted"
+        deadline = time.monotonic() + 30
+        while llm.stats().running < 1:  # the request is running on the engine's side
+            assert time.monotonic() < deadline, "the dying client's request never started"
+        proc.kill()
+        proc.wait()
+        deadline = time.monotonic() + 10
+        while (stats := llm.stats()).running or stats.cache.num_free < stats.cache.num_blocks:
+            assert time.monotonic() < deadline, f"the dead client's request still runs: {stats}"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
