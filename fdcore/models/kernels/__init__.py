@@ -45,7 +45,7 @@ def gumbel_sample():
 
 
 def fused_ops():
-    """(add_rms_norm, silu_mul) compiled, or None when the kernels cannot be built here."""
+    """(add_rms_norm, silu_mul, attention_block) compiled, or None when they cannot be built here."""
     ops = _ops()
     return ops and ops[2:]
 
@@ -110,7 +110,11 @@ def _build():
         def silu_mul(gate_up):
             return _C_ops._run_custom_op("fdcore_silu_mul", gate_up)[0]
 
-        return paged_decode_attention, gumbel, add_rms_norm, silu_mul
+        def attention_block(qkv, cos, sin, slots, k_cache, v_cache, tables, lengths, num_heads, scale):
+            return _C_ops._run_custom_op("fdcore_attention_block", qkv, cos, sin, slots, k_cache, v_cache,
+                                         tables, lengths, int(num_heads), float(scale))[0]
+
+        return paged_decode_attention, gumbel, add_rms_norm, silu_mul, attention_block
     except Exception as exc:  # a missing compiler must not stop serving
         sys.stderr.write(f"fdcore: paged attention kernel unavailable ({type(exc).__name__}: {exc}); "
                          "using the slower Python path\n")

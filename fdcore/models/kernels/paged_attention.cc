@@ -14,24 +14,11 @@
 
 #include "paddle/extension.h"
 
-std::vector<paddle::Tensor> PagedDecodeAttention(const paddle::Tensor& q, const paddle::Tensor& k_cache,
-                                                 const paddle::Tensor& v_cache, const paddle::Tensor& tables,
-                                                 const paddle::Tensor& lengths) {
-  const auto qs = q.shape();
-  const auto ks = k_cache.shape();
-  const int64_t B = qs[0], H = qs[1], D = qs[2];
-  const int64_t KVH = ks[0], NB = ks[1], BS = ks[2];
-  const int64_t W = tables.shape()[1];
-  PD_CHECK(ks[3] == D && H % KVH == 0, "paged_decode_attention: head sizes do not match");
-  PD_CHECK(v_cache.shape() == ks, "paged_decode_attention: K and V caches differ in shape");
+// The attention of B rows over their own prefixes in the paged cache (the shared core of the ops).
+static void AttendRows(const float* Q, int64_t B, int64_t H, int64_t D, const float* K, const float* V,
+                       int64_t KVH, int64_t NB, int64_t BS, const int64_t* T, int64_t W, const int64_t* LEN,
+                       float* O) {
   const int64_t G = H / KVH;
-  auto out = paddle::empty({B, H, D}, paddle::DataType::FLOAT32, paddle::CPUPlace());
-  const float* Q = q.data<float>();
-  const float* K = k_cache.data<float>();
-  const float* V = v_cache.data<float>();
-  const int64_t* T = tables.data<int64_t>();
-  const int64_t* LEN = lengths.data<int64_t>();
-  float* O = out.data<float>();
   std::vector<float> scores;
   for (int64_t b = 0; b < B; ++b) {
     const int64_t L = LEN[b];
@@ -80,8 +67,77 @@ std::vector<paddle::Tensor> PagedDecodeAttention(const paddle::Tensor& q, const 
       }
     }
   }
+}
+
+std::vector<paddle::Tensor> PagedDecodeAttention(const paddle::Tensor& q, const paddle::Tensor& k_cache,
+                                                 const paddle::Tensor& v_cache, const paddle::Tensor& tables,
+                                                 const paddle::Tensor& lengths) {
+  const auto qs = q.shape();
+  const auto ks = k_cache.shape();
+  const int64_t B = qs[0], H = qs[1], D = qs[2];
+  PD_CHECK(ks[3] == D && H % ks[0] == 0, "paged_decode_attention: head sizes do not match");
+  PD_CHECK(v_cache.shape() == ks, "paged_decode_attention: K and V caches differ in shape");
+  auto out = paddle::empty({B, H, D}, paddle::DataType::FLOAT32, paddle::CPUPlace());
+  AttendRows(q.data<float>(), B, H, D, k_cache.data<float>(), v_cache.data<float>(), ks[0], ks[1], ks[2],
+             tables.data<int64_t>(), tables.shape()[1], lengths.data<int64_t>(), out.data<float>());
   return {out};
 }
+
+// Everything between the QKV projection and the output projection, for every row at once:
+// rotary embedding (HF's rotate-half, with cos / sin [T, D/2] computed by the caller), q scaled,
+// k and v written into the paged cache at each row's slot, then attention over each row's prefix.
+// qkv [T, (H + 2 KVH) D]; slots [T] int64 (block * BS + offset); out [T, H D].
+std::vector<paddle::Tensor> AttentionBlock(const paddle::Tensor& qkv, const paddle::Tensor& cos,
+                                           const paddle::Tensor& sin, const paddle::Tensor& slots,
+                                           const paddle::Tensor& k_cache, const paddle::Tensor& v_cache,
+                                           const paddle::Tensor& tables, const paddle::Tensor& lengths,
+                                           int64_t num_heads, float scale) {
+  const auto ks = k_cache.shape();
+  const int64_t KVH = ks[0], NB = ks[1], BS = ks[2], D = ks[3], H = num_heads, half = D / 2;
+  const int64_t Tn = qkv.shape()[0];
+  PD_CHECK(qkv.shape()[1] == (H + 2 * KVH) * D, "attention_block: qkv width does not match the heads");
+  PD_CHECK(H % KVH == 0 && v_cache.shape() == ks, "attention_block: cache shapes do not match");
+  auto q = paddle::empty({Tn, H, D}, paddle::DataType::FLOAT32, paddle::CPUPlace());
+  auto out = paddle::empty({Tn, H * D}, paddle::DataType::FLOAT32, paddle::CPUPlace());
+  const float* X = qkv.data<float>();
+  const float* C = cos.data<float>();
+  const float* S = sin.data<float>();
+  const int64_t* SLOT = slots.data<int64_t>();
+  float* Kc = const_cast<float*>(k_cache.data<float>());  // the cache is written in place
+  float* Vc = const_cast<float*>(v_cache.data<float>());
+  float* Qo = q.data<float>();
+  for (int64_t t = 0; t < Tn; ++t) {
+    const float* row = X + t * (H + 2 * KVH) * D;
+    const float* c = C + t * half;
+    const float* s = S + t * half;
+    PD_CHECK(SLOT[t] >= 0 && SLOT[t] < NB * BS, "attention_block: slot out of range");
+    for (int64_t h = 0; h < H + KVH; ++h) {  // query heads, then key heads, rotated
+      const float* x = row + h * D;
+      float* dst = h < H ? Qo + (t * H + h) * D : Kc + ((h - H) * NB * BS + SLOT[t]) * D;
+      const float mul = h < H ? scale : 1.f;
+      for (int64_t i = 0; i < half; ++i) {
+        const float a = x[i] * c[i] - x[i + half] * s[i];
+        const float b = x[i + half] * c[i] + x[i] * s[i];
+        dst[i] = h < H ? a * mul : a;
+        dst[i + half] = h < H ? b * mul : b;
+      }
+    }
+    for (int64_t j = 0; j < KVH; ++j) {  // values, as they are
+      const float* x = row + (H + KVH + j) * D;
+      float* dst = Vc + (j * NB * BS + SLOT[t]) * D;
+      for (int64_t i = 0; i < D; ++i) dst[i] = x[i];
+    }
+  }
+  AttendRows(Qo, Tn, H, D, Kc, Vc, KVH, NB, BS, tables.data<int64_t>(), tables.shape()[1],
+             lengths.data<int64_t>(), out.data<float>());
+  return {out};
+}
+
+PD_BUILD_OP(fdcore_attention_block)
+    .Inputs({"QKV", "Cos", "Sin", "Slots", "KCache", "VCache", "Tables", "Lengths"})
+    .Outputs({"Out"})
+    .Attrs({"num_heads: int64_t", "scale: float"})
+    .SetKernelFn(PD_KERNEL(AttentionBlock));
 
 PD_BUILD_OP(fdcore_paged_decode_attention)
     .Inputs({"Q", "KCache", "VCache", "Tables", "Lengths"})
