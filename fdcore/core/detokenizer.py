@@ -22,7 +22,7 @@ class IncrementalDetokenizer:
         self.tokenizer = getattr(tokenizer, "tokenizer", tokenizer)  # a ModelTokenizer or a Tokenizer
         self.table = byte_table(self.tokenizer)
         if self.table is not None:
-            self.utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+            self.pending = b""  # the bytes of a character not complete yet
         else:
             from tokenizers.decoders import DecodeStream
 
@@ -38,19 +38,26 @@ class IncrementalDetokenizer:
         if self.stopped:
             return ""
         if self.table is not None:
-            piece = self.utf8.decode(self.table[token_id] if 0 <= token_id < len(self.table) else b"")
+            data = self.pending + (self.table[token_id] if 0 <= token_id < len(self.table) else b"")
+            piece, used = codecs.utf_8_decode(data, "replace", False)
+            self.pending = data[used:]
         else:
             piece = self.stream.step(self.tokenizer, token_id)
         if piece:
             self.text += piece
+        if not self.stop:  # nothing to hold back: everything final is shown at once
+            out = self.text[self.emitted:]
+            self.emitted = len(self.text)
+            return out
         return self._release()
 
     def finish(self) -> str:
         """The request ended for another reason: hand out whatever was held back."""
         if self.stopped:
             return ""
-        if self.table is not None:
-            self.text += self.utf8.decode(b"", final=True)  # a dangling partial character
+        if self.table is not None and self.pending:
+            self.text += codecs.utf_8_decode(self.pending, "replace", True)[0]  # a dangling partial character
+            self.pending = b""
         out = self.text[self.emitted:]
         self.emitted = len(self.text)
         return out

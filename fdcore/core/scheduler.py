@@ -38,6 +38,7 @@ class Request:
     finish_reason: str | None = None
     num_preemptions: int = 0
     num_pending: int = 0        # trailing PLACEHOLDER tokens: sampled on the worker, not yet reported
+    full_blocks_known: int = 0  # full computed blocks already offered to the prefix cache
     final_pending: bool = False  # its last token (by length) is being sampled: schedule no more
 
     @property
@@ -155,6 +156,7 @@ class Scheduler:
         scheduled[:] = [s for s in scheduled if s.request is not victim]
         self.kv.free(victim.request_id)
         victim.num_computed_tokens = 0
+        victim.full_blocks_known = 0
         victim.status = Status.WAITING
         victim.num_preemptions += 1
         self.num_preemptions += 1
@@ -199,7 +201,9 @@ class Scheduler:
                     continue
             if request.status is Status.RUNNING:
                 known = min(request.num_computed_tokens, request.num_tokens - request.num_pending)
-                self.kv.cache_computed(request.request_id, request.all_token_ids, known)
+                if known // self.kv.block_size > request.full_blocks_known:  # a block filled up
+                    request.full_blocks_known = known // self.kv.block_size
+                    self.kv.cache_computed(request.request_id, request.all_token_ids, known)
         return finished
 
     def _record(self, request: Request, item: ScheduledRequest, token: int) -> str | None:
