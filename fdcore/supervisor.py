@@ -40,6 +40,7 @@ from fdcore.protocol import Restarted, Stop
 from fdcore.supervision import ChildSpec, RestartIntensity, should_restart, to_restart
 
 POLL = 0.05  # seconds between looks at the health board when nothing else happens
+STATEFUL = {"cache", "scheduler", "worker"}  # actors whose restart loses in-flight request state
 
 
 class StartFailure(Exception):
@@ -158,8 +159,10 @@ class Supervisor:
         for cid in affected:
             self.restart_counts[cid] = self.restart_counts.get(cid, 0) + 1
             self._restart(cid)
-        if not self.stopping and "engine" in self.children and any(c != "engine" for c in affected):
-            # The engine re-submits every unfinished request in a new epoch (crash-resume).
+        if not self.stopping and "engine" in self.children and any(
+                topology.kind_of(c) in STATEFUL for c in affected):
+            # Their request state died with them: the engine re-submits every unfinished request
+            # in a new epoch (crash-resume). An engine or API restart needs no such thing.
             self._send("engine", Restarted(",".join(affected), self.generation))
 
     def _restart(self, cid: str) -> None:

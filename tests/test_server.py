@@ -17,6 +17,7 @@ import pytest
 from tests.supervised import Tree
 
 MODEL = "tiny"
+TREES: list = []  # the module's tree, for tests that kill its actors
 KEY = "sk-test-fdcore"
 
 
@@ -37,6 +38,7 @@ def server(tmp_path_factory):
     config.write_text(f'[model]\npath = "{model}"\n[server]\nenabled = true\nport = {port}\n'
                       f'api_key = "{KEY}"\nmax_request_bytes = 65536\n[engine]\nmax_pending_requests = 64\n')
     tree = Tree(str(config))
+    TREES.append(tree)
     try:
         tree.wait("ready", timeout=120)
         base = f"http://127.0.0.1:{port}"
@@ -199,3 +201,43 @@ def test_binds_localhost_by_default():
     from fdcore.config import parse_config
 
     assert parse_config("[server]\nenabled = true\n", check_model=False).server.host == "127.0.0.1"
+
+
+def _actor(title: str):
+    import psutil
+
+    for child in psutil.Process(TREES[-1].proc.pid).children():
+        if child.cmdline() and child.cmdline()[0] == title:
+            return child
+    raise AssertionError(f"no {title}")
+
+
+def test_an_http_stream_survives_an_engine_kill(server):
+    body = {"model": MODEL, "prompt": "def main():", "max_tokens": 120, "temperature": 0, "ignore_eos": True}
+    clean = _post(server, "/v1/completions", body).json()["choices"][0]["text"]
+    pieces, killed = [], False
+    headers = {"Authorization": f"Bearer {KEY}"}
+    with httpx.stream("POST", f"{server}/v1/completions", json={**body, "stream": True}, headers=headers,
+                      timeout=120) as response:
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            pieces.append(json.loads(line[6:])["choices"][0]["text"])
+            if len(pieces) == 10 and not killed:
+                _actor("fdcore:engine").kill()
+                killed = True
+    assert killed and "".join(pieces) == clean
+
+
+def test_the_api_actor_is_restarted_and_serves_again(server):
+    old = _actor("fdcore:api")
+    old.kill()
+    TREES[-1].wait("restarted", id="api", timeout=60)
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            if _post(server, "/v1/completions", OK).status_code == 200:
+                break
+        except httpx.HTTPError:
+            assert time.monotonic() < deadline, "the restarted API does not answer"
+    assert _actor("fdcore:api").pid != old.pid
