@@ -259,14 +259,13 @@ class Supervisor:
                 self._spawn_standby(next(s for s in self.specs if s.id == cid))
 
     def _stop_standbys(self) -> None:
+        """SIGKILL: a spare has touched nothing shared (no slot, no inbox) and holds no state, and a
+        SIGTERM that lands inside its Paddle import makes Paddle print a spurious error."""
         for proc in self.standbys.values():
-            _killpg(proc.pid, signal.SIGTERM)
+            _killpg(proc.pid, signal.SIGKILL)
         for proc in self.standbys.values():
-            try:
-                proc.wait(self.config.supervisor.shutdown_timeout)
-            except subprocess.TimeoutExpired:
-                _killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+            proc.wait()
+            log("standby_stopped", pid=proc.pid)
         self.standbys.clear()
 
     def _wait_ready(self, child: Child) -> None:

@@ -203,6 +203,8 @@ def main(actor_cls, argv=None) -> int:
             board.write(args.slot, health.STATE, State.STOPPING)
             actor.on_stop()
     except Exception:
+        if _stop_signals and actor.standby:
+            return 0  # a spare told to stop while it loaded (the signal surfaced in some import)
         _crash_report(args.id)
         return 1
     finally:
@@ -259,7 +261,11 @@ def _set_title(title: str) -> None:
     setproctitle.setproctitle(title)
 
 
+_stop_signals: list[int] = []
+
+
 def _raise_stop(signum, frame):
+    _stop_signals.append(signum)
     raise StopRequested()
 
 
