@@ -115,10 +115,9 @@ class LlamaModel:
         self.inv_freq = (1.0 / (args.rope_theta ** (np.arange(0, half * 2, 2, dtype=np.float32)
                                                     / (half * 2)))).astype(np.float32)
         self.scale = args.head_dim ** -0.5
-        from fdcore.models.kernels import fused_ops, paged_decode_attention
+        from fdcore.models.kernels import fused_ops
 
-        self.paged_attention = paged_decode_attention()
-        self.fused = fused_ops()  # (add_rms_norm, silu_mul) or None
+        self.fused = fused_ops()  # (add_rms_norm, silu_mul, attention_block), or None: the Python path
         if self.fused is not None:
             self.norm_t = self._tensor(self.norm)
             for layer in self.layers:
@@ -152,10 +151,10 @@ class LlamaModel:
     def forward(self, batch: BatchInput, cache: PagedKVCache) -> np.ndarray:
         """Logits of each sequence's last new token, [num_seqs, vocab] float32, caller's order."""
         order = sorted(range(batch.num_seqs), key=lambda s: len(batch.token_ids[s]) != 1)
-        plan = _Plan(batch, order, cache, masks=self.paged_attention is None)
+        plan = _Plan(batch, order, cache, masks=self.fused is None)
         hidden = paddle.index_select(self.embed, paddle.to_tensor(plan.token_ids))
         cos, sin = self._rope(plan.positions)
-        if self.fused is not None and self.paged_attention is not None:
+        if self.fused is not None:
             normed = self._fused_layers(hidden, cos, sin, plan, cache)
             logits = _linear(paddle.index_select(normed, paddle.to_tensor(plan.last_rows)), self.lm_head)
         else:
@@ -210,14 +209,8 @@ class LlamaModel:
         return hidden + _linear(paddle.nn.functional.silu(gate) * up, layer["down"])
 
     def _attention(self, q: np.ndarray, layer: int, cache: PagedKVCache, plan) -> np.ndarray:
-        """Attention output [tokens, heads * head_dim] for scaled queries ``q`` [tokens, heads, dim]."""
-        if self.paged_attention is not None:
-            # Every row (decode or prefill) attends to its own prefix in place, computed the same
-            # way whatever the batch: a recomputed token gets exactly the K/V it had.
-            k, v = cache.tensors(layer)
-            tables, lengths = plan.row_tables()
-            out = self.paged_attention(_shared(np.ascontiguousarray(q)), k, v, tables, lengths)
-            return out.numpy().reshape(q.shape[0], self.args.num_heads * self.args.head_dim)
+        """Attention output [tokens, heads * head_dim] for scaled queries ``q`` [tokens, heads, dim]
+        (the Python path: per-sequence gathers and Paddle matmuls)."""
         parts = []
         if plan.num_decode:
             parts.append(self._decode_attention(q[:plan.num_decode], layer, cache, plan))

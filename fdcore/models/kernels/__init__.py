@@ -1,9 +1,11 @@
 """fdcore's own Paddle C++ operators, compiled on first use (``paddle.utils.cpp_extension``).
 
-``paged_decode_attention`` reads the KV cache's blocks in place: the Python path
-gathers every decoding sequence's blocks into a contiguous copy per layer and
-then runs three Paddle ops, which at batch 64 cost ~2 ms per layer; the
-operator does it in ~0.2 ms. The build (~15 s, once per machine and source
+``attention_block`` reads the KV cache's blocks in place (with rotary and the
+cache write folded in): the Python path gathers every decoding sequence's
+blocks into a contiguous copy per layer and then runs three Paddle ops, which at
+batch 64 cost ~2 ms per layer; the operator does it in ~0.2 ms. ``add_rms_norm``
+and ``silu_mul`` fuse the rest of a layer's small ops; ``gumbel_sample`` draws
+tokens (see fdcore.sampling). The build (~15 s, once per machine and source
 version) goes to ``$FDCORE_KERNEL_DIR`` (default ``~/.cache/fdcore-kernels``)
 under a file lock, so concurrent processes build it once. Anything that goes
 wrong (no compiler, no Paddle headers) is reported once and the model falls
@@ -32,22 +34,16 @@ def kernel_dir() -> str:
     return os.path.join(root, digest)
 
 
-def paged_decode_attention():
-    """The compiled attention operator (a callable), or None when it cannot be built here."""
-    ops = _ops()
-    return ops and ops[0]
-
-
 def gumbel_sample():
     """The compiled Gumbel-max sampling operator, or None when it cannot be built here."""
     ops = _ops()
-    return ops and ops[1]
+    return ops and ops[0]
 
 
 def fused_ops():
     """(add_rms_norm, silu_mul, attention_block) compiled, or None when they cannot be built here."""
     ops = _ops()
-    return ops and ops[2:]
+    return ops and ops[1:]
 
 
 def _ops():
@@ -97,10 +93,6 @@ def _build():
                 load_op_meta_info_and_register_op(library)
         from paddle import _C_ops
 
-        def paged_decode_attention(q, k_cache, v_cache, tables, lengths):
-            return _C_ops._run_custom_op("fdcore_paged_decode_attention", q, k_cache, v_cache, tables,
-                                         lengths)[0]
-
         def gumbel(logits, keys, inv_temperature):
             return _C_ops._run_custom_op("fdcore_gumbel_sample", logits, keys, inv_temperature)[0]
 
@@ -114,8 +106,8 @@ def _build():
             return _C_ops._run_custom_op("fdcore_attention_block", qkv, cos, sin, slots, k_cache, v_cache,
                                          tables, lengths, int(num_heads), float(scale))[0]
 
-        return paged_decode_attention, gumbel, add_rms_norm, silu_mul, attention_block
+        return gumbel, add_rms_norm, silu_mul, attention_block
     except Exception as exc:  # a missing compiler must not stop serving
-        sys.stderr.write(f"fdcore: paged attention kernel unavailable ({type(exc).__name__}: {exc}); "
+        sys.stderr.write(f"fdcore: C++ operators unavailable ({type(exc).__name__}: {exc}); "
                          "using the slower Python path\n")
         return None

@@ -1,4 +1,4 @@
-// Decode attention over a paged KV cache, reading each block in place (no gather).
+// fdcore's Paddle operators. Attention over a paged KV cache reads each block in place (no gather):
 //
 // q        [B, H, D]          float32, already scaled by 1/sqrt(D)
 // k_cache  [KVH, NB, BS, D]   float32 (the worker's cache of one layer, shared with numpy)
@@ -22,10 +22,10 @@ static void AttendRows(const float* Q, int64_t B, int64_t H, int64_t D, const fl
   std::vector<float> scores;
   for (int64_t b = 0; b < B; ++b) {
     const int64_t L = LEN[b];
-    PD_CHECK(L >= 1 && L <= W * BS, "paged_decode_attention: length out of range of the block table");
+    PD_CHECK(L >= 1 && L <= W * BS, "attention: length out of range of the block table");
     const int64_t* table = T + b * W;
     for (int64_t i = 0; i < (L + BS - 1) / BS; ++i) {
-      PD_CHECK(table[i] >= 0 && table[i] < NB, "paged_decode_attention: block id out of range");
+      PD_CHECK(table[i] >= 0 && table[i] < NB, "attention: block id out of range");
     }
     scores.resize(G * L);
     for (int64_t kvh = 0; kvh < KVH; ++kvh) {
@@ -67,20 +67,6 @@ static void AttendRows(const float* Q, int64_t B, int64_t H, int64_t D, const fl
       }
     }
   }
-}
-
-std::vector<paddle::Tensor> PagedDecodeAttention(const paddle::Tensor& q, const paddle::Tensor& k_cache,
-                                                 const paddle::Tensor& v_cache, const paddle::Tensor& tables,
-                                                 const paddle::Tensor& lengths) {
-  const auto qs = q.shape();
-  const auto ks = k_cache.shape();
-  const int64_t B = qs[0], H = qs[1], D = qs[2];
-  PD_CHECK(ks[3] == D && H % ks[0] == 0, "paged_decode_attention: head sizes do not match");
-  PD_CHECK(v_cache.shape() == ks, "paged_decode_attention: K and V caches differ in shape");
-  auto out = paddle::empty({B, H, D}, paddle::DataType::FLOAT32, paddle::CPUPlace());
-  AttendRows(q.data<float>(), B, H, D, k_cache.data<float>(), v_cache.data<float>(), ks[0], ks[1], ks[2],
-             tables.data<int64_t>(), tables.shape()[1], lengths.data<int64_t>(), out.data<float>());
-  return {out};
 }
 
 // Everything between the QKV projection and the output projection, for every row at once:
@@ -138,11 +124,6 @@ PD_BUILD_OP(fdcore_attention_block)
     .Outputs({"Out"})
     .Attrs({"num_heads: int64_t", "scale: float"})
     .SetKernelFn(PD_KERNEL(AttentionBlock));
-
-PD_BUILD_OP(fdcore_paged_decode_attention)
-    .Inputs({"Q", "KCache", "VCache", "Tables", "Lengths"})
-    .Outputs({"Out"})
-    .SetKernelFn(PD_KERNEL(PagedDecodeAttention));
 
 // ---------------------------------------------------------------------------------------------
 // Gumbel-max sampling: token = argmax_i(logits[r, i] / T_r + G(key_r, i)), where G is Gumbel noise
