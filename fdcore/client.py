@@ -251,6 +251,12 @@ class Connection:
         self.send(AddRequest(self.slot, request_id, msgspec.Raw(_ENCODE(body)), time.time(),
                              list(resume_token_ids), resume_text_chars))
 
+    def resubmit(self, flights: dict) -> None:
+        """Hand a restarted engine these requests again ({request id: _InFlight}), each with the
+        tokens and text already received, so their streams resume where they were."""
+        for request_id, flight in flights.items():
+            self.submit(request_id, flight.prompt, flight.params, flight.token_ids, flight.text_chars)
+
     def abort(self, request_id: str) -> None:
         self.send(AbortRequest(self.slot, request_id))
 
@@ -289,9 +295,8 @@ def check_health(tree: _Tree, stale_after: float = 10.0) -> tuple[bool, str]:
         board.close()
 
 
-# -------------------------------------------------------------------- async
-class AsyncLLM:
-    """Asynchronous client: many concurrent streaming requests from one event loop."""
+class _Client:
+    """What both clients are: a tree (started here, or found running) and a claimed slot in it."""
 
     def __init__(self, config=None, *, start_timeout: float = 300.0, _tree: _Tree | None = None):
         self._tree = _tree or _Tree.start(config, start_timeout)
@@ -301,21 +306,29 @@ class AsyncLLM:
             if _tree is None:
                 self._tree.stop()
             raise
-        self._queues: dict[str, asyncio.Queue] = {}
-        self._inflight: dict[str, _InFlight] = {}  # what a restarted engine must be given again
-        self._stats: dict[int, asyncio.Future] = {}
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._reader: threading.Thread | None = None
-        self._closing = threading.Event()
 
     @classmethod
-    def connect(cls, instance: str | None = None) -> "AsyncLLM":
+    def connect(cls, instance: str | None = None):
         """Attach to a tree started with ``python -m fdcore.supervisor --config``."""
         return cls(_tree=_Tree.find(instance))
 
     @property
     def instance(self) -> str:
         return self._tree.instance
+
+
+# -------------------------------------------------------------------- async
+class AsyncLLM(_Client):
+    """Asynchronous client: many concurrent streaming requests from one event loop."""
+
+    def __init__(self, config=None, *, start_timeout: float = 300.0, _tree: _Tree | None = None):
+        super().__init__(config, start_timeout=start_timeout, _tree=_tree)
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._inflight: dict[str, _InFlight] = {}  # what a restarted engine must be given again
+        self._stats: dict[int, asyncio.Future] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._reader: threading.Thread | None = None
+        self._closing = threading.Event()
 
     # ---------------------------------------------------------------- public
     async def generate(self, prompt, sampling_params: SamplingParams | None = None,
@@ -407,11 +420,7 @@ class AsyncLLM:
         except EngineError:
             self._loop.call_soon_threadsafe(self._fail_all, _tree_gone(self._tree))
             return
-        self._loop.call_soon_threadsafe(self._resubmit_all)
-
-    def _resubmit_all(self) -> None:
-        for request_id, flight in self._inflight.items():
-            self._conn.submit(request_id, flight.prompt, flight.params, flight.token_ids, flight.text_chars)
+        self._loop.call_soon_threadsafe(self._conn.resubmit, self._inflight)
 
     def _dispatch(self, messages: list) -> None:
         for message in messages:
@@ -456,25 +465,8 @@ def _tree_gone(tree: _Tree) -> str:
 
 
 # --------------------------------------------------------------------- sync
-class LLM:
+class LLM(_Client):
     """Synchronous helper: ``LLM(config).generate(prompts, params) -> list[RequestOutput]``."""
-
-    def __init__(self, config=None, *, start_timeout: float = 300.0, _tree: _Tree | None = None):
-        self._tree = _tree or _Tree.start(config, start_timeout)
-        try:
-            self._conn = Connection(self._tree)
-        except BaseException:
-            if _tree is None:
-                self._tree.stop()
-            raise
-
-    @classmethod
-    def connect(cls, instance: str | None = None) -> "LLM":
-        return cls(_tree=_Tree.find(instance))
-
-    @property
-    def instance(self) -> str:
-        return self._tree.instance
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
@@ -514,10 +506,7 @@ class LLM:
                     break
                 if not self._conn.engine_alive():  # resume every unfinished request on the new engine
                     self._conn.handshake(RECOVERY_TIMEOUT)
-                    for rid, out in results.items():
-                        if not out.finished:
-                            f = flights[rid]
-                            self._conn.submit(rid, f.prompt, f.params, f.token_ids, f.text_chars)
+                    self._conn.resubmit({rid: f for rid, f in flights.items() if not results[rid].finished})
         bar.close()
         return list(results.values())
 
