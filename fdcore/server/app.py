@@ -146,6 +146,18 @@ class _Api:
             async for out in stream:
                 yield out
 
+    async def collect(self, stream, first):
+        """A whole (not streamed) answer: its text, token ids, logprobs and last output."""
+        text, tokens, logprobs, out = "", [], [], first
+        async for out in self.outputs(stream, first):
+            text += out.outputs.text
+            tokens += out.outputs.token_ids
+            logprobs += out.outputs.logprobs or []
+        self.metrics.finished(out.outputs.finish_reason, out.metrics)
+        if out.outputs.finish_reason == "error":
+            raise BadRequest(out.error_msg, status=out.error_code or 500)
+        return text, tokens, logprobs, out
+
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
 
@@ -158,16 +170,9 @@ class _Api:
         stream, first = await self.start(prompt, params)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         if body.stream:
-            usage = bool((body.stream_options or {}).get("include_usage"))
+            usage = _include_usage(body)
             return _sse(self._completion_chunks(stream, first, rid, created, body.model, usage))
-        text, tokens, logprobs, out = "", [], [], first
-        async for out in self.outputs(stream, first):
-            text += out.outputs.text
-            tokens += out.outputs.token_ids
-            logprobs += out.outputs.logprobs or []
-        self.metrics.finished(out.outputs.finish_reason, out.metrics)
-        if out.outputs.finish_reason == "error":
-            return error_response(out.error_msg, out.error_code or 500)
+        text, tokens, logprobs, out = await self.collect(stream, first)
         choice = {"index": 0, "text": text, "finish_reason": out.outputs.finish_reason,
                   "logprobs": self._completion_logprobs(tokens, logprobs, 0) if body.logprobs is not None else None}
         return JSONResponse({"id": rid, "object": "text_completion", "created": created, "model": body.model,
@@ -209,16 +214,9 @@ class _Api:
         stream, first = await self.start({"messages": body.messages}, params)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         if body.stream:
-            usage = bool((body.stream_options or {}).get("include_usage"))
+            usage = _include_usage(body)
             return _sse(self._chat_chunks(stream, first, rid, created, body.model, usage, body.logprobs))
-        text, tokens, logprobs, out = "", [], [], first
-        async for out in self.outputs(stream, first):
-            text += out.outputs.text
-            tokens += out.outputs.token_ids
-            logprobs += out.outputs.logprobs or []
-        self.metrics.finished(out.outputs.finish_reason, out.metrics)
-        if out.outputs.finish_reason == "error":
-            return error_response(out.error_msg, out.error_code or 500)
+        text, tokens, logprobs, out = await self.collect(stream, first)
         choice = {"index": 0, "message": {"role": "assistant", "content": text},
                   "finish_reason": out.outputs.finish_reason,
                   "logprobs": {"content": self._chat_logprobs(tokens, logprobs)} if body.logprobs else None}
@@ -252,6 +250,10 @@ class _Api:
                             "top_logprobs": [{"token": self.token_text(t), "logprob": p,
                                               "bytes": list(self.token_text(t).encode())} for t, p in lp[1:]]})
         return entries
+
+
+def _include_usage(body) -> bool:
+    return bool((body.stream_options or {}).get("include_usage"))
 
 
 def _usage(first, completion_tokens: int) -> dict:
