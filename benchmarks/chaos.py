@@ -25,24 +25,16 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-import psutil  # noqa: E402
-
 from fdcore import AsyncLLM, SamplingParams  # noqa: E402
 from fdcore.config import default_model_path, parse_config  # noqa: E402
 from fdcore.models.tiny import ensure_tiny_model  # noqa: E402
+from fdcore.supervisor import actor_pid as find_actor  # noqa: E402
 
-TITLES = {"worker": "fdcore:worker:0", "scheduler": "fdcore:scheduler", "cache": "fdcore:cache",
-          "engine": "fdcore:engine"}
+CHILDREN = {"worker": "worker0", "scheduler": "scheduler", "cache": "cache", "engine": "engine"}  # kind: child
 
 
 def actor_pid(client: AsyncLLM, kind: str) -> int | None:
-    for child in psutil.Process(client._tree.proc.pid).children():
-        try:
-            if child.cmdline() and child.cmdline()[0].startswith(TITLES[kind]):
-                return child.pid
-        except psutil.NoSuchProcess:
-            continue
-    return None
+    return find_actor(client._tree.proc.pid, CHILDREN[kind])
 
 
 def workload(streams: int, max_tokens: int, rng: random.Random):
@@ -121,7 +113,7 @@ async def main_async(args) -> int:
           f"in {elapsed:.1f} s (seed {args.seed}); health after: {healthy}")
     print(f"identical to the fault-free run: {identical}/{args.streams}")
     print(f"{'actor':10s} {'kills':>5s} {'pause p50 s':>12s} {'pause max s':>12s}")
-    for kind in [*TITLES, "all"]:
+    for kind in [*CHILDREN, "all"]:
         pauses = [p for k, p in log if kind in (k, "all")]
         if pauses:
             print(f"{kind:10s} {len(pauses):5d} {statistics.median(pauses):12.3f} {max(pauses):12.3f}")

@@ -406,6 +406,20 @@ class Supervisor:
         names.unlink_instance(self.instance)
 
 
+def actor_pid(supervisor_pid: int, child_id: str) -> int | None:
+    """The live process of one actor of a running tree, found by its title (tools, tests, chaos)."""
+    import psutil
+
+    title = topology.title_of(child_id)
+    for child in psutil.Process(supervisor_pid).children():
+        try:
+            if child.cmdline()[:1] == [title]:
+                return child.pid
+        except psutil.NoSuchProcess:
+            continue
+    return None
+
+
 def _killpg(pgid: int, sig: int) -> None:
     try:
         os.killpg(pgid, sig)

@@ -16,9 +16,9 @@ from fdcore import AsyncLLM, SamplingParams
 from fdcore.config import parse_config
 from fdcore.ipc import names
 from fdcore.models import tiny
+from fdcore.supervisor import actor_pid as find_actor
 
-TITLES = {"worker": "fdcore:worker:0", "scheduler": "fdcore:scheduler", "cache": "fdcore:cache",
-          "engine": "fdcore:engine"}
+CHILDREN = {"worker": "worker0", "scheduler": "scheduler", "cache": "cache", "engine": "engine"}  # kind: child
 
 
 def config(model: str, **supervisor):
@@ -34,13 +34,7 @@ def model_dir(tmp_path_factory):
 
 
 def actor_pid(client: AsyncLLM, kind: str) -> int | None:
-    for child in psutil.Process(client._tree.proc.pid).children():
-        try:
-            if child.cmdline() and child.cmdline()[0].startswith(TITLES[kind]):
-                return child.pid
-        except psutil.NoSuchProcess:
-            continue
-    return None
+    return find_actor(client._tree.proc.pid, CHILDREN[kind])
 
 
 def requests(count: int = 8, length: int = 24, max_tokens: int = 40):
@@ -199,8 +193,7 @@ def test_sync_llm_resumes_after_an_engine_kill(model_dir):
             start = watcher.stats().steps
             while watcher.stats().steps < start + 10:
                 pass
-            os.kill(next(p.pid for p in psutil.Process(llm._tree.proc.pid).children()
-                         if p.cmdline()[0].startswith("fdcore:engine")), signal.SIGKILL)
+            os.kill(find_actor(llm._tree.proc.pid, "engine"), signal.SIGKILL)
             killed.set()
 
         thread = threading.Thread(target=killer)

@@ -203,13 +203,14 @@ def test_binds_localhost_by_default():
     assert parse_config("[server]\nenabled = true\n", check_model=False).server.host == "127.0.0.1"
 
 
-def _actor(title: str):
+def _actor(child_id: str):
     import psutil
 
-    for child in psutil.Process(TREES[-1].proc.pid).children():
-        if child.cmdline() and child.cmdline()[0] == title:
-            return child
-    raise AssertionError(f"no {title}")
+    from fdcore.supervisor import actor_pid
+
+    pid = actor_pid(TREES[-1].proc.pid, child_id)
+    assert pid is not None, f"no {child_id}"
+    return psutil.Process(pid)
 
 
 def test_an_http_stream_survives_an_engine_kill(server):
@@ -224,13 +225,13 @@ def test_an_http_stream_survives_an_engine_kill(server):
                 continue
             pieces.append(json.loads(line[6:])["choices"][0]["text"])
             if len(pieces) == 10 and not killed:
-                _actor("fdcore:engine").kill()
+                _actor("engine").kill()
                 killed = True
     assert killed and "".join(pieces) == clean
 
 
 def test_the_api_actor_is_restarted_and_serves_again(server):
-    old = _actor("fdcore:api")
+    old = _actor("api")
     old.kill()
     TREES[-1].wait("restarted", id="api", timeout=60)
     deadline = time.monotonic() + 30
@@ -240,4 +241,4 @@ def test_the_api_actor_is_restarted_and_serves_again(server):
                 break
         except httpx.HTTPError:
             assert time.monotonic() < deadline, "the restarted API does not answer"
-    assert _actor("fdcore:api").pid != old.pid
+    assert _actor("api").pid != old.pid
