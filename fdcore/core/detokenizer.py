@@ -80,7 +80,8 @@ class IncrementalDetokenizer:
 
 
 # ----------------------------------------------------------------- byte tables
-_tables: dict[int, list[bytes] | None] = {}
+# id(tokenizer) -> (tokenizer, table): the tokenizer is kept alive so that its id cannot be reused
+_tables: dict[int, tuple[object, list[bytes] | None]] = {}
 
 
 def byte_table(tokenizer) -> list[bytes] | None:
@@ -94,9 +95,10 @@ def byte_table(tokenizer) -> list[bytes] | None:
     ``DecodeStream``. Special tokens decode to nothing (skip_special_tokens).
     """
     key = id(tokenizer)
-    if key not in _tables:
-        _tables[key] = _build_byte_table(tokenizer)
-    return _tables[key]
+    entry = _tables.get(key)
+    if entry is None:
+        entry = _tables[key] = (tokenizer, _build_byte_table(tokenizer))
+    return entry[1]
 
 
 def _build_byte_table(tokenizer) -> list[bytes] | None:
