@@ -1,0 +1,614 @@
+"""Reading a GGUF file (llama.cpp's format): the model config, the weights and the tokenizer.
+
+A GGUF holds what a Hugging Face checkpoint directory spreads over several
+files: ``config.json`` and the tokenizer are metadata keys, the weights are
+(often quantized) tensors under llama.cpp's names. :func:`read_gguf` turns it
+into what :mod:`fdcore.models.loader` produces for a directory (an HF-style
+config dict, float32 tensors under HF names in HF ``[out, in]`` layout, the
+eos ids); :func:`gguf_tokenizer` builds a ``tokenizers.Tokenizer`` and the
+``tokenizer_config.json``-like settings from the vocabulary in the metadata.
+
+Every problem is a :class:`~fdcore.models.loader.CheckpointError` naming the
+file and the metadata key or tensor: an architecture, tensor type, rope
+scaling or pre-tokenizer that is not implemented is refused, never guessed.
+
+Metadata keys read (``{arch}`` is ``general.architecture``)::
+
+    key                                        becomes                          if absent
+    -----------------------------------------  -------------------------------  ------------------------
+    general.architecture                       architectures (llama/qwen2/      error
+                                               qwen3; llama named *mistral*
+                                               -> MistralForCausalLM)
+    general.name, general.basename             (tell Mistral from Llama)        -
+    {arch}.embedding_length                    hidden_size                      error
+    {arch}.feed_forward_length                 intermediate_size                error
+    {arch}.block_count                         num_hidden_layers                error
+    {arch}.attention.head_count                num_attention_heads              error
+    {arch}.attention.head_count_kv             num_key_value_heads              = head_count
+    {arch}.attention.key_length                head_dim                         hidden / heads
+    {arch}.attention.value_length              (must equal head_dim)            -
+    {arch}.rope.dimension_count                (must equal head_dim)            -
+    {arch}.context_length                      max_position_embeddings          error
+    {arch}.attention.layer_norm_rms_epsilon    rms_norm_eps                     error
+    {arch}.rope.freq_base                      rope_theta                       10000
+    {arch}.rope.scaling.type                   rope_scaling.rope_type           none (linear/yarn only)
+    {arch}.rope.scaling.factor                 rope_scaling.factor              error if type is set
+    {arch}.rope.scale_linear                   rope_scaling (linear, old key)   -
+    {arch}.rope.scaling.original_context_length  rope_scaling.original_max_position_embeddings
+    {arch}.rope.scaling.yarn_beta_fast/_slow   rope_scaling.beta_fast/beta_slow -
+    {arch}.rope.scaling.attn_factor            rope_scaling.attention_factor    -
+    {arch}.attention.sliding_window            sliding_window                   (no key)
+    {arch}.vocab_size                          vocab_size                       len(tokenizer.ggml.tokens)
+    tokenizer.ggml.bos_token_id                bos_token_id                     (no key)
+    tokenizer.ggml.eos_token_id                eos_token_id, eos ids            (no key)
+    tokenizer.ggml.eot_token_id / eom_token_id eos ids (end of turn/message)    -
+    tokenizer.ggml.model                       gpt2: byte-level BPE,            error
+                                               llama: SentencePiece-style BPE
+    tokenizer.ggml.pre                         the pre-tokenizer (byte-level)   GPT-2's split
+    tokenizer.ggml.tokens                      the vocabulary                   error
+    tokenizer.ggml.token_type                  special / user-defined tokens    all normal
+    tokenizer.ggml.merges                      BPE merges                       from scores (llama)
+    tokenizer.ggml.scores                      merge order (llama, no merges)   -
+    tokenizer.ggml.add_bos_token / add_eos_token   BOS / EOS added on encode    BOS: llama yes, gpt2 no
+    tokenizer.ggml.add_space_prefix            Metaspace prepend (llama)        yes
+    tokenizer.ggml.unknown_token_id            BPE unk token (llama)            -
+    tokenizer.chat_template                    chat_template                    None
+
+Tensors: ``token_embd`` / ``output_norm`` / ``output`` (absent: tied) and per
+block ``attn_norm``, ``attn_{q,k,v,output}`` (+ ``.bias`` for qwen2), ``attn_{q,k}_norm``
+(qwen3), ``ffn_norm``, ``ffn_{gate,up,down}``; a ``rope_freqs`` tensor (llama3
+rope scaling baked into frequency factors) is refused.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+
+from fdcore.models.loader import CheckpointError
+
+# general.architecture -> the HF class (Mistral files say "llama": see _hf_architecture)
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+# ggml type names read here; gguf.quants.dequantize implements each. Q5_0 / Q5_1 are the fallbacks
+# llama.cpp picks for a Q4_K / Q5_K file's rows whose width is not a multiple of 256.
+SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
+
+# llama.cpp tensor names (after "blk.N.") -> HF names (after "model.layers.N.")
+_LAYER_TENSORS = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_GLOBAL_TENSORS = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_BLOCK = re.compile(r"blk\.(\d+)\.(.+)")
+
+
+# ---------------------------------------------------------------------- metadata
+class _Metadata:
+    """The key/value section of one GGUF file, with errors that name the file and the key."""
+
+    def __init__(self, reader, file: str):
+        self.fields, self.file = reader.fields, file
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.fields
+
+    def get(self, key: str, default: Any = None) -> Any:
+        field = self.fields.get(key)
+        return default if field is None else field.contents()
+
+    def require(self, key: str) -> Any:
+        if key not in self.fields:
+            raise CheckpointError(f"{self.file}: metadata key {key!r} is missing")
+        return self.get(key)
+
+    def count(self, key: str) -> int | None:
+        """Length of an array value without decoding its elements (the vocabulary has ~10^5)."""
+        field = self.fields.get(key)
+        return None if field is None else len(field.data)
+
+    def integer(self, key: str, default: int | None = None) -> int:
+        value = self.require(key) if default is None else self.get(key, default)
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise CheckpointError(f"{self.file}: metadata key {key!r} must be a positive integer, "
+                                  f"got {value!r}")
+        return value
+
+    def number(self, key: str, default: float | None = None) -> float:
+        value = self.require(key) if default is None else self.get(key, default)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise CheckpointError(f"{self.file}: metadata key {key!r} must be a number, got {value!r}")
+        return _float32_value(value)
+
+    def error(self, key: str, message: str) -> CheckpointError:
+        return CheckpointError(f"{self.file}: metadata key {key!r}: {message}")
+
+
+def _float32_value(value: float) -> float:
+    """GGUF stores floats as float32: 9.999999747e-06 is the 1e-05 that config.json had, so give
+    that back (shortest decimal of the float32) instead of float32 noise in the config."""
+    return float(str(np.float32(value)))
+
+
+def _open(file: str):
+    """A GGUFReader over the memory-mapped file (tensors are read lazily, one at a time)."""
+    import gguf
+
+    if not os.path.isfile(file):
+        raise CheckpointError(f"{file}: GGUF file does not exist")
+    try:
+        return gguf.GGUFReader(file, "r")
+    except (ValueError, OSError, IndexError, KeyError, AssertionError) as exc:  # gguf's errors for bad bytes
+        raise CheckpointError(f"{file}: not a readable GGUF file ({exc})") from None
+
+
+# ---------------------------------------------------------------------- config
+def _hf_architecture(meta: _Metadata) -> tuple[str, str]:
+    """(gguf architecture, HF class name). llama.cpp converts Mistral with its Llama code and
+    writes "llama"; only the model's name tells them apart (transformers does the same)."""
+    arch = meta.require("general.architecture")
+    if arch not in ARCHITECTURES:
+        raise meta.error("general.architecture", f"architecture {arch!r} is not supported; "
+                                                 f"supported: {', '.join(ARCHITECTURES)}")
+    names = f"{meta.get('general.name', '')} {meta.get('general.basename', '')}".lower()
+    if arch == "llama" and "mistral" in names:
+        return arch, "MistralForCausalLM"
+    return arch, ARCHITECTURES[arch]
+
+
+def _head_dim(meta: _Metadata, arch: str, hidden: int, heads: int) -> int:
+    """key_length when written (Qwen3's head_dim is not hidden / heads), else hidden / heads.
+    A rotary width or value width other than head_dim is a model fdcore does not implement."""
+    head_dim = meta.integer(f"{arch}.attention.key_length", hidden // heads)
+    for key in (f"{arch}.attention.value_length", f"{arch}.rope.dimension_count"):
+        value = meta.get(key)
+        if value is not None and value != head_dim:
+            raise meta.error(key, f"{value} differs from head_dim {head_dim} (partial rotary or "
+                                  "different value width is not supported)")
+    return head_dim
+
+
+def _rope_scaling(meta: _Metadata, arch: str) -> dict | None:
+    """HF ``rope_scaling`` from the rope.scaling.* keys: linear and YaRN; others are refused."""
+    prefix = f"{arch}.rope.scaling."
+    kind = meta.get(prefix + "type")
+    if kind is None and f"{arch}.rope.scale_linear" in meta:  # the key before rope.scaling.* existed
+        factor = meta.number(f"{arch}.rope.scale_linear")
+        return None if factor == 1.0 else {"rope_type": "linear", "factor": factor}
+    if kind in (None, "none"):
+        return None
+    if kind not in ("linear", "yarn"):
+        raise meta.error(prefix + "type", f"rope scaling {kind!r} is not supported (linear, yarn)")
+    scaling = {"rope_type": kind, "factor": meta.number(prefix + "factor")}
+    if kind == "yarn":
+        scaling["original_max_position_embeddings"] = meta.integer(prefix + "original_context_length")
+        for key, name in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow"),
+                          ("attn_factor", "attention_factor")):
+            if prefix + key in meta:
+                scaling[name] = meta.number(prefix + key)
+    return scaling
+
+
+def _config(meta: _Metadata, tensor_names: set[str]) -> dict:
+    """The config.json dict that the metadata and the set of tensors describe."""
+    arch, hf_arch = _hf_architecture(meta)
+    hidden = meta.integer(f"{arch}.embedding_length")
+    heads = meta.integer(f"{arch}.attention.head_count")
+    vocab = meta.get(f"{arch}.vocab_size") or meta.count("tokenizer.ggml.tokens")
+    config: dict[str, Any] = {
+        "architectures": [hf_arch],
+        "model_type": {"MistralForCausalLM": "mistral"}.get(hf_arch, arch),
+        "hidden_size": hidden,
+        "intermediate_size": meta.integer(f"{arch}.feed_forward_length"),
+        "num_hidden_layers": meta.integer(f"{arch}.block_count"),
+        "num_attention_heads": heads,
+        "num_key_value_heads": meta.integer(f"{arch}.attention.head_count_kv", heads),
+        "head_dim": _head_dim(meta, arch, hidden, heads),
+        "vocab_size": vocab,
+        "max_position_embeddings": meta.integer(f"{arch}.context_length"),
+        "rms_norm_eps": meta.number(f"{arch}.attention.layer_norm_rms_epsilon"),
+        "rope_theta": meta.number(f"{arch}.rope.freq_base", 10000.0),
+        "hidden_act": "silu",
+        # llama.cpp writes output.weight only when it is not the embedding matrix
+        "tie_word_embeddings": "output.weight" not in tensor_names,
+        "attention_bias": "blk.0.attn_q.bias" in tensor_names,
+    }
+    if not isinstance(vocab, int) or vocab <= 0:
+        raise meta.error(f"{arch}.vocab_size", "missing, and no tokenizer.ggml.tokens to count")
+    if (scaling := _rope_scaling(meta, arch)) is not None:
+        config["rope_scaling"] = scaling
+    if (window := meta.get(f"{arch}.attention.sliding_window")) is not None:
+        config["sliding_window"] = window
+        config["use_sliding_window"] = True
+    for key in ("bos", "eos"):
+        if (token := meta.get(f"tokenizer.ggml.{key}_token_id")) is not None:
+            config[f"{key}_token_id"] = token
+    return config
+
+
+def _eos_ids(meta: _Metadata) -> tuple[int, ...]:
+    """End-of-sequence ids: eos, and the end-of-turn / end-of-message ids chat models stop at
+    (what generation_config.json lists for them; llama.cpp stops at all of them too)."""
+    ids: list[int] = []
+    for key in ("eos", "eot", "eom"):
+        token = meta.get(f"tokenizer.ggml.{key}_token_id")
+        if token is not None and token not in ids:
+            ids.append(int(token))
+    return tuple(ids)
+
+
+# ---------------------------------------------------------------------- tensors
+@dataclass(frozen=True)
+class _Expected:
+    """One tensor the model needs: its llama.cpp name, HF name and HF shape."""
+
+    gguf_name: str
+    hf_name: str
+    shape: tuple[int, ...]
+
+
+def _expected_tensors(config: dict) -> list[_Expected]:
+    """Every tensor the config implies, with llama.cpp's name and HF's name and shape."""
+    c = config
+    h, inter, hd = c["hidden_size"], c["intermediate_size"], c["head_dim"]
+    q, kv = c["num_attention_heads"] * hd, c["num_key_value_heads"] * hd
+    out = [_Expected("token_embd.weight", "model.embed_tokens.weight", (c["vocab_size"], h)),
+           _Expected("output_norm.weight", "model.norm.weight", (h,))]
+    if not c["tie_word_embeddings"]:
+        out.append(_Expected("output.weight", "lm_head.weight", (c["vocab_size"], h)))
+    layer = {"attn_norm.weight": (h,), "ffn_norm.weight": (h,), "attn_q.weight": (q, h),
+             "attn_k.weight": (kv, h), "attn_v.weight": (kv, h), "attn_output.weight": (h, q),
+             "ffn_gate.weight": (inter, h), "ffn_up.weight": (inter, h), "ffn_down.weight": (h, inter)}
+    if c["model_type"] == "qwen2" or c["attention_bias"]:
+        layer.update({"attn_q.bias": (q,), "attn_k.bias": (kv,), "attn_v.bias": (kv,)})
+    if c["model_type"] == "qwen3":
+        layer.update({"attn_q_norm.weight": (hd,), "attn_k_norm.weight": (hd,)})
+    for i in range(c["num_hidden_layers"]):
+        out += [_Expected(f"blk.{i}.{name}", f"model.layers.{i}.{_LAYER_TENSORS[name]}", shape)
+                for name, shape in layer.items()]
+    return out
+
+
+def _unpermute_rows(weight: np.ndarray, heads: int) -> np.ndarray:
+    """Undo llama.cpp's LlamaModel.permute of q/k rows (weight or bias).
+
+    llama.cpp's rotary pairs neighbouring dimensions (x0, x1), HF's pairs each half
+    (x_i, x_{i+d/2}); its converter reorders each head's rows from
+    ``[half0 | half1]`` to interleaved ``[h0_0, h1_0, h0_1, h1_1, ...]``, i.e. a
+    (2, d/2) -> (d/2, 2) transpose per head. This is the inverse, (d/2, 2) -> (2, d/2).
+    """
+    half = weight.shape[0] // heads // 2
+    return np.ascontiguousarray(
+        weight.reshape(heads, half, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape))
+
+
+def _dequantize(tensor, file: str) -> np.ndarray:
+    """One tensor as a fresh float32 array in numpy (HF) order: ggml lists dims innermost first."""
+    from gguf.quants import dequantize
+
+    kind = tensor.tensor_type.name
+    if kind not in SUPPORTED_TYPES:
+        raise CheckpointError(f"{file}: tensor {tensor.name!r} has type {kind}, which is not "
+                              f"supported ({', '.join(SUPPORTED_TYPES)})")
+    data = dequantize(tensor.data, tensor.tensor_type)
+    shape = tuple(int(n) for n in reversed(tensor.shape))
+    # F32 comes back as a view of the memory map: copy it so nothing keeps the file mapped.
+    return np.array(data, dtype=np.float32, copy=True).reshape(shape)
+
+
+def _hf_name(gguf_name: str, file: str) -> str:
+    if gguf_name in _GLOBAL_TENSORS:
+        return _GLOBAL_TENSORS[gguf_name]
+    match = _BLOCK.fullmatch(gguf_name)
+    if match and match.group(2) in _LAYER_TENSORS:
+        return f"model.layers.{match.group(1)}.{_LAYER_TENSORS[match.group(2)]}"
+    if gguf_name == "rope_freqs.weight":
+        raise CheckpointError(f"{file}: tensor 'rope_freqs.weight' (llama3-style rope scaling baked "
+                              "into per-dimension frequency factors) is not supported")
+    raise CheckpointError(f"{file}: tensor {gguf_name!r} is not part of the architectures fdcore "
+                          "implements")
+
+
+def _convert(tensor, config: dict, file: str) -> np.ndarray:
+    """Dequantize, then undo the q/k row permutation that llama.cpp applies to llama files only."""
+    weight = _dequantize(tensor, file)
+    if config["model_type"] in ("llama", "mistral"):
+        name = tensor.name
+        if ".attn_q." in name:
+            weight = _unpermute_rows(weight, config["num_attention_heads"])
+        elif ".attn_k." in name:
+            weight = _unpermute_rows(weight, config["num_key_value_heads"])
+    return weight
+
+
+def _read_tensors(reader, config: dict, file: str,
+                  progress: Callable[[int, int], None] | None) -> dict[str, np.ndarray]:
+    """Every tensor, dequantized one at a time (peak memory: the float32 result + one tensor)."""
+    expected = {e.gguf_name: e for e in _expected_tensors(config)}
+    present = {t.name for t in reader.tensors}
+    for e in expected.values():
+        if e.gguf_name not in present:
+            raise CheckpointError(f"{file}: tensor {e.gguf_name!r} ({e.hf_name}) is missing")
+    tensors: dict[str, np.ndarray] = {}
+    total = len(reader.tensors)
+    for done, tensor in enumerate(reader.tensors, 1):
+        hf_name = _hf_name(tensor.name, file)
+        if tensor.name not in expected:
+            raise CheckpointError(f"{file}: tensor {tensor.name!r} ({hf_name}) is not expected by "
+                                  f"a {config['architectures'][0]} with this metadata")
+        shape = tuple(int(n) for n in reversed(tensor.shape))
+        if shape != expected[tensor.name].shape:
+            raise CheckpointError(f"{file}: tensor {tensor.name!r} has shape {shape}, the metadata "
+                                  f"implies {expected[tensor.name].shape}")
+        tensors[hf_name] = _convert(tensor, config, file)
+        if progress is not None:
+            progress(done, total)
+    return tensors
+
+
+def read_gguf(file: str, progress: Callable[[int, int], None] | None = None
+              ) -> tuple[dict, dict[str, np.ndarray], tuple[int, ...]]:
+    """Read a Llama / Mistral / Qwen2 / Qwen3 GGUF file completely, as fdcore's loader reads a directory.
+
+    Returns ``(config, tensors, eos_ids)``:
+
+    - ``config``: a ``config.json``-style dict synthesized from the metadata (``architectures``,
+      ``model_type``, ``hidden_size``, ``intermediate_size``, ``num_hidden_layers``,
+      ``num_attention_heads``, ``num_key_value_heads``, ``head_dim``, ``vocab_size``,
+      ``max_position_embeddings``, ``rms_norm_eps``, ``rope_theta``, ``hidden_act`` ("silu"),
+      ``tie_word_embeddings`` (no ``output.weight`` tensor), ``attention_bias``, and where the
+      file has them ``rope_scaling`` (HF form), ``sliding_window``, ``bos_token_id``,
+      ``eos_token_id``).
+    - ``tensors``: HF name -> contiguous float32 numpy array in HF layout (``[out, in]`` for
+      projections): ``model.embed_tokens.weight``, ``model.norm.weight``, ``lm_head.weight``
+      (only when not tied), ``model.layers.N.{input_layernorm, post_attention_layernorm}.weight``,
+      ``model.layers.N.self_attn.{q,k,v,o}_proj.weight``, ``...{q,k,v}_proj.bias`` (qwen2, or a
+      llama file with biases), ``...self_attn.{q,k}_norm.weight`` (qwen3),
+      ``model.layers.N.mlp.{gate,up,down}_proj.weight``. Quantized tensors are dequantized (one
+      at a time) and llama files' q/k rows are un-permuted back to HF's rotary layout.
+    - ``eos_ids``: the eos token id followed by the end-of-turn / end-of-message ids when the file
+      names them (deduplicated); empty when it names none.
+
+    ``progress(done, total)`` is called after each tensor when given.
+    Raises CheckpointError (naming the file and the key or tensor) for anything not implemented
+    or inconsistent: unknown architecture, unsupported tensor type, missing or unexpected
+    tensor, wrong shape, missing metadata key, an unsupported rope scaling.
+    """
+    reader = _open(file)
+    meta = _Metadata(reader, file)
+    config = _config(meta, {t.name for t in reader.tensors})
+    tensors = _read_tensors(reader, config, file, progress)
+    return config, tensors, _eos_ids(meta)
+
+
+# ---------------------------------------------------------------------- tokenizer
+_CONTROL, _UNKNOWN, _USER_DEFINED = 3, 2, 4
+
+# Split patterns, as llama.cpp and the models' own tokenizer.json files have them.
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_TEKKEN_SPLIT = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+                 r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+                 r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+@dataclass(frozen=True)
+class _PreTokenizer:
+    """How a byte-level vocabulary splits text before BPE: "gpt2" (the GPT-2 split built into
+    ByteLevel), "digits" (each digit alone, then the GPT-2 split: StarCoder / SmolLM), or a
+    regex; ``ignore_merges`` takes a whole word found in the vocabulary as is (Llama 3)."""
+
+    split: str
+    ignore_merges: bool = False
+
+
+# tokenizer.ggml.pre -> pre-tokenizer; the names and groups are llama.cpp's (llama-vocab.cpp)
+PRE_TOKENIZERS = {
+    "gpt-2": _PreTokenizer("gpt2"),
+    **{name: _PreTokenizer("digits") for name in
+       ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b")},
+    **{name: _PreTokenizer(_LLAMA3_SPLIT, ignore_merges=True) for name in
+       ("llama3", "llama-v3", "llama-bpe", "falcon3", "pixtral")},
+    "dbrx": _PreTokenizer(_LLAMA3_SPLIT),
+    "smaug-bpe": _PreTokenizer(_LLAMA3_SPLIT),
+    "qwen2": _PreTokenizer(_QWEN2_SPLIT),
+    "deepseek-r1-qwen": _PreTokenizer(_QWEN2_SPLIT),
+    "tekken": _PreTokenizer(_TEKKEN_SPLIT),
+}
+
+
+def _byte_alphabet() -> dict[int, str]:
+    """GPT-2's byte -> printable character table (bytes_to_unicode), which byte-level vocabularies
+    are spelled in: printable Latin-1 stands for itself, other bytes are shifted past 255."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+                 *range(ord("®"), ord("ÿ") + 1)]
+    table, extra = {b: chr(b) for b in printable}, 0
+    for b in range(256):
+        if b not in table:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+def _split_merges(meta: _Metadata, merges: list[str]) -> list[tuple[str, str]]:
+    pairs = []
+    for merge in merges:
+        parts = merge.split(" ")
+        if len(parts) != 2:
+            raise meta.error("tokenizer.ggml.merges", f"merge {merge!r} is not two tokens")
+        pairs.append((parts[0], parts[1]))
+    return pairs
+
+
+def _byte_level_bpe(meta: _Metadata, tokens: list[str]):
+    """GPT-2-style byte-level BPE: tokens spelled in the byte alphabet, merges from the file."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = _byte_alphabet()
+    letters = set(alphabet.values())
+    # A token written in plain text (llama.cpp stores some added tokens that way) is respelled.
+    vocab = {tok if set(tok) <= letters else "".join(alphabet[b] for b in tok.encode("utf-8")): i
+             for i, tok in enumerate(tokens)}
+    pre_name = meta.get("tokenizer.ggml.pre", "gpt-2")
+    if pre_name not in PRE_TOKENIZERS:
+        raise meta.error("tokenizer.ggml.pre", f"pre-tokenizer {pre_name!r} is not supported; "
+                                              f"supported: {', '.join(sorted(PRE_TOKENIZERS))}")
+    pre = PRE_TOKENIZERS[pre_name]
+    merges = _split_merges(meta, meta.require("tokenizer.ggml.merges"))
+    tokenizer = Tokenizer(models.BPE(vocab, merges, ignore_merges=pre.ignore_merges))
+    if pre.split == "gpt2":
+        tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    elif pre.split == "digits":
+        tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
+    else:
+        tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(pre.split), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tokenizer.decoder = decoders.ByteLevel()
+    return tokenizer, letters
+
+
+def _merges_from_scores(tokens: list[str], scores: list[float]) -> list[tuple[str, str]]:
+    """SentencePiece files carry scores, not merges: every split of a token into two tokens is a
+    merge ranked by the token's score (higher first), ties by shorter left then right part, as
+    transformers' generate_merges orders them (so both tokenizers agree)."""
+    vocab = {tok: i for i, tok in enumerate(tokens)}
+    candidates = []
+    for tok, score in zip(tokens, scores, strict=True):
+        local = [(tok[:k], tok[k:], score) for k in range(1, len(tok))
+                 if tok[:k] in vocab and tok[k:] in vocab]
+        candidates += sorted(local, key=lambda m: (vocab[m[0]], vocab[m[1]]))
+    candidates.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
+    return [(left, right) for left, right, _ in candidates]
+
+
+def _sentencepiece_bpe(meta: _Metadata, tokens: list[str]):
+    """SentencePiece-style BPE ("llama"): ▁ for spaces, byte fallback through <0xNN> tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {tok: i for i, tok in enumerate(tokens)}
+    if "tokenizer.ggml.merges" in meta:
+        merges = _split_merges(meta, meta.get("tokenizer.ggml.merges"))
+    else:
+        merges = _merges_from_scores(tokens, meta.require("tokenizer.ggml.scores"))
+    unk_id = meta.get("tokenizer.ggml.unknown_token_id")
+    unk = tokens[unk_id] if unk_id is not None and 0 <= unk_id < len(tokens) else None
+    tokenizer = Tokenizer(models.BPE(vocab, merges, unk_token=unk, fuse_unk=True, byte_fallback=True))
+    prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(
+        replacement="▁", prepend_scheme="first" if prefix else "never", split=False)
+    steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    if prefix:
+        steps.append(decoders.Strip(" ", 1, 0))
+    tokenizer.decoder = decoders.Sequence(steps)
+    return tokenizer, None
+
+
+def _add_special_tokens(tokenizer, tokens: list[str], types: list[int], letters: set[str] | None,
+                        named: set[int]) -> None:
+    """Control / unknown tokens (and the named bos/eos) become special, user-defined ones plain
+    added tokens: either way matched whole in the text, never cut by BPE.
+
+    In a byte-level vocabulary a "control" token spelled outside the byte alphabet is a llama.cpp
+    mislabel of an ordinary token (adding it would grow the vocabulary): it is left alone.
+    """
+    from tokenizers import AddedToken
+
+    vocab = tokenizer.get_vocab()
+    special, plain = [], []
+    for i, (tok, kind) in enumerate(zip(tokens, types, strict=True)):
+        if kind in (_CONTROL, _UNKNOWN) or i in named:
+            if letters is None or set(tok) <= letters:
+                special.append(AddedToken(tok, special=True, normalized=False))
+        elif kind == _USER_DEFINED and vocab.get(tok) == i:
+            plain.append(AddedToken(tok, special=False, normalized=False))
+    tokenizer.add_special_tokens(special)
+    tokenizer.add_tokens(plain)
+
+
+def _post_processor(meta: _Metadata, tokens: list[str], default_bos: bool):
+    """BOS (and EOS) added on encode when the file says so (add_special_tokens=True)."""
+    from tokenizers import processors
+
+    single, specials = ["$A:0"], []
+    for key, default, at_start in (("bos", default_bos, True), ("eos", False, False)):
+        if not meta.get(f"tokenizer.ggml.add_{key}_token", default):
+            continue
+        token_id = meta.get(f"tokenizer.ggml.{key}_token_id")
+        if token_id is None:
+            raise meta.error(f"tokenizer.ggml.{key}_token_id", f"missing, but add_{key}_token is set")
+        text = tokens[token_id]
+        single.insert(0 if at_start else len(single), f"{text}:0")
+        specials.append((text, token_id))
+    if not specials:
+        return None
+    pair = single + [piece.replace("$A", "$B").replace(":0", ":1") for piece in single]
+    return processors.TemplateProcessing(single=" ".join(single), pair=" ".join(pair),
+                                         special_tokens=specials)
+
+
+def gguf_tokenizer(file: str) -> tuple["Tokenizer", dict]:  # noqa: F821  (tokenizers.Tokenizer)
+    """The tokenizer a GGUF file describes, and its tokenizer_config.json-like settings.
+
+    Returns ``(tokenizer, settings)``:
+
+    - ``tokenizer``: a ``tokenizers.Tokenizer``. ``tokenizer.ggml.model`` "gpt2" gives byte-level
+      BPE with the pre-tokenizer ``tokenizer.ggml.pre`` names (see PRE_TOKENIZERS; absent: GPT-2's)
+      and a ByteLevel decoder; "llama" gives SentencePiece-style BPE (Metaspace ▁, byte fallback,
+      merges from the file or derived from the scores). Control tokens are added as special tokens,
+      user-defined ones as plain added tokens; ``encode(text)`` (add_special_tokens=True) prepends
+      BOS when ``tokenizer.ggml.add_bos_token`` says so (default: yes for "llama", no for "gpt2")
+      and appends EOS when ``add_eos_token`` does.
+    - ``settings``: ``{"chat_template": str | None, "bos_token": str | None, "eos_token": str | None}``
+      (the template from ``tokenizer.chat_template``; the token texts of the bos/eos ids).
+
+    Raises CheckpointError naming the file and key for an unknown tokenizer model or
+    pre-tokenizer, or a missing vocabulary / merges.
+    """
+    reader = _open(file)
+    meta = _Metadata(reader, file)
+    model = meta.require("tokenizer.ggml.model")
+    tokens = meta.require("tokenizer.ggml.tokens")
+    types = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+    if len(types) != len(tokens):
+        raise meta.error("tokenizer.ggml.token_type", f"{len(types)} entries for {len(tokens)} tokens")
+    if model == "gpt2":
+        tokenizer, letters = _byte_level_bpe(meta, tokens)
+    elif model == "llama":
+        tokenizer, letters = _sentencepiece_bpe(meta, tokens)
+    else:
+        raise meta.error("tokenizer.ggml.model", f"tokenizer model {model!r} is not supported (gpt2, llama)")
+    ids = {key: meta.get(f"tokenizer.ggml.{key}_token_id") for key in ("bos", "eos")}
+    for key, token_id in ids.items():
+        if token_id is not None and not 0 <= token_id < len(tokens):
+            raise meta.error(f"tokenizer.ggml.{key}_token_id", f"{token_id} is outside the vocabulary")
+    _add_special_tokens(tokenizer, tokens, types, letters, {i for i in ids.values() if i is not None})
+    tokenizer.post_processor = _post_processor(meta, tokens, default_bos=model == "llama")
+    settings = {"chat_template": meta.get("tokenizer.chat_template"),
+                "bos_token": None if ids["bos"] is None else tokens[ids["bos"]],
+                "eos_token": None if ids["eos"] is None else tokens[ids["eos"]]}
+    return tokenizer, settings
