@@ -46,7 +46,7 @@ def run_greedy(model: LlamaModel, prompts: list[list[int]], new_tokens: int, chu
     starts = starts or [0] * len(prompts)
     step = 0
     while any(len(o) < new_tokens for o in outputs):
-        batch, members = BatchInput([], [], []), []
+        batch, members = BatchInput([], [], [], []), []
         for i, prompt in enumerate(prompts):
             if step < starts[i] or len(outputs[i]) >= new_tokens:
                 continue
@@ -55,6 +55,7 @@ def run_greedy(model: LlamaModel, prompts: list[list[int]], new_tokens: int, chu
             batch.token_ids.append(ids)
             batch.start_positions.append(done[i])
             batch.block_tables.append(tables[i])
+            batch.prompt_lengths.append(len(prompt))
             members.append(i)
         step += 1
         if not members:

@@ -91,7 +91,7 @@ class WorkerActor(Actor):
         for new in step.new:
             self.seqs[new.seq] = SeqState(list(new.prompt_token_ids), list(new.output_token_ids), new.params,
                                           tuple(new.eos_token_ids))
-        token_ids, starts, tables, sampling = [], [], [], []
+        token_ids, starts, tables, prompt_lengths, sampling = [], [], [], [], []
         for row, item in enumerate(step.items):
             state = self.seqs[item.seq]
             if item.blocks is not None:
@@ -100,6 +100,7 @@ class WorkerActor(Actor):
             token_ids.append(state.tokens(item.start, end))
             starts.append(item.start)
             tables.append(state.blocks)
+            prompt_lengths.append(len(state.prompt))
             if end == state.num_tokens:
                 sampling.append((row, item.seq, state))
         seqs = [seq for _, seq, _ in sampling]
@@ -108,7 +109,7 @@ class WorkerActor(Actor):
             for (_, _, state), token in zip(sampling, tokens, strict=True):
                 state.output.append(token)
             return StepResult(step.step, step.epoch, seqs, tokens, None, time.perf_counter() - started)
-        logits = self.model.forward(BatchInput(token_ids, starts, tables), self.cache)
+        logits = self.model.forward(BatchInput(token_ids, starts, tables, prompt_lengths), self.cache)
         if not sampling:
             return StepResult(step.step, step.epoch, [], [], None, time.perf_counter() - started)
         picks = sample(logits[np.asarray([row for row, _, _ in sampling])],

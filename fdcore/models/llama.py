@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2) in Paddle over a paged KV cache.
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) in Paddle over a paged KV cache.
 
 One :meth:`LlamaModel.forward` runs a whole step: a batch of sequences at
 different positions, some prefilling a chunk of several tokens, others decoding
@@ -14,6 +14,11 @@ Decoding sequences are attended in one batched matmul over their contexts
 padded to the longest (masked); prefill chunks one sequence at a time with a
 causal mask offset by what the cache already holds. The batch is reordered
 internally (decodes first) and logits come back in the caller's order.
+
+The variants differ only in small ways, each a flag of ModelArgs: biases on
+q/k/v (Qwen2, ``attention_bias``), on o (``attention_bias``) and on the MLP
+(``mlp_bias``), Qwen3's per-head RMSNorm of q and k, sliding-window layers
+(Mistral, Qwen2/3) and the rotary scaling type (fdcore.models.rope).
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ class BatchInput:
     token_ids: list[list[int]]   # the new tokens of each sequence this step
     start_positions: list[int]   # position of each sequence's first new token
     block_tables: list[list[int]]
+    prompt_lengths: list[int] | None = None  # for dynamic rotary scaling (see fdcore.models.rope)
 
     @property
     def num_seqs(self) -> int:
@@ -105,45 +111,55 @@ class LlamaModel:
                              "(bfloat16 / float16 need the GPU path, not written yet)")
         self.args = args = checkpoint.args
         self.dtype = paddle.float32
+        # NOTE: the checkpoint's arrays are taken (popped) as they become the model's tensors, so
+        # loading peaks at the weights plus one layer, not two copies of everything.
         t = checkpoint.tensors
-        self.embed = self._tensor(t["model.embed_tokens.weight"])
-        self.norm = np.ascontiguousarray(t["model.norm.weight"], dtype=np.float32)
-        head = t["model.embed_tokens.weight"] if args.tie_word_embeddings else t["lm_head.weight"]
-        self.lm_head = self._tensor(head)
+        embed = t.pop("model.embed_tokens.weight")
+        self.embed = self._tensor(embed)
+        self.lm_head = self.embed if args.tie_word_embeddings else self._tensor(t.pop("lm_head.weight"))
+        del embed
+        self.norm = _float32(t.pop("model.norm.weight"))
         self.layers = [self._layer(t, i) for i in range(args.num_layers)]
-        half = args.head_dim // 2
-        self.inv_freq = (1.0 / (args.rope_theta ** (np.arange(0, half * 2, 2, dtype=np.float32)
-                                                    / (half * 2)))).astype(np.float32)
         self.scale = args.head_dim ** -0.5
         from fdcore.models.kernels import fused_ops
 
         self.fused = fused_ops()  # (add_rms_norm, silu_mul, attention_block), or None: the Python path
+        self.no_tensor = paddle.empty([0], dtype=paddle.float32)
         if self.fused is not None:
             self.norm_t = self._tensor(self.norm)
             for layer in self.layers:
                 layer["in_norm_t"] = self._tensor(layer["in_norm"])
                 layer["post_norm_t"] = self._tensor(layer["post_norm"])
-            self.no_delta = paddle.empty([0], dtype=paddle.float32)
 
     def _tensor(self, array: np.ndarray) -> paddle.Tensor:
-        return paddle.to_tensor(np.ascontiguousarray(array), dtype=self.dtype)
+        """A Paddle tensor sharing the float32 array's memory (no second copy of the weights)."""
+        return _shared(_float32(array))
 
     def _layer(self, t: dict, i: int) -> dict:
         p = f"model.layers.{i}."
-        w = lambda name: self._tensor(t[p + name + ".weight"])  # noqa: E731  [out, in]
-        q, k, v = (t[p + f"self_attn.{n}_proj.weight"] for n in "qkv")
+        take = lambda name: t.pop(p + name)  # noqa: E731  [out, in] for projections
+        a = self.args
         layer = {
-            "qkv": self._tensor(np.concatenate([q, k, v])),
-            "o": w("self_attn.o_proj"),
-            "gate_up": self._tensor(np.concatenate([t[p + "mlp.gate_proj.weight"],
-                                                    t[p + "mlp.up_proj.weight"]])),
-            "down": w("mlp.down_proj"),
-            "in_norm": np.ascontiguousarray(t[p + "input_layernorm.weight"], dtype=np.float32),
-            "post_norm": np.ascontiguousarray(t[p + "post_attention_layernorm.weight"], dtype=np.float32),
+            "qkv": self._tensor(np.concatenate([take(f"self_attn.{n}_proj.weight") for n in "qkv"])),
+            "o": self._tensor(take("self_attn.o_proj.weight")),
+            "gate_up": self._tensor(np.concatenate([take("mlp.gate_proj.weight"), take("mlp.up_proj.weight")])),
+            "down": self._tensor(take("mlp.down_proj.weight")),
+            "in_norm": _float32(take("input_layernorm.weight")),
+            "post_norm": _float32(take("post_attention_layernorm.weight")),
+            "window": a.window(i),
         }
-        if self.args.qkv_bias:
-            layer["qkv_bias"] = self._tensor(np.concatenate(
-                [t[p + f"self_attn.{n}_proj.bias"] for n in "qkv"]))
+        if a.qkv_bias:
+            layer["qkv_bias"] = self._tensor(np.concatenate([take(f"self_attn.{n}_proj.bias") for n in "qkv"]))
+        if a.o_bias:
+            layer["o_bias"] = self._tensor(take("self_attn.o_proj.bias"))
+        if a.mlp_bias:
+            layer["gate_up_bias"] = self._tensor(np.concatenate([take("mlp.gate_proj.bias"),
+                                                                 take("mlp.up_proj.bias")]))
+            layer["down_bias"] = self._tensor(take("mlp.down_proj.bias"))
+        if a.qk_norm:
+            layer["q_norm"] = _float32(take("self_attn.q_norm.weight"))
+            layer["k_norm"] = _float32(take("self_attn.k_norm.weight"))
+            layer["q_norm_t"], layer["k_norm_t"] = self._tensor(layer["q_norm"]), self._tensor(layer["k_norm"])
         return layer
 
     # ------------------------------------------------------------------ forward
@@ -151,9 +167,10 @@ class LlamaModel:
     def forward(self, batch: BatchInput, cache: PagedKVCache) -> np.ndarray:
         """Logits of each sequence's last new token, [num_seqs, vocab] float32, caller's order."""
         order = sorted(range(batch.num_seqs), key=lambda s: len(batch.token_ids[s]) != 1)
-        plan = _Plan(batch, order, cache, masks=self.fused is None)
+        plan = _Plan(batch, order, cache, masks=self.fused is None, windows=self._windows())
         hidden = paddle.index_select(self.embed, paddle.to_tensor(plan.token_ids))
-        cos, sin = self._rope(plan.positions)
+        cos, sin = self.args.rope.tables(plan.positions, plan.rope_lengths(batch, order)
+                                         if self.args.rope.is_dynamic else None)
         if self.fused is not None:
             normed = self._fused_layers(hidden, cos, sin, plan, cache)
             logits = _linear(paddle.index_select(normed, paddle.to_tensor(plan.last_rows)), self.lm_head)
@@ -173,59 +190,62 @@ class LlamaModel:
         add_rms_norm, silu_mul, attention_block = self.fused
         a = self.args
         eps = a.rms_norm_eps
-        half = a.head_dim // 2
-        cos_t = paddle.to_tensor(np.ascontiguousarray(cos.reshape(-1, half)))
-        sin_t = paddle.to_tensor(np.ascontiguousarray(sin.reshape(-1, half)))
+        cos_t, sin_t = paddle.to_tensor(cos), paddle.to_tensor(sin)
         slots = paddle.to_tensor(plan.write_slots)
         tables, lengths = plan.row_tables()
-        delta = self.no_delta
+        delta, none = self.no_tensor, self.no_tensor
         for index, layer in enumerate(self.layers):
             hidden, x = add_rms_norm(hidden, delta, layer["in_norm_t"], eps)
-            qkv = _linear(x, layer["qkv"])
-            if "qkv_bias" in layer:
-                qkv = qkv + layer["qkv_bias"]
+            qkv = _linear(x, layer["qkv"], layer.get("qkv_bias"))
             k, v = cache.tensors(index)
-            attn = attention_block(qkv, cos_t, sin_t, slots, k, v, tables, lengths, a.num_heads, self.scale)
-            hidden, x = add_rms_norm(hidden, _linear(attn, layer["o"]), layer["post_norm_t"], eps)
-            delta = _linear(silu_mul(_linear(x, layer["gate_up"])), layer["down"])
+            attn = attention_block(qkv, cos_t, sin_t, slots, k, v, tables, lengths, layer.get("q_norm_t", none),
+                                   layer.get("k_norm_t", none), a.num_heads, self.scale, layer["window"], eps)
+            hidden, x = add_rms_norm(hidden, _linear(attn, layer["o"], layer.get("o_bias")), layer["post_norm_t"], eps)
+            gate_up = _linear(x, layer["gate_up"], layer.get("gate_up_bias"))
+            delta = _linear(silu_mul(gate_up), layer["down"], layer.get("down_bias"))
         return add_rms_norm(hidden, delta, self.norm_t, eps)[1]
+
+    def _windows(self) -> tuple[int, ...]:
+        return tuple(sorted({layer["window"] for layer in self.layers}))
 
     def _layer_forward(self, hidden, layer, index, cos, sin, plan, cache):
         a = self.args
         x = _rms_norm(hidden, layer["in_norm"], a.rms_norm_eps)
-        qkv = _linear(x, layer["qkv"])
-        if "qkv_bias" in layer:
-            qkv = qkv + layer["qkv_bias"]
+        qkv = _linear(x, layer["qkv"], layer.get("qkv_bias"))
         # Small per-token work (rotary, scaling, head shuffles) is cheaper in numpy
         # than as a dozen Paddle ops; the big products stay in Paddle.
         heads = qkv.numpy().reshape(-1, a.num_heads + 2 * a.num_kv_heads, a.head_dim)
-        qk = _apply_rope(heads[:, :a.num_heads + a.num_kv_heads], cos, sin)
+        qk = heads[:, :a.num_heads + a.num_kv_heads]
+        if a.qk_norm:
+            qk = np.concatenate([_rms_norm_np(qk[:, :a.num_heads], layer["q_norm"], a.rms_norm_eps),
+                                 _rms_norm_np(qk[:, a.num_heads:], layer["k_norm"], a.rms_norm_eps)], axis=1)
+        qk = _apply_rope(qk, cos[:, None, :], sin[:, None, :])
         q = qk[:, :a.num_heads] * np.float32(self.scale)
         cache.write(index, plan.write_slots, qk[:, a.num_heads:], heads[:, a.num_heads + a.num_kv_heads:])
-        attn = _shared(self._attention(q, index, cache, plan))
-        hidden = hidden + _linear(attn, layer["o"])
+        attn = _shared(self._attention(q, index, cache, plan, layer["window"]))
+        hidden = hidden + _linear(attn, layer["o"], layer.get("o_bias"))
         x = _rms_norm(hidden, layer["post_norm"], a.rms_norm_eps)
-        gate, up = paddle.split(_linear(x, layer["gate_up"]), 2, axis=-1)
-        return hidden + _linear(paddle.nn.functional.silu(gate) * up, layer["down"])
+        gate, up = paddle.split(_linear(x, layer["gate_up"], layer.get("gate_up_bias")), 2, axis=-1)
+        return hidden + _linear(paddle.nn.functional.silu(gate) * up, layer["down"], layer.get("down_bias"))
 
-    def _attention(self, q: np.ndarray, layer: int, cache: PagedKVCache, plan) -> np.ndarray:
+    def _attention(self, q: np.ndarray, layer: int, cache: PagedKVCache, plan, window: int) -> np.ndarray:
         """Attention output [tokens, heads * head_dim] for scaled queries ``q`` [tokens, heads, dim]
         (the Python path: per-sequence gathers and Paddle matmuls)."""
         parts = []
         if plan.num_decode:
-            parts.append(self._decode_attention(q[:plan.num_decode], layer, cache, plan))
-        for start, end, blocks, bias in plan.prefills:
-            parts.append(self._prefill_attention(q[start:end], layer, cache, blocks, bias))
+            parts.append(self._decode_attention(q[:plan.num_decode], layer, cache, plan, window))
+        for start, end, blocks, biases in plan.prefills:
+            parts.append(self._prefill_attention(q[start:end], layer, cache, blocks, biases[window]))
         return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
-    def _decode_attention(self, q, layer, cache, plan):
+    def _decode_attention(self, q, layer, cache, plan, window):
         a = self.args
         b, groups = plan.num_decode, a.num_heads // a.num_kv_heads
         k, v = (_shared(x).reshape([a.num_kv_heads, b, -1, a.head_dim])
                 for x in cache.gather(layer, plan.decode_blocks))
         q = _shared(np.ascontiguousarray(q.reshape(b, a.num_kv_heads, groups, a.head_dim).transpose(1, 0, 2, 3)))
         scores = paddle.matmul(q, k, transpose_y=True)  # [kv, b, g, L]
-        probs = paddle.nn.functional.softmax(scores + plan.decode_bias, axis=-1)
+        probs = paddle.nn.functional.softmax(scores + plan.decode_bias[window], axis=-1)
         out = paddle.matmul(probs, v).numpy()  # [kv, b, g, D]
         return np.ascontiguousarray(out.transpose(1, 0, 2, 3)).reshape(b, a.num_heads * a.head_dim)
 
@@ -241,15 +261,12 @@ class LlamaModel:
         out = paddle.matmul(probs, v).numpy().reshape(a.num_kv_heads, groups, n, a.head_dim)
         return np.ascontiguousarray(out.transpose(2, 0, 1, 3)).reshape(n, a.num_heads * a.head_dim)
 
-    def _rope(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        freqs = positions.astype(np.float32)[:, None] * self.inv_freq[None, :]
-        return np.cos(freqs)[:, None, :], np.sin(freqs)[:, None, :]
-
 
 class _Plan:
     """Index arrays for one step, built once in numpy (decodes first, then prefills)."""
 
-    def __init__(self, batch: BatchInput, order: list[int], cache: PagedKVCache, masks: bool = True):
+    def __init__(self, batch: BatchInput, order: list[int], cache: PagedKVCache, masks: bool = True,
+                 windows: tuple[int, ...] = (0,)):
         tokens, positions, write, last, self.prefills = [], [], [], [], []
         self._rows = []  # (block table, first position, token count) per sequence, in row order
         self._kernel_inputs = None
@@ -266,8 +283,9 @@ class _Plan:
                 write.append(cache.slots(batch.block_tables[s], start, end))
             if len(ids) > 1 and masks:  # (the paged kernel needs no masks)
                 blocks = _blocks_for(batch.block_tables[s], end, cache.block_size)
-                bias = _causal_bias(start, end, len(blocks) * cache.block_size)
-                self.prefills.append((row, row + len(ids), blocks, paddle.to_tensor(bias)))
+                biases = {w: paddle.to_tensor(_causal_bias(start, end, len(blocks) * cache.block_size, w))
+                          for w in windows}
+                self.prefills.append((row, row + len(ids), blocks, biases))
             row += len(ids)
             last.append(row - 1)
         self.token_ids = np.asarray(tokens, dtype=np.int64)
@@ -277,7 +295,21 @@ class _Plan:
         decode = [s for s in order if len(batch.token_ids[s]) == 1]
         self.num_decode = len(decode)
         if decode and masks:
-            self._plan_decode(batch, decode, cache.block_size)
+            self._plan_decode(batch, decode, cache.block_size, windows)
+
+    def rope_lengths(self, batch: BatchInput, order: list[int]) -> np.ndarray:
+        """Per row, the sequence length its rotary frequencies are for (dynamic scaling):
+        max(position + 1, prompt length), or the end of the sequence's tokens in this step
+        when the caller gave no prompt lengths (the same for a prompt prefilled whole)."""
+        ends = []
+        for s in order:
+            end = batch.start_positions[s] + len(batch.token_ids[s])
+            ends.extend([end] * len(batch.token_ids[s]))
+        if batch.prompt_lengths is None:
+            return np.asarray(ends, dtype=np.int64)
+        prompts = np.concatenate([np.full(len(batch.token_ids[s]), batch.prompt_lengths[s], dtype=np.int64)
+                                  for s in order])
+        return np.maximum(self.positions + 1, prompts)
 
     def row_tables(self) -> tuple[paddle.Tensor, paddle.Tensor]:
         """Per row: its sequence's block table (padded) and how many keys it sees (position + 1)."""
@@ -294,8 +326,9 @@ class _Plan:
             self._kernel_inputs = (paddle.to_tensor(tables), paddle.to_tensor(lengths))
         return self._kernel_inputs
 
-    def _plan_decode(self, batch, decode, block_size) -> None:
-        """Every decode sequence padded to the same number of blocks, the padding masked."""
+    def _plan_decode(self, batch, decode, block_size, windows) -> None:
+        """Every decode sequence padded to the same number of blocks, the padding (and keys
+        outside a sliding window) masked."""
         lengths = np.asarray([batch.start_positions[s] + 1 for s in decode])
         width = -(-int(lengths.max()) // block_size)
         blocks = np.zeros((len(decode), width), dtype=np.int64)
@@ -303,25 +336,45 @@ class _Plan:
             table = batch.block_tables[s][:width]
             blocks[i, :len(table)] = table
         keys = np.arange(width * block_size)[None, :]
-        bias = np.where(keys < lengths[:, None], 0.0, -np.inf).astype(np.float32)
         self.decode_blocks = blocks.reshape(-1)
-        self.decode_bias = paddle.to_tensor(bias.reshape(1, len(decode), 1, -1))
+        self.decode_bias = {}
+        for window in windows:
+            seen = keys < lengths[:, None]
+            if window:
+                seen &= keys >= lengths[:, None] - window
+            bias = np.where(seen, 0.0, -np.inf).astype(np.float32)
+            self.decode_bias[window] = paddle.to_tensor(bias.reshape(1, len(decode), 1, -1))
 
 
 def _blocks_for(block_table: list[int], length: int, block_size: int) -> np.ndarray:
     return np.asarray(block_table[:-(-length // block_size)], dtype=np.int64)
 
 
-def _causal_bias(start: int, end: int, width: int) -> np.ndarray:
-    """[n, width] additive mask: new token i (at position start + i) sees keys 0 .. start + i."""
+def _causal_bias(start: int, end: int, width: int, window: int = 0) -> np.ndarray:
+    """[n, width] additive mask: new token i (at position start + i) sees keys 0 .. start + i
+    (only the last ``window`` of them when window > 0)."""
     keys = np.arange(width)[None, :]
     queries = np.arange(start, end)[:, None]
-    return np.where(keys <= queries, 0.0, -np.inf).astype(np.float32)
+    seen = keys <= queries
+    if window:
+        seen &= keys > queries - window
+    return np.where(seen, 0.0, -np.inf).astype(np.float32)
 
 
-def _linear(x: paddle.Tensor, weight: paddle.Tensor) -> paddle.Tensor:
-    """``x @ weight.T`` for a weight stored ``[out, in]``."""
-    return paddle.matmul(x, weight, transpose_y=True)
+def _linear(x: paddle.Tensor, weight: paddle.Tensor, bias: paddle.Tensor | None = None) -> paddle.Tensor:
+    """``x @ weight.T (+ bias)`` for a weight stored ``[out, in]``."""
+    out = paddle.matmul(x, weight, transpose_y=True)
+    return out if bias is None else out + bias
+
+
+def _float32(array: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(array, dtype=np.float32)
+
+
+def _rms_norm_np(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    """HF's RMSNorm over the last axis of a numpy array (Qwen3's per-head q / k norm)."""
+    variance = np.mean(x * x, axis=-1, keepdims=True)
+    return x * (1.0 / np.sqrt(variance + np.float32(eps))) * weight
 
 
 def _shared(array: np.ndarray) -> paddle.Tensor:

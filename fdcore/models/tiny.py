@@ -126,7 +126,7 @@ def make_tiny_model(path: str, seed: int = SEED, *, arch: str = "llama", shards:
                     {"bos_token_id": 1, "eos_token_id": 2, "do_sample": False})
         _write_json(os.path.join(tmp, "tokenizer_config.json"), TOKENIZER_CONFIG)
         shutil.copyfile(TOKENIZER, os.path.join(tmp, "tokenizer.json"))
-        _save_weights(tmp, weights(seed, config), shards)
+        save_weights(tmp, weights(seed, config), shards)
         for name in os.listdir(tmp):
             os.chmod(os.path.join(tmp, name), 0o644)
         os.chmod(tmp, 0o755)
@@ -139,22 +139,36 @@ def make_tiny_model(path: str, seed: int = SEED, *, arch: str = "llama", shards:
     return path
 
 
-def _save_weights(directory: str, tensors: dict[str, np.ndarray], shards: int) -> None:
-    from safetensors.numpy import save_file
+def save_weights(directory: str, tensors: dict[str, np.ndarray], shards: int, dtype: str = "float32") -> None:
+    """safetensors files as transformers writes them: one, or ``shards`` with an index.
 
+    float32 goes through safetensors' numpy writer; bfloat16 / float16 through Paddle's
+    (numpy has no bfloat16)."""
+    save, converted = _writer(tensors, dtype)
     if shards == 1:
-        save_file(tensors, os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
+        save(converted, os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
         return
-    names = list(tensors)
+    names = list(converted)
     weight_map = {}
     for k in range(shards):
         file = f"model-{k + 1:05d}-of-{shards:05d}.safetensors"
-        part = {n: tensors[n] for n in names[k::shards]}
-        save_file(part, os.path.join(directory, file), metadata={"format": "pt"})
+        part = {n: converted[n] for n in names[k::shards]}
+        save(part, os.path.join(directory, file), metadata={"format": "pt"})
         weight_map.update({n: file for n in part})
-    total = sum(t.nbytes for t in tensors.values())
+    total = sum(t.size * (4 if dtype == "float32" else 2) for t in tensors.values())
     _write_json(os.path.join(directory, "model.safetensors.index.json"),
                 {"metadata": {"total_size": total}, "weight_map": weight_map})
+
+
+def _writer(tensors: dict[str, np.ndarray], dtype: str):
+    if dtype == "float32":
+        from safetensors.numpy import save_file
+
+        return save_file, tensors
+    import paddle
+    from safetensors.paddle import save_file
+
+    return save_file, {name: paddle.to_tensor(array).astype(dtype) for name, array in tensors.items()}
 
 
 def is_complete(path: str) -> bool:

@@ -5,7 +5,7 @@ cache write folded in): the Python path gathers every decoding sequence's
 blocks into a contiguous copy per layer and then runs three Paddle ops, which at
 batch 64 cost ~2 ms per layer; the operator does it in ~0.2 ms. ``add_rms_norm``
 and ``silu_mul`` fuse the rest of a layer's small ops; ``gumbel_sample`` draws
-tokens (see fdcore.sampling). The build (~15 s, once per machine and source
+tokens (see fdcore.sampling). The build (~15 s, once per CPU model and source
 version) goes to ``$FDCORE_KERNEL_DIR`` (default ``~/.cache/fdcore-kernels``)
 under a file lock, so concurrent processes build it once. Anything that goes
 wrong (no compiler, no Paddle headers) is reported once and the model falls
@@ -30,8 +30,23 @@ def kernel_dir() -> str:
     import paddle
 
     with open(SOURCE, "rb") as f:
-        digest = hashlib.sha256(f.read() + paddle.__version__.encode()).hexdigest()[:16]
+        digest = hashlib.sha256(f.read() + paddle.__version__.encode() + cpu_flags().encode()).hexdigest()[:16]
     return os.path.join(root, digest)
+
+
+def cpu_flags() -> str:
+    """The CPU's feature flags: the build uses -march=native, so a library built on one CPU is
+    kept apart from another's (loading it on an older CPU would die of SIGILL)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return " ".join(sorted(line.split(":", 1)[1].split()))
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine()
 
 
 def gumbel_sample():
@@ -102,9 +117,11 @@ def _build():
         def silu_mul(gate_up):
             return _C_ops._run_custom_op("fdcore_silu_mul", gate_up)[0]
 
-        def attention_block(qkv, cos, sin, slots, k_cache, v_cache, tables, lengths, num_heads, scale):
+        def attention_block(qkv, cos, sin, slots, k_cache, v_cache, tables, lengths, q_norm, k_norm,
+                            num_heads, scale, window, norm_eps):
             return _C_ops._run_custom_op("fdcore_attention_block", qkv, cos, sin, slots, k_cache, v_cache,
-                                         tables, lengths, int(num_heads), float(scale))[0]
+                                         tables, lengths, q_norm, k_norm, int(num_heads), float(scale),
+                                         int(window), float(norm_eps))[0]
 
         return gumbel, add_rms_norm, silu_mul, attention_block
     except Exception as exc:  # a missing compiler must not stop serving

@@ -15,23 +15,27 @@
 #include "paddle/extension.h"
 
 // The attention of B rows over their own prefixes in the paged cache (the shared core of the ops).
+// window > 0: a row at position p sees only keys p - window + 1 .. p (sliding-window attention).
 static void AttendRows(const float* Q, int64_t B, int64_t H, int64_t D, const float* K, const float* V,
                        int64_t KVH, int64_t NB, int64_t BS, const int64_t* T, int64_t W, const int64_t* LEN,
-                       float* O) {
+                       int64_t window, float* O) {
   const int64_t G = H / KVH;
   std::vector<float> scores;
   for (int64_t b = 0; b < B; ++b) {
-    const int64_t L = LEN[b];
-    PD_CHECK(L >= 1 && L <= W * BS, "attention: length out of range of the block table");
+    const int64_t end = LEN[b];
+    PD_CHECK(end >= 1 && end <= W * BS, "attention: length out of range of the block table");
+    const int64_t first = (window > 0 && end > window) ? end - window : 0;
+    const int64_t L = end - first;  // keys this row sees: positions first .. end - 1
     const int64_t* table = T + b * W;
-    for (int64_t i = 0; i < (L + BS - 1) / BS; ++i) {
+    for (int64_t i = first / BS; i < (end + BS - 1) / BS; ++i) {
       PD_CHECK(table[i] >= 0 && table[i] < NB, "attention: block id out of range");
     }
     scores.resize(G * L);
     for (int64_t kvh = 0; kvh < KVH; ++kvh) {
       const float* qg = Q + (b * H + kvh * G) * D;
       for (int64_t l = 0; l < L; ++l) {
-        const float* __restrict__ kr = K + ((kvh * NB + table[l / BS]) * BS + l % BS) * D;
+        const int64_t key = first + l;
+        const float* __restrict__ kr = K + ((kvh * NB + table[key / BS]) * BS + key % BS) * D;
         for (int64_t g = 0; g < G; ++g) {
           const float* __restrict__ qr = qg + g * D;
           float s = 0.f;
@@ -57,7 +61,8 @@ static void AttendRows(const float* Q, int64_t B, int64_t H, int64_t D, const fl
         for (int64_t d = 0; d < D; ++d) o[d] = 0.f;
       }
       for (int64_t l = 0; l < L; ++l) {
-        const float* __restrict__ vr = V + ((kvh * NB + table[l / BS]) * BS + l % BS) * D;
+        const int64_t key = first + l;
+        const float* __restrict__ vr = V + ((kvh * NB + table[key / BS]) * BS + key % BS) * D;
         for (int64_t g = 0; g < G; ++g) {
           const float p = scores[g * L + l];
           float* __restrict__ o = O + (b * H + kvh * G + g) * D;
@@ -70,14 +75,17 @@ static void AttendRows(const float* Q, int64_t B, int64_t H, int64_t D, const fl
 }
 
 // Everything between the QKV projection and the output projection, for every row at once:
-// rotary embedding (HF's rotate-half, with cos / sin [T, D/2] computed by the caller), q scaled,
-// k and v written into the paged cache at each row's slot, then attention over each row's prefix.
+// Qwen3's per-head RMSNorm of q and k (q_norm / k_norm [D], or empty tensors: none), rotary
+// embedding (HF's rotate-half, with cos / sin [T, D/2] computed by the caller, any scaling folded
+// in), q scaled, k and v written into the paged cache at each row's slot, then attention over each
+// row's prefix (its last `window` keys when window > 0).
 // qkv [T, (H + 2 KVH) D]; slots [T] int64 (block * BS + offset); out [T, H D].
 std::vector<paddle::Tensor> AttentionBlock(const paddle::Tensor& qkv, const paddle::Tensor& cos,
                                            const paddle::Tensor& sin, const paddle::Tensor& slots,
                                            const paddle::Tensor& k_cache, const paddle::Tensor& v_cache,
                                            const paddle::Tensor& tables, const paddle::Tensor& lengths,
-                                           int64_t num_heads, float scale) {
+                                           const paddle::Tensor& q_norm, const paddle::Tensor& k_norm,
+                                           int64_t num_heads, float scale, int64_t window, float norm_eps) {
   const auto ks = k_cache.shape();
   const int64_t KVH = ks[0], NB = ks[1], BS = ks[2], D = ks[3], H = num_heads, half = D / 2;
   const int64_t Tn = qkv.shape()[0];
@@ -92,6 +100,11 @@ std::vector<paddle::Tensor> AttentionBlock(const paddle::Tensor& qkv, const padd
   float* Kc = const_cast<float*>(k_cache.data<float>());  // the cache is written in place
   float* Vc = const_cast<float*>(v_cache.data<float>());
   float* Qo = q.data<float>();
+  const bool normed = q_norm.numel() > 0;
+  PD_CHECK(!normed || (q_norm.numel() == D && k_norm.numel() == D), "attention_block: q/k norm width != D");
+  const float* QN = normed ? q_norm.data<float>() : nullptr;
+  const float* KN = normed ? k_norm.data<float>() : nullptr;
+  std::vector<float> head(D);
   for (int64_t t = 0; t < Tn; ++t) {
     const float* row = X + t * (H + 2 * KVH) * D;
     const float* c = C + t * half;
@@ -99,6 +112,14 @@ std::vector<paddle::Tensor> AttentionBlock(const paddle::Tensor& qkv, const padd
     PD_CHECK(SLOT[t] >= 0 && SLOT[t] < NB * BS, "attention_block: slot out of range");
     for (int64_t h = 0; h < H + KVH; ++h) {  // query heads, then key heads, rotated
       const float* x = row + h * D;
+      if (normed) {  // HF's RMSNorm over the head: x * rsqrt(mean(x^2) + eps) * weight
+        float squares = 0.f;
+        for (int64_t i = 0; i < D; ++i) squares += x[i] * x[i];
+        const float inv = 1.f / std::sqrt(squares / static_cast<float>(D) + norm_eps);
+        const float* w = h < H ? QN : KN;
+        for (int64_t i = 0; i < D; ++i) head[i] = x[i] * inv * w[i];
+        x = head.data();
+      }
       float* dst = h < H ? Qo + (t * H + h) * D : Kc + ((h - H) * NB * BS + SLOT[t]) * D;
       const float mul = h < H ? scale : 1.f;
       for (int64_t i = 0; i < half; ++i) {
@@ -115,14 +136,14 @@ std::vector<paddle::Tensor> AttentionBlock(const paddle::Tensor& qkv, const padd
     }
   }
   AttendRows(Qo, Tn, H, D, Kc, Vc, KVH, NB, BS, tables.data<int64_t>(), tables.shape()[1],
-             lengths.data<int64_t>(), out.data<float>());
+             lengths.data<int64_t>(), window, out.data<float>());
   return {out};
 }
 
 PD_BUILD_OP(fdcore_attention_block)
-    .Inputs({"QKV", "Cos", "Sin", "Slots", "KCache", "VCache", "Tables", "Lengths"})
+    .Inputs({"QKV", "Cos", "Sin", "Slots", "KCache", "VCache", "Tables", "Lengths", "QNorm", "KNorm"})
     .Outputs({"Out"})
-    .Attrs({"num_heads: int64_t", "scale: float"})
+    .Attrs({"num_heads: int64_t", "scale: float", "window: int64_t", "norm_eps: float"})
     .SetKernelFn(PD_KERNEL(AttentionBlock));
 
 // ---------------------------------------------------------------------------------------------
