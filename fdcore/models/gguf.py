@@ -36,7 +36,7 @@ Metadata keys read (``{arch}`` is ``general.architecture``)::
     {arch}.rope.scale_linear                   rope_scaling (linear, old key)   -
     {arch}.rope.scaling.original_context_length  rope_scaling.original_max_position_embeddings
     {arch}.rope.scaling.yarn_beta_fast/_slow   rope_scaling.beta_fast/beta_slow -
-    {arch}.rope.scaling.attn_factor            rope_scaling.attention_factor    -
+    {arch}.rope.scaling.attn_factor, yarn_attn_factor, yarn_ext_factor, yarn_log_multiplier: refused
     {arch}.attention.sliding_window            sliding_window                   (no key)
     {arch}.vocab_size                          vocab_size                       len(tokenizer.ggml.tokens)
     tokenizer.ggml.bos_token_id                bos_token_id                     (no key)
@@ -56,8 +56,10 @@ Metadata keys read (``{arch}`` is ``general.architecture``)::
 
 Tensors: ``token_embd`` / ``output_norm`` / ``output`` (absent: tied) and per
 block ``attn_norm``, ``attn_{q,k,v,output}`` (+ ``.bias`` for qwen2), ``attn_{q,k}_norm``
-(qwen3), ``ffn_norm``, ``ffn_{gate,up,down}``; a ``rope_freqs`` tensor (llama3
-rope scaling baked into frequency factors) is refused.
+(qwen3), ``ffn_norm``, ``ffn_{gate,up,down}``. ``rope_freqs`` (Llama 3.1's rope
+scaling, which llama.cpp bakes into per-dimension frequency divisors instead of
+metadata) becomes ``rope_scaling`` {"rope_type": "llama3", ...} when its values fit
+that formula, and is refused otherwise.
 """
 
 from __future__ import annotations
@@ -65,11 +67,14 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
 from fdcore.models.loader import CheckpointError
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
 
 # general.architecture -> the HF class (Mistral files say "llama": see _hf_architecture)
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
@@ -202,15 +207,61 @@ def _rope_scaling(meta: _Metadata, arch: str) -> dict | None:
     scaling = {"rope_type": kind, "factor": meta.number(prefix + "factor")}
     if kind == "yarn":
         scaling["original_max_position_embeddings"] = meta.integer(prefix + "original_context_length")
-        for key, name in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow"),
-                          ("attn_factor", "attention_factor")):
+        for key, name in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow")):
             if prefix + key in meta:
                 scaling[name] = meta.number(prefix + key)
+    # Attention-scale overrides: llama.cpp's and HF's definitions differ per model; not guessed.
+    for key in ("attn_factor", "yarn_attn_factor", "yarn_ext_factor", "yarn_log_multiplier"):
+        if prefix + key in meta:
+            raise meta.error(prefix + key, f"{meta.get(prefix + key)!r} is not supported")
     return scaling
 
 
-def _config(meta: _Metadata, tensor_names: set[str]) -> dict:
-    """The config.json dict that the metadata and the set of tensors describe."""
+def _llama3_rope_scaling(factors: np.ndarray, head_dim: int, theta: float, file: str) -> dict | None:
+    """HF's llama3 ``rope_scaling`` that reproduces llama.cpp's ``rope_freqs`` divisors.
+
+    llama.cpp stores, per rotary frequency, the divisor f_i that Llama 3.1's scaling applies: 1 for
+    short wavelengths, ``factor`` for long ones, and between them 1 / ((1 - s) / factor + s) with
+    s = (L / wavelength - low) / (high - low), L the original context. s is linear in 1 / wavelength
+    with slope L / (high - low) and offset low / (high - low), which the middle band determines;
+    taking low = 1 gives the parameters (other (L, low, high) with the same slope and offset make
+    the same divisors). Refused unless the recomputed divisors match the file's.
+    """
+    f = factors.astype(np.float64).reshape(-1)
+    inv_freq = theta ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    if f.shape != inv_freq.shape or not np.all(f >= 1.0 - 1e-6):
+        raise CheckpointError(f"{file}: tensor 'rope_freqs.weight' has {f.size} values >= 1 expected "
+                              f"{inv_freq.size} (head_dim / 2)")
+    factor = float(f.max())
+    if factor <= 1.0 + 1e-6:
+        return None
+    middle = (f > 1.0 + 1e-6) & (f < factor * (1 - 1e-6))
+    if middle.sum() < 2:
+        raise CheckpointError(f"{file}: tensor 'rope_freqs.weight' has too few smoothed frequencies to "
+                              "recover llama3 rope scaling from")
+    inverse_wavelength = inv_freq / (2 * np.pi)
+    smooth = (1 / f[middle] - 1 / factor) / (1 - 1 / factor)
+    slope, offset = np.polyfit(inverse_wavelength[middle], smooth, 1)
+    low, high = 1.0, round(1.0 - 1.0 / offset, 4)
+    scaling = {"rope_type": "llama3", "factor": _float32_value(factor), "low_freq_factor": low,
+               "high_freq_factor": high, "original_max_position_embeddings": int(round(slope * (high - low)))}
+    if not np.allclose(_llama3_divisors(scaling, inv_freq), f, rtol=1e-4):
+        raise CheckpointError(f"{file}: tensor 'rope_freqs.weight' does not follow llama3 rope scaling")
+    return scaling
+
+
+def _llama3_divisors(scaling: dict, inv_freq: np.ndarray) -> np.ndarray:
+    """The per-frequency divisors llama3 rope scaling applies (HF's _compute_llama3_parameters)."""
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old = scaling["original_max_position_embeddings"]
+    wavelength = 2 * np.pi / inv_freq
+    smooth = np.clip((old / wavelength - low) / (high - low), 0.0, 1.0)
+    return 1.0 / ((1 - smooth) / factor + smooth)
+
+
+def _config(meta: _Metadata, tensors_by_name: dict) -> dict:
+    """The config.json dict that the metadata and the tensors (by llama.cpp name) describe."""
+    tensor_names = tensors_by_name.keys()
     arch, hf_arch = _hf_architecture(meta)
     hidden = meta.integer(f"{arch}.embedding_length")
     heads = meta.integer(f"{arch}.attention.head_count")
@@ -237,6 +288,13 @@ def _config(meta: _Metadata, tensor_names: set[str]) -> dict:
         raise meta.error(f"{arch}.vocab_size", "missing, and no tokenizer.ggml.tokens to count")
     if (scaling := _rope_scaling(meta, arch)) is not None:
         config["rope_scaling"] = scaling
+    if "rope_freqs.weight" in tensors_by_name:
+        if "rope_scaling" in config:
+            raise meta.error(f"{arch}.rope.scaling.type", "set together with a rope_freqs tensor")
+        factors = _dequantize(tensors_by_name["rope_freqs.weight"], meta.file)
+        scaling = _llama3_rope_scaling(factors, config["head_dim"], config["rope_theta"], meta.file)
+        if scaling is not None:
+            config["rope_scaling"] = scaling
     if (window := meta.get(f"{arch}.attention.sliding_window")) is not None:
         config["sliding_window"] = window
         config["use_sliding_window"] = True
@@ -311,9 +369,10 @@ def _dequantize(tensor, file: str) -> np.ndarray:
         raise CheckpointError(f"{file}: tensor {tensor.name!r} has type {kind}, which is not "
                               f"supported ({', '.join(SUPPORTED_TYPES)})")
     data = dequantize(tensor.data, tensor.tensor_type)
+    if kind == "F32":  # a view of the memory map: copied, so nothing keeps the file mapped
+        data = np.array(data, copy=True)
     shape = tuple(int(n) for n in reversed(tensor.shape))
-    # F32 comes back as a view of the memory map: copy it so nothing keeps the file mapped.
-    return np.array(data, dtype=np.float32, copy=True).reshape(shape)
+    return np.ascontiguousarray(data.astype(np.float32, copy=False).reshape(shape))
 
 
 def _hf_name(gguf_name: str, file: str) -> str:
@@ -322,9 +381,6 @@ def _hf_name(gguf_name: str, file: str) -> str:
     match = _BLOCK.fullmatch(gguf_name)
     if match and match.group(2) in _LAYER_TENSORS:
         return f"model.layers.{match.group(1)}.{_LAYER_TENSORS[match.group(2)]}"
-    if gguf_name == "rope_freqs.weight":
-        raise CheckpointError(f"{file}: tensor 'rope_freqs.weight' (llama3-style rope scaling baked "
-                              "into per-dimension frequency factors) is not supported")
     raise CheckpointError(f"{file}: tensor {gguf_name!r} is not part of the architectures fdcore "
                           "implements")
 
@@ -352,6 +408,8 @@ def _read_tensors(reader, config: dict, file: str,
     tensors: dict[str, np.ndarray] = {}
     total = len(reader.tensors)
     for done, tensor in enumerate(reader.tensors, 1):
+        if tensor.name == "rope_freqs.weight":  # already read into config["rope_scaling"]
+            continue
         hf_name = _hf_name(tensor.name, file)
         if tensor.name not in expected:
             raise CheckpointError(f"{file}: tensor {tensor.name!r} ({hf_name}) is not expected by "
@@ -396,7 +454,7 @@ def read_gguf(file: str, progress: Callable[[int, int], None] | None = None
     """
     reader = _open(file)
     meta = _Metadata(reader, file)
-    config = _config(meta, {t.name for t in reader.tensors})
+    config = _config(meta, {t.name: t for t in reader.tensors})
     tensors = _read_tensors(reader, config, file, progress)
     return config, tensors, _eos_ids(meta)
 
@@ -571,7 +629,7 @@ def _post_processor(meta: _Metadata, tokens: list[str], default_bos: bool):
                                          special_tokens=specials)
 
 
-def gguf_tokenizer(file: str) -> tuple["Tokenizer", dict]:  # noqa: F821  (tokenizers.Tokenizer)
+def gguf_tokenizer(file: str) -> tuple[Tokenizer, dict]:
     """The tokenizer a GGUF file describes, and its tokenizer_config.json-like settings.
 
     Returns ``(tokenizer, settings)``:
