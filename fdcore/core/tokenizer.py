@@ -2,9 +2,14 @@
 
 Text goes through the ``tokenizers`` library with the checkpoint's own
 ``tokenizer.json`` (its post-processor adds BOS where the model wants it);
-chat messages are rendered with the checkpoint's Jinja chat template from
-``tokenizer_config.json`` in a sandbox (as Hugging Face does) and tokenized
-without adding special tokens again.
+chat messages are rendered with the checkpoint's chat template
+(:mod:`fdcore.core.chat_template`: found, sandboxed and compiled as Hugging
+Face transformers does, once, here) and tokenized without adding special
+tokens again.
+
+NOTE: special-token text inside a message (a user writing ``<|im_end|>``) is
+tokenized as that special token, as transformers does unless asked for
+``sanitize_control_tokens``; a user can thus close their own turn early.
 """
 
 from __future__ import annotations
@@ -14,8 +19,12 @@ import os
 
 from tokenizers import Tokenizer
 
-from fdcore.core.validation import RequestError
-from fdcore.models.loader import eos_ids, read_config
+from fdcore.core.chat_template import ChatOptions, ChatTemplates, prepare_messages, render
+from fdcore.core.validation import ModelLimits
+from fdcore.models.loader import CheckpointError, eos_ids, read_config
+
+# transformers' SPECIAL_TOKENS_ATTRIBUTES: the named special tokens every template may use
+SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
 
 class ModelTokenizer:
@@ -27,9 +36,13 @@ class ModelTokenizer:
         self.max_position_embeddings = int(config.get("max_position_embeddings", 2048))
         self.eos_token_ids = eos_ids(path, config)
         settings = _read_optional_json(os.path.join(path, "tokenizer_config.json"))
-        self.chat_template = settings.get("chat_template")
-        self.special = {name: _token_text(settings.get(name)) for name in ("bos_token", "eos_token")}
-        self._template = None
+        self.special_tokens = special_tokens(settings, _read_optional_json(os.path.join(path, "special_tokens_map.json")))
+        self.chat_templates = ChatTemplates.load(path, settings)  # compiled now: a broken one stops the start
+
+    def limits(self, max_model_len: int, cache_tokens: int) -> ModelLimits:
+        """What a request may use: the vocabulary, and the shortest of the configured context, the
+        model's positions and the KV cache."""
+        return ModelLimits(self.vocab_size, min(max_model_len, self.max_position_embeddings, cache_tokens))
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text).ids
@@ -37,41 +50,41 @@ class ModelTokenizer:
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids)
 
-    def render_chat(self, messages: list[dict]) -> str:
-        if not self.chat_template:
-            raise RequestError("messages", f"the model at {self.path} has no chat template "
-                                           "(tokenizer_config.json: chat_template); send a prompt instead")
-        if self._template is None:
-            from jinja2.ext import loopcontrols
-            from jinja2.sandbox import ImmutableSandboxedEnvironment
+    def render_chat(self, messages: list[dict], options: ChatOptions = ChatOptions()) -> str:
+        """The prompt text of checked messages (RequestError naming the field when it cannot be made)."""
+        template = self.chat_templates.select(options.template, options.tools)
+        return render(template, prepare_messages(messages), options, self.special_tokens)
 
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
-            env.globals["raise_exception"] = _raise_template_error
-            self._template = env.from_string(self.chat_template)
-        try:
-            return self._template.render(messages=messages, add_generation_prompt=True, **self.special)
-        except RequestError:
-            raise
-        except Exception as exc:  # a template that cannot render these messages
-            raise RequestError("messages", f"the chat template failed on these messages: {exc}") from None
-
-    def encode_chat(self, messages: list[dict]) -> list[int]:
-        return self.tokenizer.encode(self.render_chat(messages), add_special_tokens=False).ids
+    def encode_chat(self, messages: list[dict], options: ChatOptions = ChatOptions()) -> list[int]:
+        return self.tokenizer.encode(self.render_chat(messages, options), add_special_tokens=False).ids
 
 
-def _raise_template_error(message: str):
-    raise RequestError("messages", message)
+def special_tokens(settings: dict, legacy_map: dict) -> dict[str, str]:
+    """The named special tokens as template variables (transformers' ``special_tokens_map``): from
+    tokenizer_config.json, else special_tokens_map.json; unset ones are left undefined."""
+    tokens = {}
+    for name in SPECIAL_TOKENS:
+        value = _token_text(settings.get(name, legacy_map.get(name)))
+        if value is not None:
+            tokens[name] = value
+    return tokens
 
 
 def _read_optional_json(file: str) -> dict:
     if not os.path.exists(file):
         return {}
-    with open(file, encoding="utf-8") as f:
-        return json.load(f)
+    try:
+        with open(file, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{file}: not valid JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{file}: not a JSON object")
+    return data
 
 
-def _token_text(value) -> str:
+def _token_text(value) -> str | None:
     """tokenizer_config.json gives special tokens as a string or as {"content": ...}."""
     if isinstance(value, dict):
-        return value.get("content", "")
-    return value or ""
+        return value.get("content")
+    return value if isinstance(value, str) else None
