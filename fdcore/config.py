@@ -11,6 +11,9 @@ Example (every key shown with its default)::
                               # made on first use in $FDCORE_HOME (default ~/.cache/fdcore)
     dtype = "auto"            # auto | float32 | bfloat16 | float16
     backend = "paddle"        # paddle | null (answers without computing: measures fdcore's own cost)
+    generation_config = "auto"  # auto: the checkpoint's generation_config.json sampling values are the
+                              # defaults of requests that leave them unset (as vLLM's "auto");
+                              # none: fdcore's neutral defaults (temperature 1, max_tokens 16, ...)
 
     [cache]
     block_size = 16           # tokens per KV-cache block
@@ -72,6 +75,7 @@ class ModelConfig(_Section):
     path: str = ""
     backend: Literal["paddle", "null"] = "paddle"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    generation_config: Literal["auto", "none"] = "auto"
 
 
 class CacheConfig(_Section):

@@ -10,6 +10,8 @@ decoder built once for it (:func:`decoder_for`).
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 
 
@@ -43,23 +45,44 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, om
     ``min_p == 0`` switch those filters off. ``seed`` makes sampling a pure
     function of (seed, position): the same tokens whatever shares the batch and
     however often the request is recomputed. ``logprobs = N`` returns the top-N.
+
+    The fields of :data:`SAMPLING_DEFAULTS` are None when the request leaves them
+    unset: the engine fills them from the model's generation_config.json (as
+    vLLM's ``generation_config="auto"``), else with those neutral values
+    (:meth:`with_defaults`); the scheduler and workers see them filled.
     """
 
     n: int = 1
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     seed: int | None = None
-    max_tokens: int = 16
+    max_tokens: int | None = None
     min_tokens: int = 0
     stop: list[str] = []
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
     logprobs: int | None = None
+
+    def with_defaults(self, defaults: dict | None = None) -> "SamplingParams":
+        """Every unset field filled: from ``defaults`` (the model's) where it has one, else neutral."""
+        if None not in (self.temperature, self.top_p, self.top_k, self.min_p, self.repetition_penalty,
+                        self.max_tokens):
+            return self  # the common case on the hot path: already filled
+        defaults = defaults or {}
+        return msgspec.structs.replace(self, **{name: defaults.get(name, neutral)
+                                                for name, neutral in SAMPLING_DEFAULTS.items()
+                                                if getattr(self, name) is None})
+
+
+# What an unset field means when the model has no default for it (vLLM's and OpenAI's values;
+# max_tokens as vLLM's SamplingParams).
+SAMPLING_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0,
+                     "max_tokens": 16}
 
 
 # ------------------------------------------------------------ client <-> engine
@@ -78,6 +101,7 @@ class Welcome(Message):
     max_model_len: int
     model: str
     engine_pid: int = 0   # a client watches it: when it dies, the client re-submits to the next engine
+    sampling_defaults: dict[str, int | float] = {}  # what the engine fills unset sampling fields with
 
 
 class AddRequest(Message):
@@ -99,12 +123,23 @@ class AbortRequest(Message):
 
 
 class RequestBody(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
-    """What the engine validates: exactly one prompt form, and the sampling parameters."""
+    """What the engine validates: exactly one prompt form, and the sampling parameters.
+
+    A chat request (``messages``) may add how its template is rendered: vLLM's and
+    transformers' ``apply_chat_template`` names (None = not given: the template
+    gets no tools / documents, a generation prompt unless the final message is
+    continued, no extra variables, and the model's default template)."""
 
     prompt: str | None = None
     prompt_token_ids: list[int] | None = None
-    messages: list | None = None  # [{role, content}], checked by the engine (field-named errors)
+    messages: list | None = None  # [{role, content, ...}], checked by the engine (field-named errors)
     sampling_params: SamplingParams = SamplingParams()
+    tools: list[dict] | None = None
+    documents: list[dict] | None = None
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None  # the name of one of the model's templates (e.g. "tool_use")
 
 
 class Metrics(msgspec.Struct, array_like=True, omit_defaults=True):

@@ -30,6 +30,11 @@ class SamplerRequest:
     output_token_ids: list[int] = field(default_factory=list)
     eos_token_ids: tuple[int, ...] = ()
 
+    def __post_init__(self) -> None:
+        # The engine fills unset parameters with the model's defaults; a caller that does not go
+        # through it gets the neutral ones (a no-op check otherwise).
+        self.params = self.params.with_defaults()
+
     @property
     def position(self) -> int:
         """Index (in prompt + output) of the token about to be drawn."""

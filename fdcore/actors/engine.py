@@ -5,9 +5,12 @@
   encoded, so that a malformed field becomes a 400 naming that field instead of
   an undecodable record. The engine validates (every sampling parameter, token
   ids inside the vocabulary, prompt + min_tokens within ``max_model_len``),
-  tokenizes text, token-id lists or chat messages (the checkpoint's chat
-  template), and hands the scheduler an ``AddSeq``. A bad request is answered
-  at once with ``finish_reason="error"`` and costs nobody else anything.
+  fills the sampling parameters it leaves unset with the model's defaults
+  (generation_config.json), tokenizes text, token-id lists or chat messages
+  (the checkpoint's chat template, with the request's tools, documents and
+  template options), and hands the scheduler an ``AddSeq``. A bad request, or
+  one the chat template fails on, is answered at once with
+  ``finish_reason="error"`` and costs nobody else anything.
 - Output: each step's sampled tokens (``SeqTokens``) are appended to the
   request table (the source of truth), detokenized incrementally (no broken
   characters, stop strings held back and never shown), and streamed to the
@@ -29,10 +32,12 @@ import msgspec
 from fdcore.actors import health, topology
 from fdcore.actors.runtime import Actor
 from fdcore.config import model_path
+from fdcore.core.chat_template import ChatOptions
 from fdcore.core.detokenizer import IncrementalDetokenizer
+from fdcore.core.generation_config import sampling_defaults
 from fdcore.core.tokenizer import ModelTokenizer
-from fdcore.core.validation import (ModelLimits, RequestError, check_length, check_one_prompt, check_sampling,
-                                    check_token_ids, validate_request_id)
+from fdcore.core.validation import (RequestError, check_chat_options, check_length, check_one_prompt,
+                                    check_sampling, check_token_ids, validate_request_id)
 from fdcore.ipc import Ring, RingFull, Sender, names
 from fdcore.protocol import (AbortRequest, AddRequest, AddSeq, EngineMessage, FinishSeq, Hello, Metrics,
                              RequestBody, Restarted, Resync, SamplingParams, SeqTokens, ServingStats, StatsQuery,
@@ -72,11 +77,11 @@ class EngineActor(Actor):
     inbox_type = EngineMessage
 
     def on_start(self) -> None:
-        self.tokenizer = ModelTokenizer(model_path(self.config))
+        path = model_path(self.config)
+        self.tokenizer = ModelTokenizer(path)  # a chat template that does not compile stops the start here
         c = self.config
-        self.limits = ModelLimits(self.tokenizer.vocab_size,
-                                  min(c.scheduler.max_model_len, self.tokenizer.max_position_embeddings,
-                                      c.cache.num_blocks * c.cache.block_size))
+        self.limits = self.tokenizer.limits(c.scheduler.max_model_len, c.cache.num_blocks * c.cache.block_size)
+        self.sampling_defaults = sampling_defaults(path, c.model.generation_config, self.limits)
         self.table: dict[int, TrackedRequest] = {}
         self.clients: dict[int, ClientSlot] = {}
         self.next_seq = 1
@@ -135,7 +140,7 @@ class EngineActor(Actor):
         slot.session = session
         slot.outbox.clear()
         self._deliver(client, [Welcome(session, self.limits.vocab_size, self.limits.max_model_len,
-                                       model_path(self.config), os.getpid())])
+                                       model_path(self.config), os.getpid(), self.sampling_defaults)])
 
     def _on_request(self, m: AddRequest) -> None:
         if not 0 <= m.client < self.config.engine.max_clients:
@@ -163,12 +168,13 @@ class EngineActor(Actor):
                                           "(engine.max_pending_requests); retry later", code=429)
         body = self._body(m.body)
         check_one_prompt(body.prompt, body.prompt_token_ids, body.messages)
-        params = check_sampling(body.sampling_params, self.limits)
+        check_chat_options(body)
+        params = check_sampling(body.sampling_params.with_defaults(self.sampling_defaults), self.limits)
         if body.prompt_token_ids is not None:
             prompt_ids = list(body.prompt_token_ids)
             check_token_ids(prompt_ids, self.limits)
         elif body.messages is not None:
-            prompt_ids = self.tokenizer.encode_chat(body.messages)
+            prompt_ids = self.tokenizer.encode_chat(body.messages, _chat_options(body))
         else:
             prompt_ids = self.tokenizer.encode(body.prompt)
         if not prompt_ids:
@@ -309,6 +315,13 @@ class EngineActor(Actor):
             slot.sender.close()
             os.close(slot.lock_fd)
         super().close()
+
+
+def _chat_options(body: RequestBody) -> ChatOptions:
+    """How to render a chat request; a continued final message gets no generation prompt unless asked."""
+    continuing = bool(body.continue_final_message)
+    prompt = not continuing if body.add_generation_prompt is None else body.add_generation_prompt
+    return ChatOptions(body.tools, body.documents, prompt, continuing, body.chat_template_kwargs, body.chat_template)
 
 
 def _explain_decode_error(message: str) -> tuple[str, str]:

@@ -21,6 +21,7 @@ class EngineCore:
         self.scheduler = scheduler
 
     def add(self, request: Request) -> None:
+        request.params = request.params.with_defaults()  # unset parameters: fdcore's neutral defaults
         self.scheduler.add(request)
 
     def step(self) -> list[Request]:

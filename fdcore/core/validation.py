@@ -11,12 +11,17 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from fdcore.protocol import SamplingParams
+from fdcore.protocol import RequestBody, SamplingParams
 
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
 MAX_REQUEST_ID = 256
 ROLES = ("system", "user", "assistant", "tool")
+MESSAGE_KEYS = ("role", "content", "name", "tool_calls", "tool_call_id", "reasoning_content")
+CHAT_OPTIONS = ("tools", "documents", "add_generation_prompt", "continue_final_message", "chat_template_kwargs",
+                "chat_template")
+# template variables a request sets through its own fields (chat_template_kwargs may not)
+RESERVED_VARIABLES = ("messages", *CHAT_OPTIONS)
 
 
 class RequestError(ValueError):
@@ -61,12 +66,52 @@ def check_messages(messages) -> None:
     if not isinstance(messages, list) or not messages:
         raise RequestError("messages", "must be a non-empty list of {role, content} objects")
     for i, message in enumerate(messages):
-        if not isinstance(message, dict) or set(message) - {"role", "content", "name"}:
+        if not isinstance(message, dict):
             raise RequestError(f"messages[{i}]", "must be an object with 'role' and 'content'")
+        unknown = sorted(set(message) - set(MESSAGE_KEYS), key=str)
+        if unknown:
+            raise RequestError(f"messages[{i}].{unknown[0]}", f"unknown key (a message has {', '.join(MESSAGE_KEYS)})")
         if message.get("role") not in ROLES:
             raise RequestError(f"messages[{i}].role", f"{message.get('role')!r} is not one of {', '.join(ROLES)}")
-        if not isinstance(message.get("content"), str):
-            raise RequestError(f"messages[{i}].content", "must be a string")
+        _check_content(f"messages[{i}]", message)
+        for key in ("name", "tool_call_id", "reasoning_content"):
+            if message.get(key) is not None and not isinstance(message[key], str):
+                raise RequestError(f"messages[{i}].{key}", "must be a string")
+        if message.get("tool_calls") is not None:
+            _check_tool_calls(f"messages[{i}].tool_calls", message["tool_calls"])
+
+
+def _check_content(field: str, message: dict) -> None:
+    """A string, or OpenAI's list of text parts; none at all only beside an assistant's tool calls."""
+    content = message.get("content")
+    if content is None and message.get("role") == "assistant" and message.get("tool_calls"):
+        return
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
+                                         and isinstance(p.get("text"), str) for p in content):
+        return
+    if not isinstance(content, str):
+        raise RequestError(f"{field}.content", "must be a string or a list of {type: text, text} parts")
+
+
+def _check_tool_calls(field: str, calls) -> None:
+    if not isinstance(calls, list):
+        raise RequestError(field, "must be a list of {id, type, function: {name, arguments}} objects")
+    for j, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise RequestError(f"{field}[{j}]", "must be an object with function: {name, arguments}")
+        if not isinstance(function.get("arguments"), (str, dict, type(None))):
+            raise RequestError(f"{field}[{j}].function.arguments", "must be a JSON string or an object")
+
+
+def check_chat_options(body: RequestBody) -> None:
+    """The template options belong to chat requests; their own variables are not chat_template_kwargs'."""
+    given = [name for name in CHAT_OPTIONS if getattr(body, name) is not None]
+    if given and body.messages is None:
+        raise RequestError(given[0], "applies only to a chat request (messages)")
+    for key in body.chat_template_kwargs or {}:
+        if key in RESERVED_VARIABLES:
+            raise RequestError(f"chat_template_kwargs.{key}", "is set by the request's own field, not here")
 
 
 def check_token_ids(token_ids: list[int], limits: ModelLimits, field: str = "prompt_token_ids") -> None:
@@ -85,7 +130,9 @@ def check_length(num_prompt_tokens: int, params: SamplingParams, limits: ModelLi
 
 
 def check_sampling(params: SamplingParams, limits: ModelLimits) -> SamplingParams:
-    """Range checks of every sampling parameter; returns it unchanged when valid."""
+    """Range checks of every sampling parameter (unset ones as they will be filled); returns it
+    unchanged when valid."""
+    checked, params = params, params.with_defaults()
     _number("temperature", params.temperature, low=0.0)
     _number("top_p", params.top_p, low=0.0, high=1.0, low_open=True)
     _number("min_p", params.min_p, low=0.0, high=1.0)
@@ -106,7 +153,7 @@ def check_sampling(params: SamplingParams, limits: ModelLimits) -> SamplingParam
         if not stop:
             raise RequestError(f"stop[{i}]", "must be a non-empty string")
     check_token_ids(params.stop_token_ids, limits, "stop_token_ids")
-    return params
+    return checked
 
 
 def _number(field: str, value, low: float | None = None, high: float | None = None,

@@ -23,7 +23,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from fdcore.server.metrics import Metrics
-from fdcore.server.schemas import (BadRequest, ChatCompletionRequest, CompletionRequest, chat_params,
+from fdcore.server.schemas import (BadRequest, ChatCompletionRequest, CompletionRequest, chat_params, chat_prompt,
                                    completion_params, decode, prompts_of)
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
@@ -37,6 +37,7 @@ class Settings:
     max_model_len: int
     api_key: str = ""
     max_request_bytes: int = 1 << 20
+    default_max_tokens: int | None = None  # the model's max_new_tokens (generation_config.json), if any
 
 
 def error_response(message: str, status: int, param: str | None = None, code: str | None = None) -> JSONResponse:
@@ -210,8 +211,8 @@ class _Api:
     async def chat(self, raw: bytes) -> Response:
         body = decode(raw, ChatCompletionRequest)
         self.check_model(body.model)
-        params = chat_params(body, self.settings.max_model_len)
-        stream, first = await self.start({"messages": body.messages}, params)
+        params = chat_params(body, self.settings.default_max_tokens or self.settings.max_model_len)
+        stream, first = await self.start(chat_prompt(body), params)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         if body.stream:
             usage = _include_usage(body)

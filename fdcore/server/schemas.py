@@ -13,10 +13,12 @@ from fdcore.protocol import SamplingParams
 
 
 class _Body(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Fields fdcore may fill from the model's generation_config.json are None when not sent."""
+
     model: str
     max_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
+    temperature: float | None = None
+    top_p: float | None = None
     n: int = 1
     stream: bool = False
     stream_options: dict | None = None
@@ -27,9 +29,9 @@ class _Body(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     user: str | None = None
     logit_bias: dict | None = None
     # extensions (vLLM's names)
-    top_k: int = 0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
     min_tokens: int = 0
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
@@ -48,6 +50,17 @@ class ChatCompletionRequest(_Body, kw_only=True):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    tools: list[dict] | None = None
+    tool_choice: str | dict | None = None
+    # vLLM's extensions: how the chat template is rendered
+    documents: list[dict] | None = None
+    add_generation_prompt: bool | None = None  # default: true, unless continue_final_message
+    continue_final_message: bool | None = None
+    chat_template_kwargs: dict | None = None
+
+
+CHAT_TEMPLATE_FIELDS = ("tools", "documents", "add_generation_prompt", "continue_final_message",
+                        "chat_template_kwargs")
 
 
 class BadRequest(ValueError):
@@ -76,7 +89,7 @@ def decode(raw: bytes, schema):
         raise BadRequest(f"The request body is not valid JSON ({exc})") from None
 
 
-def sampling_params(body: _Body, max_tokens_default: int, logprobs: int | None) -> SamplingParams:
+def sampling_params(body: _Body, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
     if body.logit_bias:
         raise BadRequest("logit_bias is not supported", "logit_bias")
     if body.n != 1:
@@ -85,9 +98,21 @@ def sampling_params(body: _Body, max_tokens_default: int, logprobs: int | None) 
     return SamplingParams(
         temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p,
         repetition_penalty=body.repetition_penalty, presence_penalty=body.presence_penalty,
-        frequency_penalty=body.frequency_penalty, seed=body.seed, max_tokens=max_tokens_default,
+        frequency_penalty=body.frequency_penalty, seed=body.seed, max_tokens=max_tokens,
         min_tokens=body.min_tokens, stop=stop, stop_token_ids=list(body.stop_token_ids or []),
         ignore_eos=body.ignore_eos, logprobs=logprobs)
+
+
+def chat_prompt(body: ChatCompletionRequest) -> dict:
+    """The engine's chat prompt: the messages and whichever template options the request gives.
+    Tools reach the template; no output is parsed into tool calls, so only tool_choice "auto" (the
+    model may call one) and "none" (vLLM's default: the template still sees the tools) are accepted."""
+    if body.tool_choice not in (None, "auto", "none"):
+        raise BadRequest(f"tool_choice {body.tool_choice!r} is not supported: fdcore does not constrain "
+                         "the output to a tool call (use \"auto\" or \"none\")", "tool_choice")
+    prompt = {"messages": body.messages}
+    prompt.update({name: getattr(body, name) for name in CHAT_TEMPLATE_FIELDS if getattr(body, name) is not None})
+    return prompt
 
 
 def completion_params(body: CompletionRequest) -> SamplingParams:
@@ -97,16 +122,18 @@ def completion_params(body: CompletionRequest) -> SamplingParams:
         raise BadRequest(f"best_of is {body.best_of}: only 1 is supported", "best_of")
     if body.suffix:
         raise BadRequest("suffix is not supported", "suffix")
-    return sampling_params(body, 16 if body.max_tokens is None else body.max_tokens, body.logprobs)
+    # No max_tokens: the model's default (generation_config.json), else 16, the engine decides.
+    return sampling_params(body, body.max_tokens, body.logprobs)
 
 
-def chat_params(body: ChatCompletionRequest, max_model_len: int) -> SamplingParams:
+def chat_params(body: ChatCompletionRequest, default_max_tokens: int) -> SamplingParams:
+    """``default_max_tokens``: the model's max_new_tokens, else max_model_len (OpenAI's chat has no
+    limit: the scheduler ends the answer with "length" when the context is full)."""
     limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     if body.top_logprobs is not None and not body.logprobs:
         raise BadRequest("top_logprobs requires logprobs to be true", "top_logprobs")
-    # No limit given: until the context is full (the scheduler ends it with "length").
-    return sampling_params(body, max_model_len if limit is None else limit, logprobs)
+    return sampling_params(body, default_max_tokens if limit is None else limit, logprobs)
 
 
 def prompts_of(body: CompletionRequest) -> list:
