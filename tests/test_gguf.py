@@ -150,7 +150,8 @@ HF_TO_GGUF = {
     "self_attn.k_proj.bias": "attn_k.bias", "self_attn.v_proj.bias": "attn_v.bias",
     "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight", "self_attn.q_norm.weight": "attn_q_norm.weight",
-    "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight", "self_attn.o_proj.bias": "attn_output.bias",
+    "mlp.gate_proj.bias": "ffn_gate.bias", "mlp.up_proj.bias": "ffn_up.bias", "mlp.down_proj.bias": "ffn_down.bias",
 }
 
 
@@ -343,6 +344,30 @@ def test_qwen3_has_q_k_norms_and_no_permutation(tmp_path, tiny_models):
     assert set(got) == set(tensors)
     for name, array in tensors.items():
         np.testing.assert_array_equal(got[name], array, err_msg=name)
+    assert ModelArgs.from_config(got_config, file).expected_shapes() == {k: v.shape for k, v in got.items()}
+
+
+def test_llama_biases_round_trip_with_the_q_k_permutation(tmp_path, tiny_models):
+    """attention_bias (q/k/v/o) and mlp_bias: llama.cpp permutes the q/k biases like their rows."""
+    config, base = tiny_models["llama"]
+    rng = np.random.default_rng(4)
+    tensors = dict(base)
+    for i in range(config["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        for name, size in (("self_attn.q_proj", 256), ("self_attn.k_proj", 128), ("self_attn.v_proj", 128),
+                           ("self_attn.o_proj", 256), ("mlp.gate_proj", 768), ("mlp.up_proj", 768),
+                           ("mlp.down_proj", 256)):
+            tensors[p + name + ".bias"] = rng.standard_normal(size).astype(np.float32)
+    file = write_gguf(str(tmp_path / "m.gguf"), config, tensors, qtype=Q.Q8_0)
+    stored = {t.name: np.array(t.data) for t in gguf.GGUFReader(file).tensors}
+    assert not np.array_equal(stored["blk.0.attn_k.bias"], tensors["model.layers.0.self_attn.k_proj.bias"])
+    got_config, got, _ = read_gguf(file)
+    assert got_config["attention_bias"] is True and got_config["mlp_bias"] is True
+    for name, array in tensors.items():
+        if array.ndim == 1:
+            np.testing.assert_array_equal(got[name], array, err_msg=name)
+    args = ModelArgs.from_config(got_config, file)
+    assert args.o_bias and args.mlp_bias and args.expected_shapes() == {k: v.shape for k, v in got.items()}
 
 
 def llama3_divisors(head_dim: int, theta: float, factor=8.0, low=1.0, high=4.0, old=8192) -> np.ndarray:
@@ -375,6 +400,7 @@ def test_llama3_rope_freqs_become_hf_rope_scaling(tmp_path, tiny_models, theta, 
         "rope_type": "llama3", "factor": params["factor"], "low_freq_factor": params["low"],
         "high_freq_factor": params["high"], "original_max_position_embeddings": params["old"]}
     assert set(got) == set(tensors)  # rope_freqs is metadata here, not a weight
+    assert ModelArgs.from_config(got_config, file).rope.rope_type == "llama3"
 
 
 def test_rope_freqs_that_are_not_llama3_are_refused(tmp_path, tiny_models):
@@ -438,6 +464,8 @@ def test_rope_scaling_from_metadata(tmp_path, tiny_models):
     got = read_gguf(file)[0]
     assert got["rope_scaling"] == {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 512}
     assert got["sliding_window"] == 128
+    args = ModelArgs.from_config(got, file)
+    assert args.rope.rope_type == "yarn" and args.sliding_windows == (128,) * config["num_hidden_layers"]
 
 
 def test_not_a_gguf_file(tmp_path):

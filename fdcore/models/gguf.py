@@ -37,7 +37,9 @@ Metadata keys read (``{arch}`` is ``general.architecture``)::
     {arch}.rope.scaling.original_context_length  rope_scaling.original_max_position_embeddings
     {arch}.rope.scaling.yarn_beta_fast/_slow   rope_scaling.beta_fast/beta_slow -
     {arch}.rope.scaling.attn_factor, yarn_attn_factor, yarn_ext_factor, yarn_log_multiplier: refused
-    {arch}.attention.sliding_window            sliding_window                   (no key)
+    {arch}.attention.sliding_window            sliding_window (+ Qwen:          (no key)
+                                               use_sliding_window, layer_types
+                                               all sliding)
     {arch}.vocab_size                          vocab_size                       len(tokenizer.ggml.tokens)
     tokenizer.ggml.bos_token_id                bos_token_id                     (no key)
     tokenizer.ggml.eos_token_id                eos_token_id, eos ids            (no key)
@@ -94,11 +96,15 @@ _LAYER_TENSORS = {
     "attn_q.bias": "self_attn.q_proj.bias",
     "attn_k.bias": "self_attn.k_proj.bias",
     "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.bias": "self_attn.o_proj.bias",
     "attn_q_norm.weight": "self_attn.q_norm.weight",
     "attn_k_norm.weight": "self_attn.k_norm.weight",
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+    "ffn_gate.bias": "mlp.gate_proj.bias",
+    "ffn_up.bias": "mlp.up_proj.bias",
+    "ffn_down.bias": "mlp.down_proj.bias",
 }
 _GLOBAL_TENSORS = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -282,8 +288,12 @@ def _config(meta: _Metadata, tensors_by_name: dict) -> dict:
         "hidden_act": "silu",
         # llama.cpp writes output.weight only when it is not the embedding matrix
         "tie_word_embeddings": "output.weight" not in tensor_names,
-        "attention_bias": "blk.0.attn_q.bias" in tensor_names,
     }
+    # Biases are optional tensors to llama.cpp; HF says it in the config (Qwen2 always has q/k/v ones).
+    if arch != "qwen2":
+        config["attention_bias"] = "blk.0.attn_q.bias" in tensor_names
+    if arch == "llama":
+        config["mlp_bias"] = "blk.0.ffn_gate.bias" in tensor_names
     if not isinstance(vocab, int) or vocab <= 0:
         raise meta.error(f"{arch}.vocab_size", "missing, and no tokenizer.ggml.tokens to count")
     if (scaling := _rope_scaling(meta, arch)) is not None:
@@ -296,8 +306,10 @@ def _config(meta: _Metadata, tensors_by_name: dict) -> dict:
         if scaling is not None:
             config["rope_scaling"] = scaling
     if (window := meta.get(f"{arch}.attention.sliding_window")) is not None:
-        config["sliding_window"] = window
-        config["use_sliding_window"] = True
+        config["sliding_window"] = window  # every layer (HF Llama has none: ModelArgs refuses it)
+        if arch in ("qwen2", "qwen3"):
+            config.update(use_sliding_window=True,
+                          layer_types=["sliding_attention"] * config["num_hidden_layers"])
     for key in ("bos", "eos"):
         if (token := meta.get(f"tokenizer.ggml.{key}_token_id")) is not None:
             config[f"{key}_token_id"] = token
@@ -337,8 +349,12 @@ def _expected_tensors(config: dict) -> list[_Expected]:
     layer = {"attn_norm.weight": (h,), "ffn_norm.weight": (h,), "attn_q.weight": (q, h),
              "attn_k.weight": (kv, h), "attn_v.weight": (kv, h), "attn_output.weight": (h, q),
              "ffn_gate.weight": (inter, h), "ffn_up.weight": (inter, h), "ffn_down.weight": (h, inter)}
-    if c["model_type"] == "qwen2" or c["attention_bias"]:
+    if c["model_type"] == "qwen2" or c.get("attention_bias"):
         layer.update({"attn_q.bias": (q,), "attn_k.bias": (kv,), "attn_v.bias": (kv,)})
+    if c.get("attention_bias"):  # HF Llama / Qwen3: o_proj has one too
+        layer["attn_output.bias"] = (h,)
+    if c.get("mlp_bias"):
+        layer.update({"ffn_gate.bias": (inter,), "ffn_up.bias": (inter,), "ffn_down.bias": (h,)})
     if c["model_type"] == "qwen3":
         layer.update({"attn_q_norm.weight": (hd,), "attn_k_norm.weight": (hd,)})
     for i in range(c["num_hidden_layers"]):
@@ -434,16 +450,21 @@ def read_gguf(file: str, progress: Callable[[int, int], None] | None = None
       ``model_type``, ``hidden_size``, ``intermediate_size``, ``num_hidden_layers``,
       ``num_attention_heads``, ``num_key_value_heads``, ``head_dim``, ``vocab_size``,
       ``max_position_embeddings``, ``rms_norm_eps``, ``rope_theta``, ``hidden_act`` ("silu"),
-      ``tie_word_embeddings`` (no ``output.weight`` tensor), ``attention_bias``, and where the
-      file has them ``rope_scaling`` (HF form), ``sliding_window``, ``bos_token_id``,
-      ``eos_token_id``).
+      ``tie_word_embeddings`` (no ``output.weight`` tensor), ``attention_bias`` (llama, mistral,
+      qwen3: the file has q/k/v/o biases), ``mlp_bias`` (llama: the file has MLP biases), and
+      where the file has them ``rope_scaling`` (HF's older spelling: rope_type linear / yarn from
+      metadata, llama3 from a ``rope_freqs`` tensor), ``sliding_window`` (qwen: with
+      ``use_sliding_window`` and ``layer_types`` all "sliding_attention"), ``bos_token_id``, ``eos_token_id``).
+      Every key is one fdcore's ``ModelArgs.from_config`` reads or ignores.
     - ``tensors``: HF name -> contiguous float32 numpy array in HF layout (``[out, in]`` for
       projections): ``model.embed_tokens.weight``, ``model.norm.weight``, ``lm_head.weight``
       (only when not tied), ``model.layers.N.{input_layernorm, post_attention_layernorm}.weight``,
-      ``model.layers.N.self_attn.{q,k,v,o}_proj.weight``, ``...{q,k,v}_proj.bias`` (qwen2, or a
-      llama file with biases), ``...self_attn.{q,k}_norm.weight`` (qwen3),
-      ``model.layers.N.mlp.{gate,up,down}_proj.weight``. Quantized tensors are dequantized (one
-      at a time) and llama files' q/k rows are un-permuted back to HF's rotary layout.
+      ``model.layers.N.self_attn.{q,k,v,o}_proj.weight``, ``...{q,k,v}_proj.bias`` (qwen2, or
+      with attention_bias, then ``o_proj.bias`` too), ``...self_attn.{q,k}_norm.weight`` (qwen3),
+      ``model.layers.N.mlp.{gate,up,down}_proj.weight`` (``.bias`` with mlp_bias). Quantized
+      tensors are dequantized (one at a time) and llama files' q/k rows (and biases) are
+      un-permuted back to HF's rotary layout. A tied model has no ``lm_head.weight``: the model
+      uses ``model.embed_tokens.weight``.
     - ``eos_ids``: the eos token id followed by the end-of-turn / end-of-message ids when the file
       names them (deduplicated); empty when it names none.
 
