@@ -266,6 +266,18 @@ class Connection:
         os.close(self.lock_fd)  # releases the slot
 
 
+def chat_prompt(messages: list[dict], *, tools: list[dict] | None = None, documents: list[dict] | None = None,
+                add_generation_prompt: bool | None = None, continue_final_message: bool | None = None,
+                chat_template_kwargs: dict | None = None, chat_template: str | None = None) -> dict:
+    """A chat prompt for ``generate``: the messages and the template options given (transformers'
+    ``apply_chat_template`` names; None leaves an option to the engine: no tools or documents, a
+    generation prompt unless the final message is continued, the model's default template)."""
+    options = {"tools": tools, "documents": documents, "add_generation_prompt": add_generation_prompt,
+               "continue_final_message": continue_final_message, "chat_template_kwargs": chat_template_kwargs,
+               "chat_template": chat_template}
+    return {"messages": messages, **{name: value for name, value in options.items() if value is not None}}
+
+
 def _output(request_id: str, prompt, update: Update, prompt_token_ids) -> RequestOutput:
     return RequestOutput(request_id, prompt, prompt_token_ids,
                          CompletionOutput(0, update.text, list(update.token_ids), update.logprobs,
@@ -356,6 +368,12 @@ class AsyncLLM(_Client):
             self._inflight.pop(request_id, None)
             if not finished and not self._closing.is_set():
                 self._conn.abort(request_id)  # the caller stopped listening: stop computing
+
+    async def chat(self, messages: list[dict], sampling_params: SamplingParams | None = None,
+                   request_id: str | None = None, **options):
+        """Stream the answer to one conversation; ``options`` as :func:`chat_prompt` (tools, ...)."""
+        async for out in self.generate(chat_prompt(messages, **options), sampling_params, request_id):
+            yield out
 
     async def abort(self, request_id: str) -> None:
         self._conn.abort(request_id)
@@ -509,6 +527,12 @@ class LLM(_Client):
                     self._conn.resubmit({rid: f for rid, f in flights.items() if not results[rid].finished})
         bar.close()
         return list(results.values())
+
+    def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
+             use_tqdm: bool = True, **options) -> list[RequestOutput]:
+        """Answer one conversation, or each of a list of them; ``options`` as :func:`chat_prompt`."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        return self.generate([chat_prompt(c, **options) for c in conversations], sampling_params, use_tqdm)
 
     def check_health(self) -> tuple[bool, str]:
         return check_health(self._tree)

@@ -34,7 +34,7 @@ import posix_ipc
 
 from fdcore.actors import health, topology
 from fdcore.actors.health import HealthBoard, State
-from fdcore.config import Config, ConfigError, load_config
+from fdcore.config import Config, ConfigError, load_config, model_path
 from fdcore.ipc import Inbox, Ring, Sender, names
 from fdcore.protocol import Restarted, Stop
 from fdcore.supervision import ChildSpec, RestartIntensity, should_restart, to_restart
@@ -474,13 +474,43 @@ def main(argv=None) -> int:
         return 2
     if args.check:
         print(render_config(config))
-        return 0
+        return _check_model(config)
     import setproctitle
 
     setproctitle.setproctitle("fdcore:supervisor")
     if args.stop_with_parent:
         _stop_with_parent()
     return Supervisor(config, args.config, args.ready_fd).run()
+
+
+def _check_model(config: Config) -> int:
+    """--check's look at the checkpoint: print its chat templates and the sampling defaults the
+    engine will give requests that leave them unset; a model the engine could not start with is an
+    error (exit code 2)."""
+    from fdcore.models.loader import CheckpointError
+
+    try:
+        print(describe_model(config))
+    except CheckpointError as exc:
+        print(f"fdcore: checkpoint error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def describe_model(config: Config) -> str:
+    """The model as the engine will serve it, as TOML comments (templates compiled, defaults checked)."""
+    from fdcore.core.generation_config import generation_config_file, sampling_defaults
+    from fdcore.core.tokenizer import ModelTokenizer
+
+    path, mode = model_path(config), config.model.generation_config
+    tokenizer = ModelTokenizer(path)
+    limits = tokenizer.limits(config.scheduler.max_model_len, config.cache.num_blocks * config.cache.block_size)
+    defaults = sampling_defaults(path, mode, limits)
+    templates = ", ".join(f"{t.name} ({t.source})" for t in tokenizer.chat_templates.templates.values())
+    source = f'model.generation_config = "{mode}"' + (f", {generation_config_file(path)}" if mode == "auto" else "")
+    lines = [f"# model {path}", f"# chat templates: {templates or 'none'}",
+             f"# sampling defaults for requests that leave them unset ({source}):" + ("" if defaults else " none")]
+    return "\n".join(lines + [f"#   {name} = {json.dumps(value)}" for name, value in defaults.items()])
 
 
 def _stop_with_parent() -> None:

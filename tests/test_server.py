@@ -242,3 +242,44 @@ def test_the_api_actor_is_restarted_and_serves_again(server):
         except httpx.HTTPError:
             assert time.monotonic() < deadline, "the restarted API does not answer"
     assert _actor("api").pid != old.pid
+
+
+def _stand_in_app(default_max_tokens=None):
+    """The HTTP app before a stand-in engine that records what it is asked (no tree needed)."""
+    from fdcore.client import CompletionOutput, RequestOutput
+    from fdcore.server.app import Settings, build_app
+
+    seen = []
+
+    class Engine:
+        async def generate(self, prompt, params):
+            seen.append((prompt, params))
+            yield RequestOutput("r", prompt, [1, 2], CompletionOutput(0, "ok", [5], None, "stop"), True)
+
+    settings = Settings(MODEL, 2048, default_max_tokens=default_max_tokens)
+    return build_app(Engine(), settings, None, lambda: (True, ""), dict), seen
+
+
+def test_chat_template_fields_reach_the_engine_and_unset_sampling_stays_unset():
+    from starlette.testclient import TestClient
+
+    app, seen = _stand_in_app()
+    http = TestClient(app)
+    tools = [{"type": "function", "function": {"name": "now", "parameters": {}}}]
+    options = {"tools": tools, "tool_choice": "auto", "documents": [{"title": "t", "text": "x"}],
+               "add_generation_prompt": False, "continue_final_message": True, "chat_template_kwargs": {"think": 1}}
+    assert http.post("/v1/chat/completions", json={**CHAT, **options}).status_code == 200
+    prompt, params = seen[-1]
+    assert prompt == {"messages": CHAT["messages"], **{k: v for k, v in options.items() if k != "tool_choice"}}
+    assert (params.temperature, params.top_p, params.top_k, params.min_p, params.repetition_penalty) == (None,) * 5
+    assert params.max_tokens == 2
+    assert http.post("/v1/chat/completions", json={**CHAT, "max_tokens": None, "temperature": 0.5}).status_code == 200
+    assert seen[-1] == ({"messages": CHAT["messages"]}, seen[-1][1])
+    assert (seen[-1][1].max_tokens, seen[-1][1].temperature) == (2048, 0.5)  # no limit: the context
+    assert http.post("/v1/completions", json={**OK, "max_tokens": None}).status_code == 200
+    assert seen[-1][1].max_tokens is None  # the engine fills it: the model's default, else 16
+    refused = http.post("/v1/chat/completions", json={**CHAT, "tool_choice": "required", "tools": tools})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "tool_choice"
+    app, seen = _stand_in_app(default_max_tokens=7)
+    assert TestClient(app).post("/v1/chat/completions", json={**CHAT, "max_tokens": None}).status_code == 200
+    assert seen[-1][1].max_tokens == 7  # the model's max_new_tokens

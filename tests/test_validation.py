@@ -59,6 +59,16 @@ BAD_PROMPTS = [
     (dict(prompt=None, prompt_token_ids=None, messages=[{"role": "user", "content": 5}]),
      "messages[0].content", "must be a string"),
     (dict(prompt=None, prompt_token_ids=None, messages=["hello"]), "messages[0]", "'role' and 'content'"),
+    (dict(prompt=None, prompt_token_ids=None, messages=[{"role": "user", "content": "x", "colour": 1}]),
+     "messages[0].colour", "unknown key"),
+    (dict(prompt=None, prompt_token_ids=None, messages=[{"role": "user", "content": None}]),
+     "messages[0].content", "must be a string"),
+    (dict(prompt=None, prompt_token_ids=None, messages=[{"role": "user", "content": [{"type": "image"}]}]),
+     "messages[0].content", "list of {type: text, text} parts"),
+    (dict(prompt=None, prompt_token_ids=None, messages=[{"role": "assistant", "tool_calls": [{"id": "c"}]}]),
+     "messages[0].tool_calls[0]", "function: {name, arguments}"),
+    (dict(prompt=None, prompt_token_ids=None, messages=[{"role": "tool", "content": "x", "tool_call_id": 3}]),
+     "messages[0].tool_call_id", "must be a string"),
 ]
 
 
@@ -97,5 +107,30 @@ def test_good_requests_pass_unchanged():
     assert check_sampling(params, LIMITS) is params
     check_one_prompt("hello", None, None)
     check_one_prompt(None, None, [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}])
+    check_one_prompt(None, None, [  # OpenAI's tool-call turns and text parts
+        {"role": "user", "content": [{"type": "text", "text": "weather?"}]},
+        {"role": "assistant", "content": None, "reasoning_content": "use the tool",
+         "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "w", "arguments": "{}"}}]},
+        {"role": "tool", "content": "sunny", "tool_call_id": "c1", "name": "w"}])
     check_token_ids([0, 4095], LIMITS)
     validate_request_id("req-1")
+
+
+@pytest.mark.parametrize("fields, field", [
+    (dict(prompt="hi", tools=[]), "tools"),
+    (dict(prompt_token_ids=[1], chat_template_kwargs={"x": 1}), "chat_template_kwargs"),
+    (dict(messages=[{"role": "user", "content": "x"}], chat_template_kwargs={"tools": []}),
+     "chat_template_kwargs.tools"),
+])
+def test_chat_options_belong_to_chat_requests_and_their_own_fields(fields, field):
+    from fdcore.core.validation import check_chat_options
+    from fdcore.protocol import RequestBody
+
+    with pytest.raises(RequestError) as info:
+        check_chat_options(RequestBody(**fields))
+    assert info.value.field == field
+
+
+def test_unset_sampling_fields_are_checked_as_they_will_be_filled():
+    params = sp(min_tokens=16)  # max_tokens unset: 16
+    assert check_sampling(params, LIMITS) is params and params.max_tokens is None
