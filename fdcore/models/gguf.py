@@ -57,8 +57,9 @@ Metadata keys read (``{arch}`` is ``general.architecture``)::
     tokenizer.chat_template                    chat_template                    None
 
 Tensors: ``token_embd`` / ``output_norm`` / ``output`` (absent: tied) and per
-block ``attn_norm``, ``attn_{q,k,v,output}`` (+ ``.bias`` for qwen2), ``attn_{q,k}_norm``
-(qwen3), ``ffn_norm``, ``ffn_{gate,up,down}``. ``rope_freqs`` (Llama 3.1's rope
+block ``attn_norm``, ``attn_{q,k,v,output}``, ``attn_{q,k}_norm`` (qwen3), ``ffn_norm``,
+``ffn_{gate,up,down}``, and ``.bias`` ones (q/k/v: qwen2 always; q/k/v/o: attention_bias;
+gate/up/down: mlp_bias). ``rope_freqs`` (Llama 3.1's rope
 scaling, which llama.cpp bakes into per-dimension frequency divisors instead of
 metadata) becomes ``rope_scaling`` {"rope_type": "llama3", ...} when its values fit
 that formula, and is refused otherwise.
@@ -68,8 +69,9 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -250,7 +252,7 @@ def _llama3_rope_scaling(factors: np.ndarray, head_dim: int, theta: float, file:
     slope, offset = np.polyfit(inverse_wavelength[middle], smooth, 1)
     low, high = 1.0, round(1.0 - 1.0 / offset, 4)
     scaling = {"rope_type": "llama3", "factor": _float32_value(factor), "low_freq_factor": low,
-               "high_freq_factor": high, "original_max_position_embeddings": int(round(slope * (high - low)))}
+               "high_freq_factor": high, "original_max_position_embeddings": round(float(slope) * (high - low))}
     if not np.allclose(_llama3_divisors(scaling, inv_freq), f, rtol=1e-4):
         raise CheckpointError(f"{file}: tensor 'rope_freqs.weight' does not follow llama3 rope scaling")
     return scaling
@@ -586,7 +588,13 @@ def _merges_from_scores(tokens: list[str], scores: list[float]) -> list[tuple[st
 
 
 def _sentencepiece_bpe(meta: _Metadata, tokens: list[str]):
-    """SentencePiece-style BPE ("llama"): ▁ for spaces, byte fallback through <0xNN> tokens."""
+    """SentencePiece-style BPE ("llama"): ▁ for spaces, byte fallback through <0xNN> tokens.
+
+    The prefix ▁ comes from Metaspace(prepend_scheme="first"), as transformers builds these
+    tokenizers: once, at the start of the text, and not after a special token (so "[INST] Hi"
+    after BOS is not "▁[INST]"). It differs from sentencepiece (and llama.cpp) on a text that
+    already starts with a space, which gets no extra ▁ here.
+    """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     vocab = {tok: i for i, tok in enumerate(tokens)}
