@@ -2,7 +2,8 @@
 
     PYTHONPATH=. /tmp/refvenv/bin/python tools/make_gguf_reference.py tests/data/gguf_reference.json
 
-(/tmp/refvenv: torch 2.13 CPU, transformers 5.24, gguf, sentencepiece; see tools/make_reference.py.)
+(/tmp/refvenv: torch 2.13 CPU, transformers 5.24, accelerate (transformers needs it to load a GGUF),
+gguf, sentencepiece; see tools/make_reference.py.)
 
 Loads SmolLM2-135M-Instruct.Q4_1.gguf (fetched from PyPI by fdcore.models.fetch) with
 transformers' own GGUF loader, in float32 on the CPU, and records:
