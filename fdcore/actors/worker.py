@@ -69,7 +69,7 @@ class WorkerActor(Actor):
     def _loading(self, done: int, total: int) -> None:
         if not self.standby:  # a spare's slot belongs to the worker it may replace
             self.board.write(self.slot, health.LOADING, 1000 * done // total)
-        sys.stderr.write(f"{self.child_id}: loading weights {done}/{total} files\n")
+        sys.stderr.write(f"{self.child_id}: loading weights {done}/{total}\n")
 
     def handle(self, message) -> None:
         if isinstance(message, Step):

@@ -78,7 +78,10 @@ class ChatTemplates:
 
 # ----------------------------------------------------------------- discovery
 def find_templates(path: str, tokenizer_config: dict) -> dict[str, tuple[str, str]]:
-    """{name: (template text, source file)} as transformers would load them from ``path``."""
+    """{name: (template text, source file)} as transformers would load them from ``path`` (a GGUF
+    file: its ``tokenizer.chat_template`` metadata, passed here as the setting)."""
+    if os.path.isfile(path):
+        return _from_setting(tokenizer_config.get("chat_template"), f"{path} (tokenizer.chat_template)")
     files = _template_files(path)
     if files:
         return files

@@ -21,7 +21,7 @@ from tokenizers import Tokenizer
 
 from fdcore.core.chat_template import ChatOptions, ChatTemplates, prepare_messages, render
 from fdcore.core.validation import ModelLimits
-from fdcore.models.loader import CheckpointError, eos_ids, read_config
+from fdcore.models.loader import CheckpointError, eos_ids, is_gguf, read_config
 
 # transformers' SPECIAL_TOKENS_ATTRIBUTES: the named special tokens every template may use
 SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
@@ -30,13 +30,12 @@ SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token
 class ModelTokenizer:
     def __init__(self, path: str):
         self.path = path
-        self.tokenizer = Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
+        self.tokenizer, settings, legacy_map = _tokenizer_files(path)
         config = read_config(path)
         self.vocab_size = int(config["vocab_size"])
         self.max_position_embeddings = int(config.get("max_position_embeddings", 2048))
         self.eos_token_ids = eos_ids(path, config)
-        settings = _read_optional_json(os.path.join(path, "tokenizer_config.json"))
-        self.special_tokens = special_tokens(settings, _read_optional_json(os.path.join(path, "special_tokens_map.json")))
+        self.special_tokens = special_tokens(settings, legacy_map)
         self.chat_templates = ChatTemplates.load(path, settings)  # compiled now: a broken one stops the start
 
     def limits(self, max_model_len: int, cache_tokens: int) -> ModelLimits:
@@ -57,6 +56,23 @@ class ModelTokenizer:
 
     def encode_chat(self, messages: list[dict], options: ChatOptions = ChatOptions()) -> list[int]:
         return self.tokenizer.encode(self.render_chat(messages, options), add_special_tokens=False).ids
+
+
+def _tokenizer_files(path: str) -> tuple[Tokenizer, dict, dict]:
+    """(tokenizer, tokenizer_config.json settings, special_tokens_map.json) of a checkpoint
+    directory, or the same built from a GGUF file's metadata."""
+    if is_gguf(path):
+        from fdcore.models.gguf import gguf_tokenizer
+
+        tokenizer, settings = gguf_tokenizer(path)
+        return tokenizer, {k: v for k, v in settings.items() if v is not None}, {}
+    file = os.path.join(path, "tokenizer.json")
+    try:
+        tokenizer = Tokenizer.from_file(file)
+    except Exception as exc:  # missing or not a tokenizer: the checkpoint's fault, named
+        raise CheckpointError(f"{file}: cannot be read as a tokenizer ({exc})") from None
+    return (tokenizer, _read_optional_json(os.path.join(path, "tokenizer_config.json")),
+            _read_optional_json(os.path.join(path, "special_tokens_map.json")))
 
 
 def special_tokens(settings: dict, legacy_map: dict) -> dict[str, str]:

@@ -482,6 +482,14 @@ def read_gguf(file: str, progress: Callable[[int, int], None] | None = None
     return config, tensors, _eos_ids(meta)
 
 
+def read_gguf_config(file: str) -> tuple[dict, tuple[int, ...]]:
+    """``(config, eos_ids)`` as :func:`read_gguf` gives them, without reading any tensor data
+    (for the engine, which needs the limits and eos ids but not the weights)."""
+    reader = _open(file)
+    meta = _Metadata(reader, file)
+    return _config(meta, {t.name: t for t in reader.tensors}), _eos_ids(meta)
+
+
 # ---------------------------------------------------------------------- tokenizer
 _CONTROL, _UNKNOWN, _USER_DEFINED = 3, 2, 4
 

@@ -304,12 +304,24 @@ class Checkpoint:
     tensors: dict[str, np.ndarray]  # float32, HF names; the model takes (pops) them as it builds
 
 
+def is_gguf(path: str) -> bool:
+    """A llama.cpp GGUF file rather than a Hugging Face directory (see fdcore.models.gguf)."""
+    return path.endswith(".gguf") and os.path.isfile(path)
+
+
 def read_config(path: str) -> dict:
+    if is_gguf(path):
+        from fdcore.models.gguf import read_gguf_config
+
+        return read_gguf_config(path)[0]
     return _read_json(os.path.join(path, "config.json"))
 
 
 def load_checkpoint(path: str, progress=None) -> Checkpoint:
-    """Read and check everything; ``progress(done, total)`` is called per file."""
+    """Read and check everything; ``progress(done, total)`` is called per file (per tenth of the
+    tensors for a GGUF file)."""
+    if is_gguf(path):
+        return _load_gguf(path, progress or _stderr_progress)
     if not os.path.isdir(path):
         raise CheckpointError(f"{path}: checkpoint directory does not exist")
     config_file = os.path.join(path, "config.json")
@@ -322,8 +334,26 @@ def load_checkpoint(path: str, progress=None) -> Checkpoint:
     return Checkpoint(path, args, eos_ids(path, config), tensors)
 
 
+def _load_gguf(path: str, progress) -> Checkpoint:
+    from fdcore.models.gguf import read_gguf
+
+    def tenths(done: int, total: int) -> None:
+        if done == total or done % max(1, total // 10) == 0:
+            progress(done, total)
+
+    config, tensors, eos = read_gguf(path, tenths)
+    args = ModelArgs.from_config(config, path)
+    _check_tensors(args, tensors, path)
+    return Checkpoint(path, args, eos, tensors)
+
+
 def eos_ids(path: str, config: dict) -> tuple[int, ...]:
-    """EOS ids from generation_config.json (else config.json): an int or a list."""
+    """EOS ids from generation_config.json (else config.json): an int or a list (a GGUF file's
+    from its metadata)."""
+    if is_gguf(path):
+        from fdcore.models.gguf import read_gguf_config
+
+        return read_gguf_config(path)[1]
     gen_file = os.path.join(path, "generation_config.json")
     source = _read_json(gen_file) if os.path.exists(gen_file) else config
     eos = source.get("eos_token_id", config.get("eos_token_id"))
