@@ -1,7 +1,12 @@
 """Fixtures that keep multi-process tests honest and leave nothing behind.
 
+- The session tags every instance id its processes make (``FDCORE_INSTANCE_TAG``,
+  inherited by every child), so the guards below judge and remove only what this
+  session's tests made: a server or another test session on the machine is left alone.
 - ``shm_guard`` (autouse): every ``fdcore-*`` object a test creates in /dev/shm
   is unlinked after it, and the test fails if it leaked one.
+- At the end of the session, an object of ours still there fails the run (a
+  module-scoped tree that leaked is caught here).
 - ``spawn``: starts child processes (fork) in their own process group and
   SIGKILLs the group at teardown, even when the test failed.
 """
@@ -10,6 +15,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import secrets
 import signal
 
 import pytest
@@ -17,10 +23,11 @@ import pytest
 from fdcore.ipc import names
 
 FORK = mp.get_context("fork")
+os.environ[names.TAG_ENV] = SESSION_TAG = secrets.token_hex(2)
 
 
 def _our_entries() -> set[str]:
-    return {e.filename for e in names.list_entries()}
+    return {e.filename for e in names.list_entries() if e.instance_id.startswith(SESSION_TAG)}
 
 
 @pytest.fixture(autouse=True)
@@ -68,8 +75,9 @@ def spawn():
 
 
 @pytest.fixture(scope="session", autouse=True)
-def _sweep_at_end():
+def _nothing_left_at_end():
     yield
-    for entry in names.list_entries():
-        if entry.owner_pid == os.getpid() or not names.pid_alive(entry.owner_pid):
-            names.unlink_entry(entry)
+    left = [e for e in names.list_entries() if e.instance_id.startswith(SESSION_TAG)]
+    for entry in left:
+        names.unlink_entry(entry)
+    assert not left, f"the test session left shared memory behind: {[e.filename for e in left]}"

@@ -50,3 +50,20 @@ def test_unlink_instance_removes_every_object_of_one_instance():
     assert len([e for e in names.list_entries() if e.instance_id == instance]) == 6
     assert names.unlink_instance(instance) == 6
     assert not [e for e in names.list_entries() if e.instance_id == instance]
+
+
+def test_this_session_judges_only_its_own_instances(monkeypatch):
+    """Instance ids begin with the session's tag (children inherit it), so the leak guard leaves
+    another session's or a running server's objects alone."""
+    from tests.conftest import SESSION_TAG, _our_entries
+
+    assert names.new_instance_id().startswith(SESSION_TAG)
+    other_tag = format((int(SESSION_TAG, 16) + 1) % 0x10000, "04x")
+    monkeypatch.setenv(names.TAG_ENV, other_tag)
+    with Ring.create(4096) as theirs:
+        assert theirs.name.startswith(f"/fdcore-{other_tag}")
+        assert theirs.name.lstrip("/") not in _our_entries()
+        theirs.unlink()
+    monkeypatch.setenv(names.TAG_ENV, "not-hex")
+    with pytest.raises(ValueError, match="FDCORE_INSTANCE_TAG"):
+        names.new_instance_id()

@@ -24,11 +24,24 @@ PREFIX = "fdcore-"
 SHM_DIR = "/dev/shm"
 _INSTANCE_RE = re.compile(r"^(?:sem\.)?fdcore-([0-9a-f]{12})\.(\d+)-")
 _LINK_RE = re.compile(r"^[A-Za-z0-9_.]+$")
+# Up to 4 hex digits that begin every instance id made by this process and its children (a test
+# session sets it, so its guard judges only what its own tests made: other fdcore users of the
+# machine, another test session among them, are left alone).
+TAG_ENV = "FDCORE_INSTANCE_TAG"
+_TAG_RE = re.compile(r"^[0-9a-f]{0,4}$")
 
 
 def new_instance_id(pid: int | None = None) -> str:
     """A fresh, unguessable instance id owned by ``pid`` (default: this process)."""
-    return f"{secrets.token_hex(6)}.{os.getpid() if pid is None else pid}"
+    tag = instance_tag()
+    return f"{tag}{secrets.token_hex(6)[len(tag):]}.{os.getpid() if pid is None else pid}"
+
+
+def instance_tag() -> str:
+    tag = os.environ.get(TAG_ENV, "")
+    if not _TAG_RE.match(tag):
+        raise ValueError(f"{TAG_ENV}={tag!r}: at most 4 lowercase hex digits")
+    return tag
 
 
 def object_name(instance_id: str, link: str) -> str:
