@@ -24,15 +24,33 @@ from tests.test_model import run_greedy
 REFERENCE = json.load(open(os.path.join(os.path.dirname(__file__), "data", "checkpoint_reference.json")))
 
 
+def transformers_checkpoint(path: str, name: str) -> str:
+    """The variant with the config.json transformers wrote for it (every default key it saves)."""
+    make_checkpoint(path, name)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(REFERENCE["configs"][name], f)
+    return path
+
+
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("variants")
-    return {name: LlamaModel(load_checkpoint(make_checkpoint(str(root / name), name), progress=lambda *_: None))
+    return {name: LlamaModel(load_checkpoint(transformers_checkpoint(str(root / name), name),
+                                             progress=lambda *_: None))
             for name in VARIANTS}
 
 
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_our_config_and_the_one_transformers_writes_mean_the_same_model(name):
+    from fdcore.models.loader import ModelArgs
+    from tests.checkpoints import config_of
+
+    ours = ModelArgs.from_config(config_of(name), "ours")
+    assert ModelArgs.from_config(REFERENCE["configs"][name], "transformers'") == ours
+
+
 def test_every_variant_has_a_reference():
-    assert set(REFERENCE["variants"]) == set(VARIANTS)
+    assert set(REFERENCE["variants"]) == set(VARIANTS) == set(REFERENCE["configs"])
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))

@@ -5,7 +5,10 @@
 
 The checkpoints are written by the project's own environment (the first
 argument: it has Paddle, which writes bfloat16), so the bytes transformers
-reads here are the bytes the tests make. bfloat16 / float16 weights are run
+reads here are the bytes the tests make. Each variant's config is also saved
+back by transformers (``AutoConfig.save_pretrained``: every default key it
+writes, ``layer_types``, ``rope_parameters``...) and recorded: the tests load
+the weights under that config.json, as a user's checkpoint would have it. bfloat16 / float16 weights are run
 upcast to float32 (``dtype=torch.float32``), the dtype fdcore computes in. A
 model is loaded afresh for each prompt: transformers' dynamic rotary scaling
 keeps state across calls.
@@ -20,7 +23,7 @@ import tempfile
 import torch
 import transformers
 from tokenizers import Tokenizer
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NEW_TOKENS = 24
@@ -51,10 +54,17 @@ def greedy(path: str, ids: list[int]) -> list[int]:
     return gen[0, len(ids):].tolist()
 
 
+def saved_config(path: str, out_dir: str) -> dict:
+    """config.json as transformers writes it for this checkpoint (read, then saved back)."""
+    AutoConfig.from_pretrained(path).save_pretrained(out_dir)
+    with open(os.path.join(out_dir, "config.json")) as f:
+        return json.load(f)
+
+
 def main(python: str, out_file: str) -> None:
     torch.manual_seed(0)
     result = {"new_tokens": NEW_TOKENS, "transformers": transformers.__version__, "torch": torch.__version__,
-              "variants": {}}
+              "variants": {}, "configs": {}}
     with tempfile.TemporaryDirectory() as tmp:
         for name in variants(python):
             path = os.path.join(tmp, name)
@@ -65,6 +75,7 @@ def main(python: str, out_file: str) -> None:
             for case, data in cases.items():
                 print(name, case, len(data["prompt"]), data["output"][:8], flush=True)
             result["variants"][name] = cases
+            result["configs"][name] = saved_config(path, os.path.join(tmp, name + "-config"))
     with open(out_file, "w") as f:
         json.dump(result, f, indent=1)
 
