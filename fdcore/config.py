@@ -46,7 +46,7 @@ Example (every key shown with its default)::
     ring_capacity = 1048576   # bytes per inbox link
 
     [server]                  # the OpenAI-compatible HTTP server (actor fdcore:api)
-    enabled = false
+    enabled = false           # a [server] section that names a port and leaves this out serves
     host = "127.0.0.1"        # only this machine, unless you say otherwise
     port = 8000
     model_name = ""           # the model id clients send; "" = the model directory's name
@@ -167,9 +167,19 @@ def parse_config(raw: bytes | str, *, source: str = "<config>", check_model: boo
     except msgspec.DecodeError as exc:
         raise ConfigError(f"{source}: not valid TOML ({exc})") from None
     _check_ranges(config, source)
+    _serve_when_a_port_is_given(config, raw)
     if check_model:
         check_model_path(config, source)
     return config
+
+
+def _serve_when_a_port_is_given(config: Config, raw: bytes | str) -> None:
+    """A ``[server]`` section with a ``port`` but no ``enabled`` key runs the server: whoever wrote a
+    port meant to serve, and a silently absent server is the worst answer. ``enabled = false`` still
+    wins (the port may be kept for later)."""
+    section = msgspec.toml.decode(raw).get("server", {})
+    if "port" in section and "enabled" not in section:
+        config.server.enabled = True
 
 
 def _explain(message: str) -> str:

@@ -203,6 +203,15 @@ def test_binds_localhost_by_default():
     assert parse_config("[server]\nenabled = true\n", check_model=False).server.host == "127.0.0.1"
 
 
+@pytest.mark.parametrize("text, serves", [("[server]\nport = 8123\n", True),
+                                          ("[server]\nport = 8123\nenabled = false\n", False),
+                                          ("[server]\nhost = \"0.0.0.0\"\n", False), ("", False)])
+def test_a_server_section_that_names_a_port_serves(text, serves):
+    from fdcore.config import parse_config
+
+    assert parse_config(text, check_model=False).server.enabled is serves
+
+
 def _actor(child_id: str):
     import psutil
 
