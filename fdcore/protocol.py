@@ -21,9 +21,12 @@ class Message(msgspec.Struct, array_like=True, frozen=True, gc=False, tag=True):
 
 # --------------------------------------------------------------- actor control
 class Stop(Message):
-    """Finish what can be finished and exit cleanly."""
+    """Finish what can be finished and exit cleanly. ``restart``: the supervisor stops this actor
+    only to start it again (a sibling died under one_for_all / rest_for_one), so open requests are
+    not failed: the successor takes them over (the clients re-submit to a new engine)."""
 
     reason: str = ""
+    restart: bool = False
 
 
 class Ping(Message):

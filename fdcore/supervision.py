@@ -2,6 +2,8 @@
 
 - :class:`ChildSpec`: a child as data (id, what to start, restart type, shutdown timeout).
 - :func:`to_restart`: which children a strategy restarts when one fails.
+- :func:`plan_restart`: the same as the supervisor acts on it: which running siblings to stop
+  first (reverse start order) and what to start again (start order).
 - :func:`should_restart`: whether a child's restart type wants a restart after an exit.
 - :class:`RestartIntensity`: more than ``max_restarts`` restarts within ``period``
   seconds means the tree cannot heal itself: stop everything and exit with the reason.
@@ -35,6 +37,23 @@ def to_restart(strategy: Strategy, order: list[str], failed: str) -> list[str]:
     if strategy == "rest_for_one":
         return order[order.index(failed):]
     raise ValueError(f"unknown strategy {strategy!r}")
+
+
+class RestartPlan(msgspec.Struct, frozen=True):
+    """What one failure makes the supervisor do, in this order."""
+
+    stop: list[str]   # running siblings to stop for the restart, in reverse start order
+    start: list[str]  # children to start again, in start order (the failed one among them)
+
+
+def plan_restart(strategy: Strategy, order: list[str], failed: str, running) -> RestartPlan:
+    """The restart of ``failed`` (no longer running) under ``strategy``: as OTP, siblings the
+    strategy takes along are stopped in reverse start order, then everything is started again in
+    start order. ``order`` is the start order of the children that may be restarted."""
+    if failed in running:
+        raise ValueError(f"{failed!r} is still running: only a child that is gone is restarted")
+    affected = to_restart(strategy, order, failed)
+    return RestartPlan([c for c in reversed(affected) if c in running], affected)
 
 
 def should_restart(restart: RestartType, abnormal: bool) -> bool:

@@ -37,7 +37,7 @@ from fdcore.actors.health import HealthBoard, State
 from fdcore.config import Config, ConfigError, load_config, model_path
 from fdcore.ipc import Inbox, Ring, Sender, names
 from fdcore.protocol import Restarted, Stop
-from fdcore.supervision import ChildSpec, RestartIntensity, should_restart, to_restart
+from fdcore.supervision import ChildSpec, RestartIntensity, plan_restart, should_restart
 
 POLL = 0.05  # seconds between looks at the health board when nothing else happens
 STATEFUL = {"cache", "scheduler", "worker"}  # actors whose restart loses in-flight request state
@@ -128,6 +128,8 @@ class Supervisor:
             self._wait_events(POLL)
             self._check_standbys()
             for child in list(self.children.values()):
+                if self.children.get(child.spec.id) is not child:
+                    continue  # stopped and replaced by a restart this turn: that handled its exit
                 if child.proc.poll() is not None:
                     self._on_exit(child, _exit_reason(child.proc.returncode),
                                   abnormal=child.proc.returncode != 0)
@@ -140,30 +142,50 @@ class Supervisor:
 
     # --------------------------------------------------------------- failures
     def _on_exit(self, child: Child, reason: str, abnormal: bool) -> None:
+        """A child is gone: restart it, with the siblings its strategy takes along (which are
+        stopped as for a restart, so that no open request is failed), then tell the engine when
+        request state was lost. Called once per child object: the loop skips replaced children."""
         log("exited", id=child.spec.id, pid=child.proc.pid, reason=reason)
         del self.children[child.spec.id]
-        if not should_restart(child.spec.restart, abnormal):
+        if not should_restart(child.spec.restart, abnormal) or not self._count_restart(child.spec.id):
             return
         order = [s.id for s in self.specs if s.id in self.children or s.id == child.spec.id]
-        affected = to_restart(self.config.supervisor.strategy, order, child.spec.id)
-        if not self.intensity.record():
-            log("intensity_exceeded", id=child.spec.id, reason=self.intensity.describe())
-            self.stop_reason = f"{child.spec.id} failed too often: {self.intensity.describe()}"
-            self.exit_code = 1
-            self.stopping = True
-            return
-        for cid in reversed(affected):
-            if cid in self.children:
-                self._stop_child(self.children.pop(cid))
+        plan = plan_restart(self.config.supervisor.strategy, order, child.spec.id, self.children)
+        for cid in plan.stop:
+            self._stop_for_restart(self.children.pop(cid), child.spec.id)
+        if self.stopping:
+            return  # a sibling found dead on its own was one crash too many
         self.generation += 1
-        for cid in affected:
+        for cid in plan.start:
             self.restart_counts[cid] = self.restart_counts.get(cid, 0) + 1
             self._restart(cid)
         if not self.stopping and "engine" in self.children and any(
-                topology.kind_of(c) in STATEFUL for c in affected):
+                topology.kind_of(c) in STATEFUL for c in plan.start):
             # Their request state died with them: the engine re-submits every unfinished request
-            # in a new epoch (crash-resume). An engine or API restart needs no such thing.
-            self._send("engine", Restarted(",".join(affected), self.generation))
+            # in a new epoch (crash-resume). An engine or API restart needs no such thing (a new
+            # engine starts a new epoch anyway, and its clients re-submit).
+            self._send("engine", Restarted(",".join(plan.start), self.generation))
+
+    def _count_restart(self, cid: str) -> bool:
+        """One restart in the intensity window; False (and the tree stops) when one too many."""
+        if self.intensity.record():
+            return True
+        log("intensity_exceeded", id=cid, reason=self.intensity.describe())
+        self.stop_reason = f"{cid} failed too often: {self.intensity.describe()}"
+        self.exit_code = 1
+        self.stopping = True
+        return False
+
+    def _stop_for_restart(self, sibling: Child, failed: str) -> None:
+        """Stop a sibling that ``failed``'s restart takes along; one that died on its own
+        meanwhile is a crash of its own (logged and counted once, here: it is restarted anyway)."""
+        if sibling.proc.poll() is not None:
+            log("exited", id=sibling.spec.id, pid=sibling.proc.pid,
+                reason=_exit_reason(sibling.proc.returncode))
+            if sibling.proc.returncode != 0:
+                self._count_restart(sibling.spec.id)
+            return
+        self._stop_child(sibling, Stop(f"restarting with {failed}", restart=True))
 
     def _restart(self, cid: str) -> None:
         spec = next(s for s in self.specs if s.id == cid)
@@ -172,13 +194,10 @@ class Supervisor:
             log("restarted", id=cid, pid=self.children[cid].proc.pid, generation=self.generation)
         except StartFailure as exc:
             log("restart_failed", id=cid, reason=str(exc))
-            if not self.intensity.record():
-                log("intensity_exceeded", id=cid, reason=self.intensity.describe())
-                self.stop_reason = f"{cid} could not be restarted: {exc}"
-                self.exit_code = 1
-                self.stopping = True
-            else:
+            if self._count_restart(cid):
                 self._restart(cid)
+            else:
+                self.stop_reason = f"{cid} could not be restarted: {exc}"
 
     def _stall_reason(self, child: Child) -> str | None:
         board, slot = self.board, child.slot
@@ -306,13 +325,14 @@ class Supervisor:
             if child is not None:
                 self._stop_child(child)
 
-    def _stop_child(self, child: Child) -> None:
-        """Stop message, then SIGTERM, then SIGKILL, ``shutdown_timeout`` apart."""
+    def _stop_child(self, child: Child, message: Stop | None = None) -> None:
+        """Stop message (default: the tree's stop), then SIGTERM, then SIGKILL, ``shutdown_timeout``
+        apart. A child that is gone already is not sent the message: its successor would read it."""
         t0 = time.monotonic()
         timeout = child.spec.shutdown_timeout
-        how = "stop message"
-        if not self._kill_now:
-            self._send(child.spec.id, Stop(self.stop_reason))
+        how = "stop message" if child.proc.poll() is None else "exited before"
+        if not self._kill_now and child.proc.poll() is None:
+            self._send(child.spec.id, message or Stop(self.stop_reason))
             if not self._wait_exit(child, timeout):
                 how = "SIGTERM"
                 _killpg(child.proc.pid, signal.SIGTERM)
@@ -408,16 +428,31 @@ class Supervisor:
 
 def actor_pid(supervisor_pid: int, child_id: str) -> int | None:
     """The live process of one actor of a running tree, found by its title (tools, tests, chaos)."""
+    pids = actor_processes(supervisor_pid).get(topology.title_of(child_id), [])
+    return pids[0] if pids else None
+
+
+def actor_processes(supervisor_pid: int) -> dict[str, list[int]]:
+    """The supervisor's live children by process title (fdcore:engine: [pid], ...): a healthy tree
+    has exactly one per actor, whatever restarts it went through."""
     import psutil
 
-    title = topology.title_of(child_id)
+    found: dict[str, list[int]] = {}
     for child in psutil.Process(supervisor_pid).children():
         try:
-            if child.cmdline()[:1] == [title]:
-                return child.pid
-        except psutil.NoSuchProcess:
+            if child.status() != psutil.STATUS_ZOMBIE:
+                found.setdefault(child.cmdline()[0], []).append(child.pid)
+        except (psutil.NoSuchProcess, IndexError):
             continue
-    return None
+    return found
+
+
+def actor_census(supervisor_pid: int, child_ids: list[str]) -> str:
+    """'' when every actor runs as exactly one process, else what is wrong ('2 fdcore:engine
+    (pids ...)', '0 fdcore:cache'): what chaos runs and tests check after each restart."""
+    found = actor_processes(supervisor_pid)
+    wrong = [(title, found.get(title, [])) for title in map(topology.title_of, child_ids)]
+    return ", ".join(f"{len(pids)} {title} (pids {pids})" for title, pids in wrong if len(pids) != 1)
 
 
 def _killpg(pgid: int, sig: int) -> None:
@@ -466,6 +501,10 @@ def main(argv=None) -> int:
                         help="write the instance id to this file descriptor once ready (used by AsyncLLM)")
     parser.add_argument("--stop-with-parent", action="store_true",
                         help="shut down when the process that started us dies (embedded use)")
+    parser.add_argument("--parent-fd", type=int, default=None,
+                        help="shut down when this pipe reaches end-of-file: every holder of its write end "
+                             "(the embedding process) is gone; unlike --stop-with-parent it follows the "
+                             "process, not the thread that started us (used by AsyncLLM / LLM)")
     args = parser.parse_args(argv)
     try:
         config = load_config(args.config)
@@ -480,6 +519,8 @@ def main(argv=None) -> int:
     setproctitle.setproctitle("fdcore:supervisor")
     if args.stop_with_parent:
         _stop_with_parent()
+    if args.parent_fd is not None:
+        _stop_when_closed(args.parent_fd)
     return Supervisor(config, args.config, args.ready_fd).run()
 
 
@@ -523,6 +564,21 @@ def _stop_with_parent() -> None:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
     if os.getppid() != parent:
         os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _stop_when_closed(fd: int) -> None:
+    """SIGTERM (a clean stop) once ``fd``, a pipe's read end, reads EOF: the kernel closes the write
+    end when the embedding process ends, whichever of its threads started us."""
+    import threading
+
+    os.set_inheritable(fd, False)  # our own children must not hold it open
+
+    def watch() -> None:
+        while os.read(fd, 64):
+            pass
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="fdcore-parent-watch", daemon=True).start()
 
 
 if __name__ == "__main__":

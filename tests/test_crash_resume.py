@@ -16,6 +16,8 @@ from fdcore import AsyncLLM, SamplingParams
 from fdcore.config import parse_config
 from fdcore.ipc import names
 from fdcore.models import tiny
+from fdcore.actors import topology
+from fdcore.supervisor import actor_census
 from fdcore.supervisor import actor_pid as find_actor
 
 CHILDREN = {"worker": "worker0", "scheduler": "scheduler", "cache": "cache", "engine": "engine"}  # kind: child
@@ -79,12 +81,14 @@ async def wait_for_new(client: AsyncLLM, kind: str, old: int, timeout: float = 6
     raise AssertionError(f"{kind} was not restarted within {timeout} s")
 
 
-def run(model_dir, scenario, prompts=None, params=None):
-    """A fault-free run and a run with ``scenario(client, total_tokens)`` killing actors."""
+def run(model_dir, scenario, prompts=None, params=None, strategy="one_for_one"):
+    """A fault-free run and a run with ``scenario(client, total_tokens)`` killing actors; afterwards
+    every actor runs as exactly one process."""
     prompts, params = (prompts, params) if prompts else requests()
+    tree_config = config(model_dir, strategy=strategy)
 
     async def main():
-        async with AsyncLLM(config(model_dir)) as client:
+        async with AsyncLLM(tree_config) as client:
             clean = await stream_all(client, prompts, params)
             state = {"done": False, "busy": False}
 
@@ -96,10 +100,12 @@ def run(model_dir, scenario, prompts=None, params=None):
 
             crashed = await stream_all(client, prompts, params, progress)
             health = await client.check_health()
-            return clean, crashed, state["done"], health
+            census = actor_census(client._tree.proc.pid, topology.child_ids(tree_config))
+            return clean, crashed, state["done"], health, census
 
-    clean, crashed, done, health = asyncio.run(main())
+    clean, crashed, done, health, census = asyncio.run(main())
     assert done, "the scenario did not run"
+    assert census == "", f"not one process per actor after the restarts: {census}"
     for i, (want, got) in enumerate(zip(clean, crashed, strict=True)):
         assert got[3] == "", f"request {i} failed: {got[3]}"
         assert got[0] == want[0], f"request {i}: tokens differ after the crash"
@@ -121,6 +127,14 @@ def kill_at(kind: str, tokens: int):
 @pytest.mark.parametrize("kind", ["worker", "scheduler", "cache", "engine"])
 def test_sigkill_mid_generation_changes_no_token(model_dir, kind):
     run(model_dir, kill_at(kind, 100))
+
+
+@pytest.mark.parametrize("strategy", ["rest_for_one", "one_for_all"])
+@pytest.mark.parametrize("kind", ["scheduler", "cache", "worker"])
+def test_strategies_that_restart_siblings_change_no_token(model_dir, strategy, kind):
+    """The siblings (the engine among them) are stopped for a restart, not for a shutdown: no
+    stream fails, the clients re-submit to the new engine, and no actor runs twice."""
+    run(model_dir, kill_at(kind, 100), strategy=strategy)
 
 
 @pytest.mark.parametrize("kind", ["worker", "scheduler", "cache", "engine"])
@@ -201,5 +215,5 @@ def test_sync_llm_resumes_after_an_engine_kill(model_dir):
         crashed = [(o.outputs.token_ids, o.outputs.text) for o in llm.generate(prompts, params)]
         assert killed.is_set(), "the engine was meant to die while generate() ran"
         thread.join()
-        watcher._conn.close()
+        watcher.shutdown()
         assert crashed == clean

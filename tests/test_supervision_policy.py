@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from fdcore.actors.health import stall_reason
-from fdcore.supervision import RestartIntensity, should_restart, to_restart
+from fdcore.supervision import RestartIntensity, RestartPlan, plan_restart, should_restart, to_restart
 
 ORDER = ["cache", "worker0", "scheduler", "engine"]
 
@@ -24,6 +24,22 @@ def test_strategies_choose_the_children_to_restart(strategy, failed, expected):
 def test_unknown_strategy_is_an_error():
     with pytest.raises(ValueError, match="unknown strategy"):
         to_restart("one_for_some", ORDER, "cache")
+
+
+@pytest.mark.parametrize("strategy, failed, running, stop", [
+    ("one_for_one", "scheduler", ["cache", "worker0", "engine"], []),
+    ("one_for_all", "worker0", ["cache", "scheduler", "engine"], ["engine", "scheduler", "cache"]),
+    ("rest_for_one", "scheduler", ["cache", "worker0", "engine"], ["engine"]),
+    ("rest_for_one", "cache", ["worker0", "engine"], ["engine", "worker0"]),  # scheduler died too
+])
+def test_a_restart_stops_running_siblings_in_reverse_order_then_starts_in_order(strategy, failed, running, stop):
+    plan = plan_restart(strategy, ORDER, failed, set(running))
+    assert plan == RestartPlan(stop, to_restart(strategy, ORDER, failed))
+
+
+def test_a_running_child_cannot_be_planned_for_restart():
+    with pytest.raises(ValueError, match="still running"):
+        plan_restart("one_for_all", ORDER, "engine", {"engine"})
 
 
 @pytest.mark.parametrize("restart, abnormal, expected", [

@@ -124,7 +124,11 @@ class EngineActor(Actor):
                                           list(tracked.output_token_ids)))
 
     def on_stop(self) -> None:
-        """The tree is stopping: every unfinished request ends now with the reason."""
+        """The tree is stopping: every unfinished request ends now with the reason. Stopped to be
+        restarted (a sibling died under one_for_all / rest_for_one), the requests are not ours to
+        end: each client sees this engine gone and re-submits its streams to the successor."""
+        if self.restarting:
+            return
         for tracked in list(self.table.values()):
             self._deliver(tracked.client, [Update(tracked.request_id, [], "", "error", error_code=503,
                                                   error_msg=f"fdcore stopped: {self.stop_reason}")])

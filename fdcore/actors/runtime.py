@@ -59,6 +59,7 @@ class Actor:
         self.stopping = False
         self.standby = False  # a warm spare that has not taken over yet: it must not touch the slot
         self.stop_reason = "stopped"
+        self.restarting = False  # stopped only to be started again: open work goes to the successor
         self.receiver: Receiver | None = None  # set by run()
         self.deferred: list = []  # messages that arrived while waiting for a reply (see call())
 
@@ -71,9 +72,10 @@ class Actor:
         match message:
             case Ping(nonce=nonce):
                 self.send(topology.SUPERVISOR, Pong(nonce, self.child_id))
-            case Stop(reason=reason):
+            case Stop(reason=reason, restart=restart):
                 self.stopping = True
                 self.stop_reason = reason
+                self.restarting = restart
             case _:
                 raise ValueError(f"{self.child_id}: unexpected message {type(message).__name__}")
 
@@ -114,8 +116,8 @@ class Actor:
              accept=None, interrupt=None):
         """Send ``message`` (after ``prelude``, in the same record) and wait for the first
         message of ``reply_type`` (that ``accept`` approves, if given); everything else that
-        arrives meanwhile is kept, in order, for the loop (``deferred``). A message of type
-        ``interrupt`` ends the wait at once with :class:`Interrupted` (it stays deferred)."""
+        arrives meanwhile is kept, in order, for the loop (``deferred``). A message of type (or
+        tuple of types) ``interrupt`` ends the wait at once with :class:`Interrupted` (it stays deferred)."""
         self.send_many(to, [*prelude, message])
         deadline = time.monotonic() + timeout
         while True:

@@ -27,7 +27,7 @@ from fdcore.actors.runtime import Actor, Interrupted
 from fdcore.core.scheduler import Request, ScheduledRequest, Scheduler, SchedulerConfig
 from fdcore.protocol import (AddSeq, Allocate, CacheReply, CacheReset, CacheStats, CacheStatsQuery, Computed,
                              FinishSeq, Free, Grow, GrowMany, GrowReply, NewSeq, Resync, SchedulerMessage, SeqTokens,
-                             ServingStats, StatsQuery, Step, StepItem, StepResult, WorkerSync)
+                             ServingStats, StatsQuery, Step, StepItem, StepResult, Stop, WorkerSync)
 
 WORKER = "worker0"
 PIPELINE_DEPTH = 2  # steps in flight: the one running and the next, queued
@@ -57,7 +57,7 @@ class RemoteBlocks:
         prelude, self.outgoing = self.outgoing, []
         epoch = self.actor.epoch
         reply = self.actor.call("cache", message, reply_type, self.timeout, prelude,
-                                accept=lambda r: r.epoch == epoch, interrupt=Resync)
+                                accept=lambda r: r.epoch == epoch, interrupt=(Resync, Stop))
         self.stats = reply.stats
         return reply
 
@@ -213,7 +213,7 @@ class SchedulerActor(Actor):
                 if not self._launch():
                     break
         except Interrupted:
-            return  # a Resync arrived mid-call: the loop handles it next, and it voids all this
+            return  # a Resync (or Stop) arrived mid-call: the loop handles it next, and it voids all this
         self.blocks.flush()
 
     def has_work(self) -> bool:
