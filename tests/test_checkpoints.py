@@ -75,6 +75,18 @@ def test_chunked_prefill_and_the_python_path_agree(models, name):
         model.fused = kernels
 
 
+def test_exporters_notes_pass_and_a_layout_they_ask_for_does_not():
+    """SmolLM2's own config.json carries nanotron's and transformers.js's notes."""
+    from fdcore.models.loader import ModelArgs
+    from tests.checkpoints import config_of
+
+    config = {**config_of("llama-float16"), "is_llama_config": True, "rope_interleaved": False,
+              "transformers.js_config": {"kv_cache_dtype": {"q4f16": "float16"}}}
+    assert ModelArgs.from_config(config, "c") == ModelArgs.from_config(config_of("llama-float16"), "c")
+    with pytest.raises(CheckpointError, match="key 'rope_interleaved' = True is not implemented"):
+        ModelArgs.from_config({**config, "rope_interleaved": True}, "c")
+
+
 def test_the_settings_were_read(models):
     """Guard against a variant silently testing the default path."""
     args = {name: model.args for name, model in models.items()}

@@ -71,6 +71,8 @@ IGNORED = frozenset({
     "num_return_sequences", "output_scores", "return_dict_in_generate", "forced_bos_token_id",
     "forced_eos_token_id", "remove_invalid_values", "exponential_decay_length_penalty",
     "suppress_tokens", "begin_suppress_tokens",
+    # exporters' own notes (SmolLM2's nanotron export, transformers.js, unsloth)
+    "is_llama_config", "transformers.js_config", "unsloth_version", "unsloth_fixed",
 })
 READ = frozenset({
     "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
@@ -210,6 +212,8 @@ def _refuse_unknown_keys(config: dict, family: str, source: str) -> None:
     act = config.get("hidden_act", "silu")
     if act != "silu":
         raise CheckpointError(f"{source}: key 'hidden_act' = {act!r} is not implemented (only 'silu')")
+    # rope_interleaved (nanotron): false is HF's rotate-half, which fdcore runs (and transformers
+    # ignores the key); true asks for another rotary layout, refused by the rule above.
 
 
 def rope_spec(config: dict, head_dim: int, max_positions: int, source: str) -> RopeSpec:
