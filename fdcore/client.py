@@ -26,8 +26,10 @@ naming the field and the limit; nothing is raised for it.
 from __future__ import annotations
 
 import asyncio
+import collections
 import fcntl
 import os
+import queue
 import secrets
 import select
 import signal
@@ -45,10 +47,20 @@ from fdcore.actors import health, topology
 from fdcore.actors.health import HealthBoard, State
 from fdcore.config import Config
 from fdcore.ipc import Inbox, Receiver, Ring, RingEmpty, Sender, names
-from fdcore.protocol import (AbortRequest, AddRequest, ClientMessage, Hello, Metrics, SamplingParams,
-                             ServingStats, StatsQuery, Update, Welcome)
+from fdcore.protocol import (
+    AbortRequest,
+    AddRequest,
+    ClientMessage,
+    Hello,
+    Metrics,
+    SamplingParams,
+    ServingStats,
+    StatsQuery,
+    Update,
+    Welcome,
+)
 
-__all__ = ["AsyncLLM", "LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "EngineError"]
+__all__ = ["LLM", "AsyncLLM", "CompletionOutput", "EngineDeadError", "EngineError", "RequestOutput", "SamplingParams"]
 
 _ENCODE = msgspec.msgpack.Encoder().encode
 
@@ -59,6 +71,14 @@ class EngineError(RuntimeError):
     def __init__(self, message: str, error_code: int = 500):
         super().__init__(message)
         self.error_code = error_code
+
+
+class EngineDeadError(EngineError):
+    """This client can no longer be served: the tree stopped, the client was shut down, or its
+    reader thread died. Every open request raises it, and so does every later call, at once."""
+
+    def __init__(self, message: str):
+        super().__init__(message, 503)
 
 
 @dataclass
@@ -86,32 +106,43 @@ class RequestOutput:
 class _Tree:
     """The supervisor we started (if any) and the instance id we talk to."""
 
-    def __init__(self, instance: str, proc: subprocess.Popen | None = None, config_file: str | None = None):
+    def __init__(self, instance: str, proc: subprocess.Popen | None = None, config_file: str | None = None,
+                 lifeline: int | None = None):
         self.instance = instance
         self.proc = proc
         self.config_file = config_file
+        self.lifeline = lifeline  # write end of the pipe whose EOF tells the supervisor we are gone
 
     @classmethod
-    def start(cls, config, timeout: float) -> "_Tree":
+    def start(cls, config, timeout: float) -> _Tree:
+        """Start a supervisor that lives as long as this *process*. NOTE: PR_SET_PDEATHSIG follows
+        the thread that forked, so a client built in a worker thread lost its tree when that thread
+        ended; instead the supervisor reads a pipe whose only write end we hold (close-on-exec, so
+        no program we start keeps it), and the kernel closes it when this process ends, however."""
         path, temporary = _config_file(config)
         read_fd, write_fd = os.pipe()
+        watch_fd, lifeline = os.pipe()
         cmd = [sys.executable, "-m", "fdcore.supervisor", "--config", path, "--ready-fd", str(write_fd),
-               "--stop-with-parent"]
-        proc = subprocess.Popen(cmd, pass_fds=(write_fd,), process_group=0, stdin=subprocess.DEVNULL)
-        os.close(write_fd)
+               "--parent-fd", str(watch_fd)]
+        try:
+            proc = subprocess.Popen(cmd, pass_fds=(write_fd, watch_fd), process_group=0, stdin=subprocess.DEVNULL)
+        finally:
+            os.close(write_fd)
+            os.close(watch_fd)
         try:
             instance = _read_ready(read_fd, proc, timeout)
         except BaseException:
             _terminate(proc, 5.0)
+            os.close(lifeline)
             if temporary:
                 os.unlink(path)
             raise
         finally:
             os.close(read_fd)
-        return cls(instance, proc, path if temporary else None)
+        return cls(instance, proc, path if temporary else None, lifeline)
 
     @classmethod
-    def find(cls, instance: str | None) -> "_Tree":
+    def find(cls, instance: str | None) -> _Tree:
         running = sorted({e.instance_id for e in names.list_entries()
                           if e.filename.endswith("-engine") and names.pid_alive(e.owner_pid)})
         if instance is None:
@@ -132,6 +163,9 @@ class _Tree:
         if self.proc is not None:
             _terminate(self.proc, timeout)
             self.proc = None
+        if self.lifeline is not None:
+            os.close(self.lifeline)
+            self.lifeline = None
         if self.config_file:
             os.unlink(self.config_file)
             self.config_file = None
@@ -218,20 +252,32 @@ class Connection:
     def engine_alive(self) -> bool:
         return names.pid_alive(self.welcome.engine_pid)
 
-    def handshake(self, timeout: float) -> Welcome:
+    def handshake(self, timeout: float, keep_waiting=lambda: True) -> Welcome:
         """Hello / Welcome with the engine (a restarted one too: our links outlive it). The
-        engine aborts whatever this slot had running; what it had sent is dropped here."""
+        engine aborts whatever this slot had running; what it had sent is dropped here. Hello is
+        sent again every ``HELLO_RESEND`` s (one written while the old engine was dying may be
+        lost with it) until ``timeout``, or until ``keep_waiting()`` says the tree is gone."""
         session = secrets.randbits(62)
-        self.send(Hello(self.slot, session))
         deadline = time.monotonic() + timeout
-        while True:  # whatever a previous owner of the slot left in the ring is dropped
+        while True:
+            self.send(Hello(self.slot, session))
+            welcome = self._await_welcome(session, min(deadline, time.monotonic() + HELLO_RESEND))
+            if welcome is not None:
+                self.welcome = welcome
+                return welcome
+            if time.monotonic() >= deadline or not keep_waiting():
+                raise EngineError(f"the engine of {self.tree.instance} did not answer within {timeout:g} s")
+
+    def _await_welcome(self, session: int, until: float) -> Welcome | None:
+        """Our Welcome, or None at ``until``; whatever else is in the ring is a previous session's."""
+        while (remaining := until - time.monotonic()) > 0:
             try:
-                message = self.receiver.recv(timeout=max(0.0, deadline - time.monotonic()))
+                message = self.receiver.recv(timeout=remaining)
             except RingEmpty:
-                raise EngineError(f"the engine of {self.tree.instance} did not answer within {timeout:g} s") from None
+                return None
             if isinstance(message, Welcome) and message.session == session:
-                self.welcome = message
                 return message
+        return None
 
     def send(self, message) -> None:
         with self._send_lock:
@@ -307,8 +353,196 @@ def check_health(tree: _Tree, stale_after: float = 10.0) -> tuple[bool, str]:
         board.close()
 
 
+class _Stream:
+    """One open request as the router knows it: what to re-send, and where its answers go."""
+
+    __slots__ = ("flight", "sink", "target")
+
+    def __init__(self, flight: _InFlight, sink, target):
+        self.flight, self.sink, self.target = flight, sink, target
+
+
+class _LoopSink:
+    """Delivers a reader batch to one event loop in one wake-up (equal per loop, so the reader
+    groups a batch's answers by the loop that waits for them)."""
+
+    __slots__ = ("loop",)
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+
+    def __hash__(self) -> int:
+        return id(self.loop)
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, _LoopSink) and other.loop is self.loop
+
+    def __call__(self, items: list) -> None:
+        try:
+            self.loop.call_soon_threadsafe(_put_all, items)
+        except RuntimeError:  # that loop is closed: nobody waits for these answers any more
+            pass
+
+
+def _put_all(items: list) -> None:
+    for target, item in items:
+        target.put_nowait(item)
+
+
+class _Router:
+    """The slot's only reader: one thread routes every answer to the request that waits for it,
+    notices a dead engine (greets its successor, re-submits every open request) or a dead tree.
+
+    One lock orders submissions against recovery: a request submitted while the client greets a
+    restarted engine is only registered, and sent with the others once the Welcome is in, so
+    nothing is sent twice or lost. If the thread itself dies (a protocol error, a ring stuck full),
+    every open request and every later call fails with :class:`EngineDeadError`, never a hang.
+    """
+
+    def __init__(self, tree: _Tree, conn: Connection):
+        self.tree, self.conn = tree, conn
+        self.lock = threading.Lock()
+        self.streams: dict[str, _Stream] = {}
+        self.stats_waiters: dict[int, object] = {}
+        self.recovering = False
+        self.dead: str | None = None
+        self.closing = threading.Event()
+        self.fault: BaseException | None = None  # test hook: the reader raises it at its next turn
+        self.thread = threading.Thread(target=self._run, name="fdcore-client-reader", daemon=True)
+        self.thread.start()
+
+    # ---------------------------------------------------------- callers
+    def submit(self, request_id: str, prompt, params: SamplingParams, sink, target) -> None:
+        """Open a request whose answers go to ``sink([(target, update), ...])``."""
+        self.check()
+        with self.lock:
+            self._check_alive()
+            if request_id in self.streams:
+                raise ValueError(f"request_id {request_id!r} is already open in this client")
+            self.streams[request_id] = _Stream(_InFlight(prompt, params), sink, target)
+            if not self.recovering:
+                try:
+                    self.conn.submit(request_id, prompt, params)
+                except BaseException:
+                    del self.streams[request_id]
+                    raise
+
+    def abort(self, request_id: str) -> None:
+        """Ask the engine to stop the request; its last output ("abort") still comes."""
+        self.check()
+        self.conn.abort(request_id)
+
+    def forget(self, request_id: str) -> None:
+        """Nobody listens to the request any more: stop routing it and stop its computation."""
+        with self.lock:
+            stream = self.streams.pop(request_id, None)
+            if stream is not None and self.dead is None and not self.recovering:
+                self.conn.abort(request_id)
+
+    def query_stats(self, waiter) -> int:
+        """Send a StatsQuery; ``waiter(stats or exception)`` is called from the reader thread."""
+        nonce = secrets.randbits(62)
+        self.check()
+        with self.lock:
+            self._check_alive()
+            self.stats_waiters[nonce] = waiter
+        self.conn.send(StatsQuery(nonce, self.conn.slot))
+        return nonce
+
+    def check(self) -> None:
+        """Raise :class:`EngineDeadError` at once if the tree or this client is gone."""
+        if self.dead is None and not self.tree.alive():
+            self._die(_tree_gone(self.tree))
+        self._check_alive()
+
+    def _check_alive(self) -> None:
+        if self.dead is not None:
+            raise EngineDeadError(self.dead)
+
+    def close(self) -> None:
+        self.closing.set()
+        self.thread.join()
+        self._die("this client was shut down")
+
+    # ------------------------------------------------------------ reader
+    def _run(self) -> None:
+        try:
+            self._read()
+        except BaseException as exc:  # noqa: BLE001 -- the watchdog: whatever killed us fails every request loudly
+            self._die(f"the client's reader thread died: {exc!r}")
+
+    def _read(self) -> None:
+        next_check = time.monotonic() + ENGINE_CHECK_INTERVAL
+        while not self.closing.is_set():
+            if self.fault is not None:
+                raise self.fault
+            try:
+                messages = self.conn.receiver.recv_many(timeout=ENGINE_CHECK_INTERVAL)
+            except RingEmpty:
+                messages = []
+            if messages:
+                self._route(messages)
+            if time.monotonic() >= next_check:
+                next_check = time.monotonic() + ENGINE_CHECK_INTERVAL
+                if not self.tree.alive():
+                    self._die(_tree_gone(self.tree))
+                    return
+                if not self.conn.engine_alive():
+                    self._recover()
+
+    def _route(self, messages: list) -> None:
+        batches: dict = {}
+        with self.lock:
+            for message in messages:
+                if isinstance(message, Update):
+                    stream = self.streams.get(message.request_id)
+                    if stream is None:
+                        continue
+                    stream.flight.received(message)
+                    if message.finish_reason is not None:
+                        del self.streams[message.request_id]
+                    batches.setdefault(stream.sink, []).append((stream.target, message))
+                elif isinstance(message, ServingStats):
+                    waiter = self.stats_waiters.pop(message.nonce, None)
+                    if waiter is not None:
+                        waiter(message)
+        for sink, items in batches.items():
+            sink(items)
+
+    def _recover(self) -> None:
+        """The engine died: greet its successor, then hand it every open request again, each with
+        the tokens and text already received, so the streams resume where they were."""
+        with self.lock:
+            self.recovering = True
+        try:
+            self.conn.handshake(RECOVERY_TIMEOUT, keep_waiting=self.tree.alive)
+        except EngineError:
+            self._die(_tree_gone(self.tree))
+            return
+        with self.lock:  # the in-flight set as of the Welcome: what was open, and what came meanwhile
+            self.conn.resubmit({request_id: stream.flight for request_id, stream in self.streams.items()})
+            self.recovering = False
+
+    def _die(self, reason: str) -> None:
+        """Fail every open request and stats query with EngineDeadError(reason); later calls raise."""
+        with self.lock:
+            if self.dead is not None:
+                return
+            self.dead = reason
+            streams, self.streams = list(self.streams.values()), {}
+            waiters, self.stats_waiters = list(self.stats_waiters.values()), {}
+        batches: dict = {}
+        for stream in streams:
+            batches.setdefault(stream.sink, []).append((stream.target, EngineDeadError(reason)))
+        for sink, items in batches.items():
+            sink(items)
+        for waiter in waiters:
+            waiter(EngineDeadError(reason))
+
+
 class _Client:
-    """What both clients are: a tree (started here, or found running) and a claimed slot in it."""
+    """What both clients are: a tree (started here, or found running), a claimed slot in it and
+    the router that reads the slot."""
 
     def __init__(self, config=None, *, start_timeout: float = 300.0, _tree: _Tree | None = None):
         self._tree = _tree or _Tree.start(config, start_timeout)
@@ -318,6 +552,7 @@ class _Client:
             if _tree is None:
                 self._tree.stop()
             raise
+        self._router = _Router(self._tree, self._conn)
 
     @classmethod
     def connect(cls, instance: str | None = None):
@@ -328,46 +563,46 @@ class _Client:
     def instance(self) -> str:
         return self._tree.instance
 
+    def _close(self) -> None:
+        self._router.close()
+        self._conn.close()
+        self._tree.stop()
+
 
 # -------------------------------------------------------------------- async
 class AsyncLLM(_Client):
-    """Asynchronous client: many concurrent streaming requests from one event loop."""
-
-    def __init__(self, config=None, *, start_timeout: float = 300.0, _tree: _Tree | None = None):
-        super().__init__(config, start_timeout=start_timeout, _tree=_tree)
-        self._queues: dict[str, asyncio.Queue] = {}
-        self._inflight: dict[str, _InFlight] = {}  # what a restarted engine must be given again
-        self._stats: dict[int, asyncio.Future] = {}
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._reader: threading.Thread | None = None
-        self._closing = threading.Event()
+    """Asynchronous client: many concurrent streaming requests, from one event loop or several
+    (each in its own thread)."""
 
     # ---------------------------------------------------------------- public
     async def generate(self, prompt, sampling_params: SamplingParams | None = None,
-                       request_id: str | None = None):
-        """Stream ``RequestOutput`` deltas of one request until it finishes."""
-        self._ensure_reader()
+                       request_id: str | None = None, *, wait: bool = False):
+        """Stream ``RequestOutput`` deltas of one request until it finishes. ``wait=True``: while the
+        engine is full (429), the request waits in this client and is sent again as room frees,
+        instead of ending with the 429 error. Raises :class:`EngineDeadError` when the tree is gone."""
         request_id = request_id or uuid.uuid4().hex
-        if request_id in self._queues:
-            raise ValueError(f"request_id {request_id!r} is already streaming in this client")
-        queue = self._queues[request_id] = asyncio.Queue()
         params = sampling_params or SamplingParams()
-        self._inflight[request_id] = _InFlight(prompt, params)
-        finished = False
-        prompt_ids = None
+        answers: asyncio.Queue = asyncio.Queue()
+        sink = _LoopSink(asyncio.get_running_loop())
+        finished, prompt_ids, backoff = False, None, _Backoff()
+        self._router.submit(request_id, prompt, params, sink, answers)
         try:
-            self._conn.submit(request_id, prompt, params)
             while not finished:
-                update = await queue.get()
+                update = await answers.get()
+                if isinstance(update, BaseException):
+                    finished = True
+                    raise update
+                if wait and _refused(update):
+                    await asyncio.sleep(backoff.next())
+                    self._router.submit(request_id, prompt, params, sink, answers)
+                    continue
                 prompt_ids = update.prompt_token_ids or prompt_ids
                 out = _output(request_id, prompt, update, prompt_ids)
                 finished = out.finished
                 yield out
         finally:
-            self._queues.pop(request_id, None)
-            self._inflight.pop(request_id, None)
-            if not finished and not self._closing.is_set():
-                self._conn.abort(request_id)  # the caller stopped listening: stop computing
+            if not finished:
+                self._router.forget(request_id)  # the caller stopped listening: stop computing
 
     async def chat(self, messages: list[dict], sampling_params: SamplingParams | None = None,
                    request_id: str | None = None, **options):
@@ -376,90 +611,64 @@ class AsyncLLM(_Client):
             yield out
 
     async def abort(self, request_id: str) -> None:
-        self._conn.abort(request_id)
+        self._router.abort(request_id)
 
     async def check_health(self) -> tuple[bool, str]:
         return check_health(self._tree)
 
     async def stats(self, timeout: float = 10.0) -> ServingStats:
         """Running / waiting requests, steps, preemptions, KV-cache usage and prefix hit rate."""
-        self._ensure_reader()
-        nonce = secrets.randbits(62)
-        future = self._stats[nonce] = self._loop.create_future()
-        self._conn.send(StatsQuery(nonce, self._conn.slot))
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+
+        def answer(result) -> None:
+            loop.call_soon_threadsafe(_settle, future, result)
+
+        nonce = self._router.query_stats(answer)
         try:
             return await asyncio.wait_for(future, timeout)
         finally:
-            self._stats.pop(nonce, None)
+            self._router.stats_waiters.pop(nonce, None)
 
     async def shutdown(self) -> None:
-        self._closing.set()
-        if self._reader is not None:
-            await asyncio.get_running_loop().run_in_executor(None, self._reader.join)
-        self._conn.close()
-        self._tree.stop()
+        await asyncio.get_running_loop().run_in_executor(None, self._close)
 
-    async def __aenter__(self) -> "AsyncLLM":
+    async def __aenter__(self) -> AsyncLLM:
         return self
 
     async def __aexit__(self, *exc) -> None:
         await self.shutdown()
 
-    # ---------------------------------------------------------------- reader
-    def _ensure_reader(self) -> None:
-        if self._reader is None:
-            self._loop = asyncio.get_running_loop()
-            self._reader = threading.Thread(target=self._read, name="fdcore-client-reader", daemon=True)
-            self._reader.start()
 
-    def _read(self) -> None:
-        """Reader thread: wait on the inbox, hand batches to the event loop; notice a dead engine."""
-        next_check = time.monotonic() + ENGINE_CHECK_INTERVAL
-        while not self._closing.is_set():
-            try:
-                messages = self._conn.receiver.recv_many(timeout=ENGINE_CHECK_INTERVAL)
-            except RingEmpty:
-                messages = []
-            if messages:
-                self._loop.call_soon_threadsafe(self._dispatch, messages)
-            if time.monotonic() >= next_check:
-                next_check = time.monotonic() + ENGINE_CHECK_INTERVAL
-                if not self._tree.alive():
-                    self._loop.call_soon_threadsafe(self._fail_all, _tree_gone(self._tree))
-                    return
-                if not self._conn.engine_alive():
-                    self._recover()
+def _settle(future: asyncio.Future, result) -> None:
+    if future.done():
+        return
+    if isinstance(result, BaseException):
+        future.set_exception(result)
+    else:
+        future.set_result(result)
 
-    def _recover(self) -> None:
-        """The engine died: greet its successor, then hand it every stream again, each with the
-        tokens and text already received, so the streams resume where they were."""
-        try:
-            self._conn.handshake(RECOVERY_TIMEOUT)
-        except EngineError:
-            self._loop.call_soon_threadsafe(self._fail_all, _tree_gone(self._tree))
-            return
-        self._loop.call_soon_threadsafe(self._conn.resubmit, self._inflight)
 
-    def _dispatch(self, messages: list) -> None:
-        for message in messages:
-            if isinstance(message, Update):
-                queue = self._queues.get(message.request_id)
-                if queue is not None:
-                    self._inflight[message.request_id].received(message)
-                    queue.put_nowait(message)
-            elif isinstance(message, ServingStats):
-                future = self._stats.get(message.nonce)
-                if future is not None and not future.done():
-                    future.set_result(message)
+def _refused(update: Update) -> bool:
+    """The engine was full: the request never started and may simply be sent again."""
+    return update.finish_reason == "error" and update.error_code == 429
 
-    def _fail_all(self, reason: str) -> None:
-        """The tree is gone: every open stream ends with an error output saying why."""
-        for request_id, queue in self._queues.items():
-            queue.put_nowait(Update(request_id, [], "", "error", error_code=503, error_msg=reason))
+
+class _Backoff:
+    """Waits between re-sends of a refused request: doubling, so a full engine is not flooded."""
+
+    def __init__(self, first: float = 0.005, longest: float = 0.25):
+        self.delay, self.longest = first / 2, longest
+
+    def next(self) -> float:
+        self.delay = min(self.longest, self.delay * 2)
+        return self.delay
 
 
 ENGINE_CHECK_INTERVAL = 0.2  # seconds between looks at whether the engine (and the tree) still live
 RECOVERY_TIMEOUT = 300.0     # how long a restarted engine may take to answer
+HELLO_RESEND = 1.0           # a Hello unanswered this long is sent again
+INITIAL_WINDOW = 4096        # requests LLM.generate keeps in flight before the engine says how many fit
 
 
 @dataclass
@@ -484,49 +693,20 @@ def _tree_gone(tree: _Tree) -> str:
 
 # --------------------------------------------------------------------- sync
 class LLM(_Client):
-    """Synchronous helper: ``LLM(config).generate(prompts, params) -> list[RequestOutput]``."""
+    """Synchronous helper: ``LLM(config).generate(prompts, params) -> list[RequestOutput]``; safe to
+    call from several threads at once."""
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
-        """Run every prompt to completion (concurrently); outputs in the order of ``prompts``."""
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
+        """Run every prompt to completion; outputs in the order of ``prompts``. However many there
+        are, none is refused: a window of requests is kept in the engine and refilled as they
+        finish, shrunk to what the engine accepts when it answers 429 (the refused ones are sent
+        again). Raises :class:`EngineDeadError` if the tree goes away."""
+        prompts = _as_prompt_list(prompts)
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} sampling_params for {len(prompts)} prompts")
-        batch = uuid.uuid4().hex[:8]
-        results = {f"{batch}-{i}": RequestOutput(f"{batch}-{i}", p) for i, p in enumerate(prompts)}
-        for (request_id, out), p in zip(results.items(), params, strict=True):
-            self._conn.submit(request_id, out.prompt, p or SamplingParams())
-        flights = {rid: _InFlight(out.prompt, p or SamplingParams())
-                   for (rid, out), p in zip(results.items(), params, strict=True)}
-        bar = _Progress(len(prompts), enabled=use_tqdm)
-        pending = len(results)
-        next_check = time.monotonic() + ENGINE_CHECK_INTERVAL
-        while pending:
-            try:
-                messages = self._conn.receiver.recv_many(timeout=ENGINE_CHECK_INTERVAL)
-            except RingEmpty:
-                messages = []
-            for message in messages:
-                out = results.get(getattr(message, "request_id", None))
-                if out is None or out.finished:
-                    continue
-                flights[out.request_id].received(message)
-                _accumulate(out, message)
-                if out.finished:
-                    pending -= 1
-                    bar.advance()
-            if time.monotonic() >= next_check:
-                next_check = time.monotonic() + ENGINE_CHECK_INTERVAL
-                if not self._tree.alive():
-                    _fail(results, _tree_gone(self._tree))
-                    break
-                if not self._conn.engine_alive():  # resume every unfinished request on the new engine
-                    self._conn.handshake(RECOVERY_TIMEOUT)
-                    self._conn.resubmit({rid: f for rid, f in flights.items() if not results[rid].finished})
-        bar.close()
-        return list(results.values())
+        return _Batch(self._router, prompts, params, _Progress(len(prompts), enabled=use_tqdm)).run()
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
              use_tqdm: bool = True, **options) -> list[RequestOutput]:
@@ -538,23 +718,124 @@ class LLM(_Client):
         return check_health(self._tree)
 
     def stats(self, timeout: float = 10.0) -> ServingStats:
-        nonce = secrets.randbits(62)
-        self._conn.send(StatsQuery(nonce, self._conn.slot))
-        deadline = time.monotonic() + timeout
-        while True:
-            for message in self._conn.receiver.recv_many(timeout=max(0.0, deadline - time.monotonic())):
-                if isinstance(message, ServingStats) and message.nonce == nonce:
-                    return message
+        answers: queue.SimpleQueue = queue.SimpleQueue()
+        nonce = self._router.query_stats(answers.put)
+        try:
+            result = answers.get(timeout=timeout)
+        except queue.Empty:
+            raise TimeoutError(f"no statistics from the engine within {timeout:g} s") from None
+        finally:
+            self._router.stats_waiters.pop(nonce, None)
+        if isinstance(result, BaseException):
+            raise result
+        return result
 
     def shutdown(self) -> None:
-        self._conn.close()
-        self._tree.stop()
+        self._close()
 
-    def __enter__(self) -> "LLM":
+    def __enter__(self) -> LLM:
         return self
 
     def __exit__(self, *exc) -> None:
         self.shutdown()
+
+
+def _as_prompt_list(prompts) -> list:
+    """One prompt (text, token ids, a {"prompt_token_ids"/"messages"} dict) or a sequence of them."""
+    if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        return [prompts]
+    return list(prompts)
+
+
+class _Batch:
+    """One ``LLM.generate`` call: keeps a window of its requests in the engine, refills it as they
+    finish and sends refused (429) ones again, so any number of prompts goes through and the
+    client holds state only for the window (plus each finished output).
+
+    NOTE: the window is learnt as TCP learns its congestion window: it starts at the engine's
+    default limit; every 429 shrinks it to the requests still in flight (a burst's refusals arrive
+    together, so it settles on what the engine accepted), every finished request grows it by
+    1/window (one more request per window's worth of answers), probing for room other clients
+    freed. With nothing in flight, a refused request waits a doubling back-off before it retries.
+    """
+
+    growth = 1.0  # requests the window grows by per window's worth of finished ones (0: a fixed window)
+
+    def __init__(self, router: _Router, prompts: list, params: list, bar: _Progress):
+        self.router, self.prompts, self.params, self.bar = router, prompts, params, bar
+        self.results: list[RequestOutput | None] = [None] * len(prompts)
+        self.tag = uuid.uuid4().hex[:8]
+        self.answers: queue.SimpleQueue = queue.SimpleQueue()
+        self.flying: set[int] = set()
+        self.retry: collections.deque[int] = collections.deque()
+        self.next = 0
+        self.done = 0
+        self.window = float(INITIAL_WINDOW)
+        self.backoff, self.hold_until = _Backoff(), 0.0
+
+    def run(self) -> list[RequestOutput]:
+        try:
+            while self.done < len(self.prompts):
+                self._fill()
+                self._receive()
+        except BaseException:
+            for i in self.flying:
+                self.router.forget(self._id(i))
+            raise
+        finally:
+            self.bar.close()
+        return self.results
+
+    def _id(self, i: int) -> str:
+        return f"{self.tag}-{i}"
+
+    def _fill(self) -> None:
+        """Send requests (refused ones first) while the window has room."""
+        if time.monotonic() < self.hold_until:
+            return
+        while len(self.flying) < self.window and (self.retry or self.next < len(self.prompts)):
+            if self.retry:
+                i = self.retry.popleft()
+            else:
+                i, self.next = self.next, self.next + 1
+            self.router.submit(self._id(i), self.prompts[i], self.params[i] or SamplingParams(), self.answers.put, i)
+            self.flying.add(i)
+
+    def _receive(self) -> None:
+        """Take every batch of answers the reader has routed to us (wait for the first)."""
+        timeout = None if self.flying else max(0.0, self.hold_until - time.monotonic())
+        try:
+            items = self.answers.get(timeout=timeout)
+        except queue.Empty:
+            return
+        while True:
+            for i, update in items:
+                if isinstance(update, BaseException):
+                    raise update
+                self._take(i, update)
+            try:
+                items = self.answers.get_nowait()
+            except queue.Empty:
+                return
+
+    def _take(self, i: int, update: Update) -> None:
+        if _refused(update):
+            self.flying.discard(i)
+            self.retry.append(i)
+            self.window = max(1.0, float(len(self.flying)))
+            if not self.flying:
+                self.hold_until = time.monotonic() + self.backoff.next()
+            return
+        out = self.results[i]
+        if out is None:
+            out = self.results[i] = RequestOutput(self._id(i), self.prompts[i])
+        _accumulate(out, update)
+        if out.finished:
+            self.flying.discard(i)
+            self.done += 1
+            self.window += self.growth / self.window
+            self.backoff = _Backoff()
+            self.bar.advance()
 
 
 def _accumulate(out: RequestOutput, update: Update) -> None:
@@ -570,12 +851,6 @@ def _accumulate(out: RequestOutput, update: Update) -> None:
         out.finished = True
         out.metrics = update.metrics
         out.error_code, out.error_msg = update.error_code, update.error_msg
-
-
-def _fail(results: dict[str, RequestOutput], reason: str) -> None:
-    for out in results.values():
-        if not out.finished:
-            _accumulate(out, Update(out.request_id, [], "", "error", error_code=503, error_msg=reason))
 
 
 class _Progress:

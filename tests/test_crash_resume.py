@@ -217,3 +217,16 @@ def test_sync_llm_resumes_after_an_engine_kill(model_dir):
         thread.join()
         watcher.shutdown()
         assert crashed == clean
+
+
+@pytest.mark.parametrize("epoch", [None, 7])
+def test_a_scheduler_drops_cache_answers_nobody_waits_for(model_dir, epoch):
+    """The cache answers a call of a scheduler that was killed (or whose wait a Stop or Resync
+    interrupted): the reply lands in the inbox of whoever reads it next, which must not crash."""
+    from fdcore.actors.scheduler import SchedulerActor
+    from fdcore.protocol import CacheReply, CacheStats, GrowReply
+
+    actor = SchedulerActor("scheduler", "no-instance", config(model_dir), None, 0)  # no process
+    actor.epoch = epoch
+    actor.handle(CacheReply(1, True, [3], 0, CacheStats(), 6))
+    actor.handle(GrowReply(0, [], CacheStats(), 6))

@@ -1,0 +1,219 @@
+"""The clients under pressure: batches far beyond the engine's limit, engine kills during
+submission from several threads, a dead reader thread, a stopped tree, a client built in a thread."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import psutil
+import pytest
+
+from fdcore import LLM, AsyncLLM, SamplingParams
+from fdcore.client import EngineDeadError
+from fdcore.config import parse_config
+from fdcore.models import tiny
+from fdcore.supervisor import actor_pid
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GREEDY = {"temperature": 0.0, "ignore_eos": True}
+
+
+def config(model: str, **engine):
+    text = f'[model]\npath = "{model}"\n[supervisor]\nmax_restarts = 100\n[engine]\n'
+    return parse_config(text + "".join(f"{k} = {json.dumps(v)}\n" for k, v in engine.items()))
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return tiny.make_tiny_model(str(tmp_path_factory.mktemp("client") / "tiny"))
+
+
+@pytest.fixture(scope="module")
+def small(model_dir):
+    """A tree that holds at most 16 requests: anything bigger is refused with 429 by the engine."""
+    llm = LLM(config(model_dir, max_pending_requests=16))
+    yield llm
+    llm.shutdown()
+
+
+def prompts_of(count: int, length: int = 8) -> list[list[int]]:
+    return [[3 + (i * 7919 + j * 31) % 4000 for j in range(length)] for i in range(count)]
+
+
+# ------------------------------------------------------------ backpressure
+def test_a_batch_far_above_the_engine_limit_is_served_whole_and_in_order(small):
+    prompts = prompts_of(3000)
+    sent = []
+    submit = small._conn.submit
+    small._conn.submit = lambda request_id, *args, **kw: (sent.append(request_id), submit(request_id, *args, **kw))
+    try:
+        outs = small.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=4, **GREEDY),
+                              use_tqdm=False)
+    finally:
+        del small._conn.submit
+    assert len(outs) == len(prompts)
+    assert [o.error_msg for o in outs if o.outputs.finish_reason != "length"] == []
+    assert [o.prompt_token_ids for o in outs] == prompts, "outputs are in the order of the prompts"
+    assert all(len(o.outputs.token_ids) == 4 for o in outs)
+    assert len(sent) > len(prompts), "the engine's limit was meant to refuse (and the client to resend) some"
+    again = small.generate([{"prompt_token_ids": p} for p in prompts[:40]], SamplingParams(max_tokens=4, **GREEDY),
+                           use_tqdm=False)
+    assert [o.outputs.token_ids for o in again] == [o.outputs.token_ids for o in outs[:40]]
+
+
+def test_async_wait_queues_instead_of_refusing(small):
+    params = SamplingParams(max_tokens=6, **GREEDY)
+
+    async def last(client, i, wait):
+        tokens = []
+        async for out in client.generate(prompts_of(64)[i], params, wait=wait):
+            tokens += out.outputs.token_ids
+        return out.error_code, len(tokens)
+
+    async def scenario():
+        async with AsyncLLM.connect(small.instance) as client:
+            refused = await asyncio.gather(*(last(client, i, False) for i in range(64)))
+            waited = await asyncio.gather(*(last(client, i, True) for i in range(64)))
+            return refused, waited
+
+    refused, waited = asyncio.run(scenario())
+    assert (429, 0) in refused, "without wait the engine's limit refuses some"
+    assert waited == [(0, 6)] * 64
+
+
+# --------------------------------------------------------------- recovery
+def test_an_engine_killed_while_three_threads_submit_loses_and_doubles_nothing(model_dir):
+    params = SamplingParams(max_tokens=12, **GREEDY)
+    prompts = prompts_of(64, length=12)
+    client = AsyncLLM(config(model_dir))
+    try:
+        submitted = threading.Semaphore(0)
+        results: dict[int, list] = {}
+
+        async def one(i):
+            finals, tokens = 0, []
+            stream = client.generate(prompts[i], params, request_id=f"r{i}")
+            submitted.release()
+            async for out in stream:
+                tokens += out.outputs.token_ids
+                finals += out.finished
+            results[i] = [finals, tokens, out.outputs.finish_reason, out.error_msg]
+
+        async def batch(indices):
+            tasks = []
+            for i in indices:  # paced, so that the kill falls in the middle of the submissions
+                tasks.append(asyncio.ensure_future(one(i)))
+                await asyncio.sleep(0.002)
+            await asyncio.gather(*tasks)
+
+        threads = [threading.Thread(target=asyncio.run, args=(batch(range(k, 64, 3)),)) for k in range(3)]
+        for thread in threads:
+            thread.start()
+        for _ in range(16):
+            assert submitted.acquire(timeout=30)
+        os.kill(actor_pid(client._tree.proc.pid, "engine"), signal.SIGKILL)
+        for thread in threads:
+            thread.join(120)
+        with LLM.connect(client.instance) as reference:
+            clean = reference.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    finally:
+        asyncio.run(client.shutdown())
+    assert sorted(results) == list(range(64))
+    for i, (finals, tokens, reason, error) in results.items():
+        assert (finals, reason, error) == (1, "length", ""), (i, error)
+        assert tokens == clean[i].outputs.token_ids, f"request {i} differs after the kill"
+
+
+def test_a_dead_reader_thread_fails_every_stream_within_a_second(small):
+    async def scenario():
+        client = AsyncLLM.connect(small.instance)
+        streams = [client.generate([5] * 20, SamplingParams(max_tokens=2000, **GREEDY)) for _ in range(4)]
+        firsts = [await s.__anext__() for s in streams]
+        client._router.fault = RuntimeError("injected by the test")
+        started = time.monotonic()
+        failures = []
+        for stream in streams:
+            with pytest.raises(EngineDeadError, match="reader thread died") as info:
+                async for _ in stream:
+                    pass
+            failures.append(info.value)
+        elapsed = time.monotonic() - started
+        with pytest.raises(EngineDeadError):
+            async for _ in client.generate("x"):
+                pass
+        await client.shutdown()
+        return firsts, elapsed
+
+    firsts, elapsed = asyncio.run(scenario())
+    assert all(not f.finished for f in firsts)
+    assert elapsed < 1.0
+
+
+def test_calls_after_the_tree_stopped_raise_at_once(model_dir):
+    llm = LLM(config(model_dir))
+    try:
+        supervisor = llm._tree.proc
+        supervisor.send_signal(signal.SIGTERM)
+        supervisor.wait(60)
+        started = time.monotonic()
+        with pytest.raises(EngineDeadError, match="stopped"):
+            llm.generate("x", use_tqdm=False)
+        with pytest.raises(EngineDeadError):
+            llm.stats()
+        assert time.monotonic() - started < 0.5
+    finally:
+        llm.shutdown()
+
+
+# ------------------------------------------------------------ parent watch
+def test_a_client_built_in_a_thread_that_ended_keeps_its_tree(model_dir):
+    made = []
+    thread = threading.Thread(target=lambda: made.append(LLM(config(model_dir))))
+    thread.start()
+    thread.join()
+    llm = made[0]
+    try:  # PR_SET_PDEATHSIG fired at the thread's end: a tree tied to it would be stopping now
+        out = llm.generate("hello", SamplingParams(max_tokens=3, **GREEDY), use_tqdm=False)[0]
+        assert out.outputs.finish_reason == "length"
+        assert llm.check_health() == (True, "")
+        assert llm._tree.proc.poll() is None, "the tree stopped with the thread that built it"
+    finally:
+        llm.shutdown()
+
+
+EMBEDDER = """
+import sys, threading
+from fdcore import LLM
+from fdcore.config import parse_config
+made = []
+thread = threading.Thread(target=lambda: made.append(LLM(parse_config(sys.argv[1]))))
+thread.start(); thread.join()
+print(made[0]._tree.proc.pid, made[0].instance, flush=True)
+sys.stdin.read()
+"""
+
+
+def test_the_tree_stops_when_the_process_that_started_it_dies(model_dir):
+    from fdcore.ipc import names
+
+    proc = subprocess.Popen([sys.executable, "-c", EMBEDDER, f'[model]\npath = "{model_dir}"\n'],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT,
+                            start_new_session=True)
+    try:
+        pid, instance = proc.stdout.readline().split()
+        supervisor = psutil.Process(int(pid))
+        proc.kill()
+        proc.wait()
+        supervisor.wait(60)
+        assert not [e for e in names.list_entries() if e.instance_id == instance]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
