@@ -88,12 +88,15 @@ class Tree:
         return code
 
     def destroy(self) -> None:
-        """Kill whatever is left, however the test ended."""
+        """Kill whatever is left, however the test ended. Shared memory is removed here only when
+        the supervisor had to be killed (it could not clean up); a tree that stopped on its own
+        must have removed everything itself, and the leak guard judges that."""
         procs = []
         try:
             procs = psutil.Process(self.proc.pid).children(recursive=True)
         except psutil.NoSuchProcess:
             pass
+        killed_supervisor = self.proc.poll() is None
         for pid in [self.proc.pid, *self.seen_pids, *(p.pid for p in procs)]:
             try:
                 os.kill(pid, signal.SIGKILL)
@@ -101,7 +104,7 @@ class Tree:
                 pass
         self.proc.wait(10)
         psutil.wait_procs([p for p in procs if p.is_running()], timeout=5)
-        if self.instance:
+        if self.instance and killed_supervisor:
             names.unlink_instance(self.instance)
 
     def alive_children(self) -> list[int]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import os
 import stat
+import struct
 import time
 import zlib
 
@@ -68,16 +69,24 @@ def test_framing_and_wrap_around_match_a_fifo_model(ops, capacity):
                     with pytest.raises(RecordTooLarge):
                         ring.put_nowait(payload)
                     continue
+                used = sum(_record_size(p) for p in model)
                 try:
                     ring.put_nowait(payload)
                     model.append(payload)
                 except RingFull:
-                    assert model, "an empty ring refused a record it can hold"
+                    assert used + _record_size(payload) > capacity, "a record that fits was refused"
+                else:
+                    assert used + _record_size(payload) <= capacity, "a record that does not fit was taken"
         assert ring.get_many_nowait() == list(model)
         assert ring.statistics().used_bytes == 0
     finally:
         ring.close()
         ring.unlink()
+
+
+def _record_size(payload: bytes) -> int:
+    """Bytes a record takes in the data area: an 8-byte header, the payload padded to 8."""
+    return (len(payload) + 15) & ~7
 
 
 def test_capacity_rounds_up_to_a_power_of_two_and_record_limit():
@@ -172,9 +181,13 @@ def test_garbage_record_header_is_detected(ring):
 @settings(max_examples=150, deadline=None)
 @given(junk=st.binary(min_size=1, max_size=600), at=st.integers(min_value=0, max_value=4096 + 320))
 def test_random_garbage_never_reads_out_of_bounds_or_hangs(junk, at):
+    """Whatever the junk hits, reading ends (records, empty, or RingCorrupted), and what comes back
+    is right: untouched records exactly, in order, up to the first one the junk hit; with the
+    ring's own header hit, at least nothing that was never written."""
+    records = [i.to_bytes(2, "little") * (i + 1) for i in range(40)]
     with Ring.create(4096) as r:
-        for i in range(40):
-            r.put_nowait(i.to_bytes(2, "little") * (i + 1))
+        for record in records:
+            r.put_nowait(record)
         for _ in range(10):
             r.get_nowait()
         mm = _mm(r)
@@ -184,13 +197,24 @@ def test_random_garbage_never_reads_out_of_bounds_or_hangs(junk, at):
             reader = Ring.attach(r.name)
         except RingCorrupted:
             return
+        got = []
         try:
             for _ in range(100):  # bounded: must end in a record, empty, or a clear error
-                reader.get_nowait()
+                got.append(bytes(reader.get_nowait()))
         except (RingEmpty, RingCorrupted):
             pass
         finally:
             reader.close()
+    if at < ring_mod.HEADER_SIZE:
+        assert all(record in records for record in got)
+        return
+    offset = ring_mod.HEADER_SIZE + sum(_record_size(p) for p in records[:10])
+    for expected, record in zip(records[10:], got):
+        size = _record_size(expected)
+        if at < offset + size and end > offset:  # the junk hit this record: no promise from here on
+            break
+        assert record == expected
+        offset += size
 
 
 # --------------------------------------------------------------- cross-process
@@ -221,14 +245,20 @@ def _wait_then_put(name, ready_flag_offset):
     deadline = time.monotonic() + 10
     while not ring._mm[ready_flag_offset] and time.monotonic() < deadline:
         time.sleep(0.001)  # polling another process's flag: no event to wait on across processes
-    ring.put(b"wake up")
+    time.sleep(0.05)  # let the consumer's first short nap pass: it is now in a long one
+    ring.put(struct.pack("d", time.monotonic()))  # CLOCK_MONOTONIC is the same in every process
     ring.close()
 
 
-def test_a_sleeping_consumer_is_woken_by_the_doorbell(spawn):
+def test_a_sleeping_consumer_is_woken_by_the_doorbell(spawn, monkeypatch):
+    """The consumer naps up to 30 s here (instead of 1 s): only the doorbell can wake it in time,
+    so a lost wake-up fails the test instead of hiding behind the next nap."""
+    from fdcore.ipc import doorbell
+
+    monkeypatch.setattr(doorbell, "MAX_NAP", 30.0)
     with Ring.create(4096) as ring:
         spawn(_wait_then_put, ring.name, ring_mod.CONSUMER_WAITING_OFF)
-        t0 = time.monotonic()
-        assert ring.get(timeout=20) == b"wake up"
-        assert time.monotonic() - t0 < 10
+        record = ring.get(timeout=60)
+        woken_after = time.monotonic() - struct.unpack("d", record)[0]
+        assert woken_after < 0.5, f"the put woke the consumer only after {woken_after:.2f} s"
         assert ring.statistics().consumer_waits >= 1
