@@ -428,8 +428,15 @@ def _store(row, kind, runs):
     elif kind == "idle":
         row["idle"] = statistics.median(runs)
     else:
-        value = max(runs)
+        value = _best(runs, higher=True)
         row[kind] = value / 1e6 if kind in ("small", "batch64") else value
+
+
+def _best(values, higher: bool) -> float:
+    """The best of the values that are numbers (a failed cell is NaN, and max() over a list with
+    a NaN depends on where the NaN stands); NaN only when none is."""
+    numbers = [v for v in values if v == v]
+    return (max if higher else min)(numbers) if numbers else float("nan")
 
 
 def _fmt_runs(kind, runs):
@@ -448,10 +455,10 @@ def render(table, args) -> str:
         cells = [table[n].get(kind) for n in names]
         line = f"{kind:10s} {unit:8s} " + " ".join(_fmt(v, kind) for v in cells)
         if "fdcore" in table and peers:
-            best = (max if higher else min)(table[p][kind] for p in peers)
+            best = _best([table[p][kind] for p in peers], higher)
             ours = table["fdcore"][kind]
             ratio = ours / best if higher else best / max(ours, 1e-9)
-            line += f" {ratio:12.2f}x"
+            line += f" {ratio:12.2f}x" if ratio == ratio else f" {'n/a':>13s}"
         lines.append(line)
     lines.append("vs best peer: fdcore's figure over the best peer's (>1 is better, lower-is-better rows inverted)")
     return "\n".join(lines)

@@ -9,7 +9,7 @@ Example (every key shown with its default)::
     [model]
     path = ""                 # HF-format checkpoint directory; "" = the bundled tiny model,
                               # made on first use in $FDCORE_HOME (default ~/.cache/fdcore)
-    dtype = "auto"            # auto | float32 | bfloat16 | float16
+    dtype = "auto"            # auto | float32 (bfloat16 / float16 compute: not built yet, refused)
     backend = "paddle"        # paddle | null (answers without computing: measures fdcore's own cost)
     generation_config = "auto"  # auto: the checkpoint's generation_config.json sampling values are the
                               # defaults of requests that leave them unset (as vLLM's "auto");
@@ -205,6 +205,10 @@ def _check_ranges(config: Config, source: str) -> None:
     if config.workers.count != 1:
         raise ConfigError(f"{source}: key 'workers.count' is {config.workers.count}; this version "
                           "runs exactly 1 worker (tensor parallelism across workers is not built yet)")
+    if config.model.dtype not in ("auto", "float32"):
+        raise ConfigError(f"{source}: key 'model.dtype' is {config.model.dtype!r}; this version computes in "
+                          "float32 only (bfloat16 / float16 checkpoints load and are widened): use 'auto' "
+                          "or 'float32'")
     if config.server.port > 65535:
         raise ConfigError(f"{source}: key 'server.port' is {config.server.port}, must be <= 65535")
 
