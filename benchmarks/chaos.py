@@ -7,9 +7,12 @@ Each kill waits until tokens flow again, then a random pause, then the next.
 
 Reported: requests identical to the fault-free run / total, kills (= restarts)
 per actor, and the pause each crash caused: from the kill to the next token
-any stream receives (p50 and max, per actor kind and overall).
+any stream receives (p50 and max, per actor kind and overall). After every
+restart the tree must run exactly one process per actor title (checked: a
+restart that leaves a second engine, or none, fails the run).
 
 Usage: python benchmarks/chaos.py [--streams 32] [--kills 10] [--seed 0] [--max-tokens 300]
+                                  [--strategy one_for_one|one_for_all|rest_for_one]
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from fdcore import AsyncLLM, SamplingParams  # noqa: E402
 from fdcore.config import default_model_path, parse_config  # noqa: E402
 from fdcore.models.tiny import ensure_tiny_model  # noqa: E402
+from fdcore.actors import topology  # noqa: E402
+from fdcore.supervisor import actor_census  # noqa: E402
 from fdcore.supervisor import actor_pid as find_actor  # noqa: E402
 
 CHILDREN = {"worker": "worker0", "scheduler": "scheduler", "cache": "cache", "engine": "engine"}  # kind: child
@@ -68,7 +73,17 @@ async def stream(client, prompt, params, request_id, clock: Clock | None):
     return tokens, text, error
 
 
-async def chaos(client, clock: Clock, kills: int, rng: random.Random, kinds: list[str], log: list):
+async def census_after_restart(client, child_ids: list[str], timeout: float = 30.0) -> str:
+    """'' once every actor runs as exactly one process; else what was still wrong at the timeout
+    (a token can arrive while siblings are still being restarted, so this waits, bounded)."""
+    deadline = time.monotonic() + timeout
+    while (wrong := actor_census(client._tree.proc.pid, child_ids)) and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    return wrong
+
+
+async def chaos(client, clock: Clock, kills: int, rng: random.Random, kinds: list[str], log: list,
+                child_ids: list[str], census: list):
     await clock.tick.wait()
     for _ in range(kills):
         await asyncio.sleep(rng.uniform(0.05, 0.4))
@@ -83,6 +98,7 @@ async def chaos(client, clock: Clock, kills: int, rng: random.Random, kinds: lis
             clock.tick.clear()
             await clock.tick.wait()
         log.append((kind, clock.last - killed_at))
+        census.append(await census_after_restart(client, child_ids))
 
 
 async def main_async(args) -> int:
@@ -90,13 +106,14 @@ async def main_async(args) -> int:
     prompts, params = workload(args.streams, args.max_tokens, rng)
     model = ensure_tiny_model(default_model_path())
     config = parse_config(f'[model]\npath = "{model}"\n[supervisor]\nmax_restarts = {args.kills + 5}\n'
-                          f'period = 600.0\n')
+                          f'period = 600.0\nstrategy = "{args.strategy}"\n')
     async with AsyncLLM(config) as client:
         clean = await asyncio.gather(*(stream(client, p, s, f"clean-{i}", None)
                                        for i, (p, s) in enumerate(zip(prompts, params, strict=True))))
-        clock, log = Clock(), []
+        clock, log, census = Clock(), [], []
         started = time.monotonic()
-        chaos_task = asyncio.ensure_future(chaos(client, clock, args.kills, rng, args.actors.split(","), log))
+        chaos_task = asyncio.ensure_future(chaos(client, clock, args.kills, rng, args.actors.split(","), log,
+                                                 topology.child_ids(config), census))
         crashed = await asyncio.gather(*(stream(client, p, s, f"chaos-{i}", clock)
                                          for i, (p, s) in enumerate(zip(prompts, params, strict=True))))
         elapsed = time.monotonic() - started
@@ -109,15 +126,18 @@ async def main_async(args) -> int:
             print(f"stream {i} differs ({'greedy' if i % 2 else 'seeded'}): {len(a[0])} vs {len(b[0])} tokens, "
                   f"first difference at token {at}: {a[0][at:at + 4]} vs {b[0][at:at + 4]}; "
                   f"text equal: {a[1] == b[1]}; error: {b[2]!r}")
-    print(f"\nchaos: {args.streams} streams x {args.max_tokens} tokens, {len(log)} of {args.kills} kills done "
-          f"in {elapsed:.1f} s (seed {args.seed}); health after: {healthy}")
+    print(f"\nchaos ({args.strategy}): {args.streams} streams x {args.max_tokens} tokens, {len(log)} of "
+          f"{args.kills} kills done in {elapsed:.1f} s (seed {args.seed}); health after: {healthy}")
     print(f"identical to the fault-free run: {identical}/{args.streams}")
+    wrong = [f"after kill {i + 1}: {w}" for i, w in enumerate(census) if w]
+    print(f"one process per actor after each restart: {len(census) - len(wrong)}/{len(census)}"
+          + "".join(f"\n  {w}" for w in wrong))
     print(f"{'actor':10s} {'kills':>5s} {'pause p50 s':>12s} {'pause max s':>12s}")
     for kind in [*CHILDREN, "all"]:
         pauses = [p for k, p in log if kind in (k, "all")]
         if pauses:
             print(f"{kind:10s} {len(pauses):5d} {statistics.median(pauses):12.3f} {max(pauses):12.3f}")
-    return 0 if identical == args.streams and len(log) == args.kills else 1
+    return 0 if identical == args.streams and len(log) == args.kills and not wrong else 1
 
 
 def main(argv=None) -> int:
@@ -127,6 +147,7 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-tokens", type=int, default=300)
     parser.add_argument("--actors", default="worker,scheduler,cache,engine")
+    parser.add_argument("--strategy", default="one_for_one", choices=["one_for_one", "one_for_all", "rest_for_one"])
     return asyncio.run(main_async(parser.parse_args(argv)))
 
 

@@ -161,6 +161,8 @@ class SchedulerActor(Actor):
                 self._on_result(message)
             case StatsQuery(nonce=nonce, client=client):
                 self.send("engine", self._stats(nonce, client))
+            case CacheReply() | GrowReply():
+                pass  # the answer to a call nobody waits for: ours was interrupted, or it was our predecessor's
             case _:
                 super().handle(message)
 
