@@ -80,7 +80,8 @@ def test_text_prompts_chat_and_metrics(llm, model_dir):
 
     tokenizer = Tokenizer.from_file(os.path.join(model_dir, "tokenizer.json"))
     assert outs[0].outputs.text == tokenizer.decode(expected[0])
-    assert outs[1].prompt_token_ids[:2] == [3, tokenizer.token_to_id("user")] or 3 in outs[1].prompt_token_ids
+    rendered = "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"  # the tiny model's template
+    assert outs[1].prompt_token_ids == tokenizer.encode(rendered, add_special_tokens=False).ids
     m = outs[0].metrics
     assert m.arrival_time <= m.first_token_time <= m.finished_time
     assert (m.num_prompt_tokens, m.num_generated_tokens) == (len(outs[0].prompt_token_ids), 12)
@@ -261,9 +262,9 @@ def test_a_client_that_dies_has_its_requests_aborted(llm):
             assert time.monotonic() < deadline, "the dying client's request never started"
         proc.kill()
         proc.wait()
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 1.0  # README: "its requests are aborted within a second"
         while (stats := llm.stats()).running or stats.cache.num_free < stats.cache.num_blocks:
-            assert time.monotonic() < deadline, f"the dead client's request still runs: {stats}"
+            assert time.monotonic() < deadline, f"the dead client's request still runs after 1 s: {stats}"
     finally:
         if proc.poll() is None:
             proc.kill()
