@@ -44,7 +44,8 @@ from fdcore.protocol import (AbortRequest, AddRequest, AddSeq, EngineMessage, Fi
                              Update, Welcome)
 
 EPOCHS_PER_GENERATION = 1_000_000
-LIVENESS_INTERVAL = 1.0  # seconds between checks that each busy client slot still has its owner
+LIVENESS_INTERVAL = 0.5  # seconds between checks that each busy client slot still has its owner (README: a
+# dead client's requests are aborted within a second)
 
 
 @dataclass(eq=False)
