@@ -208,3 +208,13 @@ def test_loading_a_sharded_bf16_checkpoint_peaks_below_1_3x_the_weights(tmp_path
     growth = figures["peak"] - figures["before"]
     assert figures["weights"] > 250e6  # float32, i.e. twice the files
     assert growth < 1.3 * figures["weights"], figures
+
+
+def test_prefix_caching_is_off_for_dynamic_rotary_scaling(tmp_path):
+    """A dynamic-rope key depends on its prompt's length: shared prefix blocks would be wrong."""
+    from fdcore.actors.cache import prefix_caching_is_exact
+    from fdcore.config import parse_config
+
+    for name, exact in (("dynamic-scaling", False), ("llama3-scaling", True), ("qwen3", True)):
+        path = transformers_checkpoint(str(tmp_path / name), name)
+        assert prefix_caching_is_exact(parse_config(f'[model]\npath = "{path}"\n')) is exact

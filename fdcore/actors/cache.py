@@ -25,7 +25,8 @@ class CacheActor(Actor):
 
     def _fresh_manager(self) -> KVCacheManager:
         c = self.config.cache
-        return KVCacheManager(c.num_blocks, c.block_size, c.enable_prefix_caching)
+        return KVCacheManager(c.num_blocks, c.block_size, c.enable_prefix_caching and prefix_caching_is_exact(
+            self.config))
 
     def handle(self, message) -> None:
         if self.epoch is None and not isinstance(message, (CacheReset, Stop, Ping)):
@@ -59,6 +60,22 @@ class CacheActor(Actor):
 
     def _reply(self, seq: int, ok: bool, blocks: list[int], cached: int) -> None:
         self.send("scheduler", CacheReply(seq, ok, blocks, cached, statistics(self.kv), self.epoch))
+
+
+def prefix_caching_is_exact(config) -> bool:
+    """False for a model with dynamic rotary scaling: a key's rotation there depends on the length
+    of the prompt it came with (see fdcore.models.rope), so another prompt sharing its first blocks
+    must not reuse them. (A missing or unreadable checkpoint is the worker's to report.)"""
+    if config.model.backend == "null":
+        return True
+    from fdcore.config import model_path
+    from fdcore.models.loader import CheckpointError, ModelArgs, read_config
+
+    path = model_path(config)
+    try:
+        return not ModelArgs.from_config(read_config(path), path).rope.is_dynamic
+    except CheckpointError:
+        return True
 
 
 def statistics(kv: KVCacheManager) -> CacheStats:
