@@ -46,7 +46,7 @@ import msgspec
 from fdcore.actors import health, topology
 from fdcore.actors.health import HealthBoard, State
 from fdcore.config import Config
-from fdcore.ipc import Inbox, Receiver, Ring, RingEmpty, Sender, names
+from fdcore.ipc import Inbox, Receiver, Ring, RingEmpty, RingFull, Sender, names
 from fdcore.protocol import (
     AbortRequest,
     AddRequest,
@@ -63,6 +63,11 @@ from fdcore.protocol import (
 __all__ = ["LLM", "AsyncLLM", "CompletionOutput", "EngineDeadError", "EngineError", "RequestOutput", "SamplingParams"]
 
 _ENCODE = msgspec.msgpack.Encoder().encode
+ENGINE_CHECK_INTERVAL = 0.2  # seconds between looks at whether the engine (and the tree) still live
+RECOVERY_TIMEOUT = 300.0     # how long a restarted engine may take to answer
+HELLO_RESEND = 1.0           # a Hello unanswered this long is sent again
+SEND_TIMEOUT = 30.0          # how long a send waits for room in the engine's link before RingFull
+INITIAL_WINDOW = 4096        # requests LLM.generate keeps in flight before the engine says how many fit
 
 
 class EngineError(RuntimeError):
@@ -279,12 +284,12 @@ class Connection:
                 return message
         return None
 
-    def send(self, message) -> None:
+    def send(self, message, timeout: float = SEND_TIMEOUT) -> None:
         with self._send_lock:
-            self.sender.send(message, timeout=30.0)
+            self.sender.send(message, timeout=timeout)
 
     def submit(self, request_id: str, prompt, params: SamplingParams, resume_token_ids=(),
-               resume_text_chars: int = 0) -> None:
+               resume_text_chars: int = 0, timeout: float = SEND_TIMEOUT) -> None:
         body: dict = {"sampling_params": params}
         if isinstance(prompt, str):
             body["prompt"] = prompt
@@ -295,7 +300,7 @@ class Connection:
         else:
             body["prompt_token_ids"] = prompt
         self.send(AddRequest(self.slot, request_id, msgspec.Raw(_ENCODE(body)), time.time(),
-                             list(resume_token_ids), resume_text_chars))
+                             list(resume_token_ids), resume_text_chars), timeout)
 
     def resubmit(self, flights: dict) -> None:
         """Hand a restarted engine these requests again ({request id: _InFlight}), each with the
@@ -412,8 +417,10 @@ class _Router:
         self.thread.start()
 
     # ---------------------------------------------------------- callers
-    def submit(self, request_id: str, prompt, params: SamplingParams, sink, target) -> None:
-        """Open a request whose answers go to ``sink([(target, update), ...])``."""
+    def submit(self, request_id: str, prompt, params: SamplingParams, sink, target,
+               timeout: float = SEND_TIMEOUT) -> None:
+        """Open a request whose answers go to ``sink([(target, update), ...])``; RingFull (nothing
+        registered) if the engine's link has no room within ``timeout``."""
         self.check()
         with self.lock:
             self._check_alive()
@@ -422,7 +429,7 @@ class _Router:
             self.streams[request_id] = _Stream(_InFlight(prompt, params), sink, target)
             if not self.recovering:
                 try:
-                    self.conn.submit(request_id, prompt, params)
+                    self.conn.submit(request_id, prompt, params, timeout=timeout)
                 except BaseException:
                     del self.streams[request_id]
                     raise
@@ -585,7 +592,7 @@ class AsyncLLM(_Client):
         answers: asyncio.Queue = asyncio.Queue()
         sink = _LoopSink(asyncio.get_running_loop())
         finished, prompt_ids, backoff = False, None, _Backoff()
-        self._router.submit(request_id, prompt, params, sink, answers)
+        await self._submit(request_id, prompt, params, sink, answers)
         try:
             while not finished:
                 update = await answers.get()
@@ -594,7 +601,7 @@ class AsyncLLM(_Client):
                     raise update
                 if wait and _refused(update):
                     await asyncio.sleep(backoff.next())
-                    self._router.submit(request_id, prompt, params, sink, answers)
+                    await self._submit(request_id, prompt, params, sink, answers)
                     continue
                 prompt_ids = update.prompt_token_ids or prompt_ids
                 out = _output(request_id, prompt, update, prompt_ids)
@@ -603,6 +610,14 @@ class AsyncLLM(_Client):
         finally:
             if not finished:
                 self._router.forget(request_id)  # the caller stopped listening: stop computing
+
+    async def _submit(self, *request) -> None:
+        """Submit without blocking the event loop: only when the engine's link is full does the
+        (blocking) wait for room move to a worker thread."""
+        try:
+            self._router.submit(*request, timeout=0.0)
+        except RingFull:
+            await asyncio.get_running_loop().run_in_executor(None, self._router.submit, *request)
 
     async def chat(self, messages: list[dict], sampling_params: SamplingParams | None = None,
                    request_id: str | None = None, **options):
@@ -664,11 +679,6 @@ class _Backoff:
         self.delay = min(self.longest, self.delay * 2)
         return self.delay
 
-
-ENGINE_CHECK_INTERVAL = 0.2  # seconds between looks at whether the engine (and the tree) still live
-RECOVERY_TIMEOUT = 300.0     # how long a restarted engine may take to answer
-HELLO_RESEND = 1.0           # a Hello unanswered this long is sent again
-INITIAL_WINDOW = 4096        # requests LLM.generate keeps in flight before the engine says how many fit
 
 
 @dataclass

@@ -53,6 +53,11 @@ Example (every key shown with its default)::
     api_key = ""              # "" = no key; else clients send "Authorization: Bearer KEY"
                               # (the environment variable FDCORE_API_KEY overrides it)
     max_request_bytes = 1048576  # larger request bodies get 413
+    timeout_keep_alive = 5.0  # seconds an idle keep-alive connection is kept
+    header_timeout = 10.0     # seconds a connection has to send a whole request head, else closed
+    limit_concurrency = 1024  # connections + requests at once; more get 503 (0 = no limit)
+    default_max_tokens = 1024  # chat's max_tokens when the request and generation_config.json give none
+                              # (0 = up to the context)
 """
 
 from __future__ import annotations
@@ -119,6 +124,10 @@ class ServerConfig(_Section):
     model_name: str = ""
     api_key: str = ""
     max_request_bytes: int = 1 << 20
+    timeout_keep_alive: float = 5.0
+    header_timeout: float = 10.0
+    limit_concurrency: int = 1024
+    default_max_tokens: int = 1024
 
 
 class Config(_Section):
@@ -144,7 +153,8 @@ _MINIMA = [
     ("supervisor", "start_timeout", 0.001), ("supervisor", "shutdown_timeout", 0.0),
     ("supervisor", "heartbeat_interval", 0.001), ("supervisor", "hang_timeout", 0.001),
     ("supervisor", "ring_capacity", 4096), ("server", "port", 0),
-    ("server", "max_request_bytes", 1024),
+    ("server", "max_request_bytes", 1024), ("server", "timeout_keep_alive", 0.001),
+    ("server", "header_timeout", 0.001), ("server", "limit_concurrency", 0), ("server", "default_max_tokens", 0),
 ]
 
 

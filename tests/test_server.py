@@ -36,7 +36,8 @@ def server(tmp_path_factory):
     port = free_port()
     config = root / "server.toml"
     config.write_text(f'[model]\npath = "{model}"\n[server]\nenabled = true\nport = {port}\n'
-                      f'api_key = "{KEY}"\nmax_request_bytes = 65536\n[engine]\nmax_pending_requests = 64\n')
+                      f'api_key = "{KEY}"\nmax_request_bytes = 65536\nheader_timeout = 1.0\n'
+                      '[engine]\nmax_pending_requests = 64\n')
     tree = Tree(str(config))
     TREES.append(tree)
     try:
@@ -292,3 +293,72 @@ def test_chat_template_fields_reach_the_engine_and_unset_sampling_stays_unset():
     app, seen = _stand_in_app(default_max_tokens=7)
     assert TestClient(app).post("/v1/chat/completions", json={**CHAT, "max_tokens": None}).status_code == 200
     assert seen[-1][1].max_tokens == 7  # the model's max_new_tokens
+
+
+# ---------------------------------------------------------------- abuse
+def _metric(server, name: str) -> float:
+    text = httpx.get(f"{server}/metrics", timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + " ")
+               or line.startswith(name + "{"))
+
+
+def _request_bytes(body: dict) -> bytes:
+    raw = json.dumps(body).encode()
+    return (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(raw)}\r\n\r\n").encode() + raw
+
+
+def test_64_clients_that_disconnect_mid_request_are_aborted_within_a_second(server):
+    import asyncio
+
+    host, port = server.removeprefix("http://").split(":")
+    aborts = 'fdcore_requests_total{outcome="abort"}'
+    before = _metric(server, aborts)
+
+    async def scenario():
+        conns = []
+        for i in range(64):  # streamed or whole, left before or after the first token
+            stream, early = i % 2 == 0, i % 4 < 2
+            reader, writer = await asyncio.open_connection(host, int(port))
+            writer.write(_request_bytes({**OK, "max_tokens": 2000, "ignore_eos": True, "stream": stream}))
+            await writer.drain()
+            conns.append((stream, early, reader, writer))
+        for stream, early, _, writer in conns:
+            if early:
+                writer.close()
+        for stream, early, reader, _ in conns:
+            if stream and not early:  # its first token has come
+                while b"data: " not in await reader.readline():
+                    pass
+        for _, early, _, writer in conns:
+            if not early:
+                writer.close()
+        return time.monotonic()
+
+    closed = asyncio.run(scenario())
+    while _metric(server, aborts) < before + 64:
+        assert time.monotonic() - closed < 1.0, f"{_metric(server, aborts) - before} of 64 aborts after 1 s"
+    while _metric(server, "fdcore_requests_running") > 0:
+        assert time.monotonic() - closed < 1.0, "aborted requests still run after 1 s"
+    assert _metric(server, aborts) == before + 64
+
+
+def test_a_connection_that_sends_half_a_header_is_closed_after_the_header_timeout(server):
+    host, port = server.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-")
+        started = time.monotonic()
+        assert sock.recv(1024) == b"", "the server answered instead of closing"
+        elapsed = time.monotonic() - started
+    assert 0.9 < elapsed < 3.0, elapsed
+    assert _post(server, "/v1/completions", OK).status_code == 200
+
+
+def test_chat_max_tokens_comes_from_the_model_else_the_config():
+    from fdcore.actors.api import chat_max_tokens
+    from fdcore.config import parse_config
+
+    server = parse_config("", check_model=False).server
+    assert chat_max_tokens({"max_tokens": 64}, server) == 64
+    assert chat_max_tokens({}, server) == 1024
+    assert chat_max_tokens({}, parse_config("[server]\ndefault_max_tokens = 0\n", check_model=False).server) is None

@@ -1,14 +1,18 @@
 """The API actor (fdcore:api): the OpenAI-compatible HTTP server, one more client of the engine.
 
 Started by the supervisor when ``[server] enabled = true``, after the engine.
-It serves ``fdcore.server.app`` with uvicorn in its main thread; a control
-thread keeps its heartbeat on the health board and turns the supervisor's Stop
-into a graceful uvicorn shutdown. Its engine connection is an ``AsyncLLM``
+It serves ``fdcore.server.app`` with uvicorn in its main thread, whose event
+loop also ticks its heartbeat (a loop wedged by a blocking call stops ticking,
+so the supervisor sees the API hung and restarts it); a control thread answers
+the supervisor and turns its Stop into a graceful uvicorn shutdown. Slow request
+heads, idle keep-alive connections and too many connections are cut off
+(``[server]`` header_timeout, timeout_keep_alive, limit_concurrency). Its engine connection is an ``AsyncLLM``
 client slot, so an engine restart is survived the way any client survives it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 import threading
 import time
@@ -31,7 +35,7 @@ class ApiActor(Actor):
         server = self.config.server
         settings = Settings(server.model_name or os.path.basename(welcome.model.rstrip("/")),
                             welcome.max_model_len, os.environ.get("FDCORE_API_KEY") or server.api_key,
-                            server.max_request_bytes, welcome.sampling_defaults.get("max_tokens"))
+                            server.max_request_bytes, chat_max_tokens(welcome.sampling_defaults, server))
         self.app = build_app(self.llm, settings, ModelTokenizer(welcome.model),
                              lambda: check_health(self.tree, self.config.supervisor.hang_timeout),
                              self._restarts)
@@ -43,18 +47,35 @@ class ApiActor(Actor):
     def serve(self, inbox) -> None:
         import uvicorn
 
+        from fdcore.server.http import with_header_timeout
+
         server = self.config.server
-        self.server = uvicorn.Server(uvicorn.Config(self.app, host=server.host, port=server.port,
-                                                    log_level="warning", lifespan="off", access_log=False))
+        self.server = uvicorn.Server(uvicorn.Config(
+            self.app, host=server.host, port=server.port, log_level="warning", lifespan="off", access_log=False,
+            http=with_header_timeout(server.header_timeout), timeout_keep_alive=server.timeout_keep_alive,
+            limit_concurrency=server.limit_concurrency or None))
         threading.Thread(target=self._control, args=(inbox,), name="fdcore-api-control", daemon=True).start()
-        self.server.run()
+        asyncio.run(self._serve())
+
+    async def _serve(self) -> None:
+        beat = asyncio.ensure_future(self._heartbeat())
+        try:
+            await self.server.serve()
+        finally:
+            beat.cancel()
+
+    async def _heartbeat(self) -> None:
+        """Ticks from the event loop itself, so that a wedged loop is seen as a hung actor."""
+        interval = self.config.supervisor.heartbeat_interval
+        while True:
+            self.board.write(self.slot, health.HEARTBEAT, time.monotonic_ns())
+            await asyncio.sleep(interval)
 
     def _control(self, inbox) -> None:
-        """Heartbeat and the supervisor's messages, beside uvicorn's event loop."""
+        """The supervisor's messages, beside uvicorn's event loop."""
         receiver = Receiver(inbox, ControlMessage)
         interval = self.config.supervisor.heartbeat_interval
         while not self.server.should_exit:
-            self.board.write(self.slot, health.HEARTBEAT, time.monotonic_ns())
             try:
                 messages = receiver.recv_many(timeout=interval)
             except RingEmpty:
@@ -64,3 +85,10 @@ class ApiActor(Actor):
                     self.server.should_exit = True
                 elif isinstance(message, Ping):
                     self.send(topology.SUPERVISOR, Pong(message.nonce, self.child_id))
+
+
+def chat_max_tokens(sampling_defaults: dict, server) -> int | None:
+    """Chat's max_tokens when a request names none: the model's max_new_tokens, else
+    ``server.default_max_tokens`` (0 or None: up to the context), so that an abandoned or endless
+    chat does not hold a batch slot for the whole context."""
+    return sampling_defaults.get("max_tokens") or server.default_max_tokens or None

@@ -10,6 +10,7 @@ server-sent events when ``stream`` is true. Errors are always
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import json
 import time
@@ -18,14 +19,23 @@ from dataclasses import dataclass
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from fdcore.server.metrics import Metrics
-from fdcore.server.schemas import (BadRequest, ChatCompletionRequest, CompletionRequest, chat_params, chat_prompt,
-                                   completion_params, decode, prompts_of)
+from fdcore.server.schemas import (
+    BadRequest,
+    ChatCompletionRequest,
+    CompletionRequest,
+    chat_params,
+    chat_prompt,
+    completion_params,
+    decode,
+    prompts_of,
+)
 
+CLIENT_CLOSED = 499  # nginx's status for "the client closed the connection": logged, never sent
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
                503: "service_unavailable"}
@@ -120,9 +130,30 @@ class _Api:
         if (denied := self.check_key(request)) is not None:
             return denied
         try:
-            return await endpoint(await self.body(request))
+            return await self.unless_disconnected(request, endpoint(await self.body(request)))
         except BadRequest as exc:
             return error_response(str(exc), exc.status, exc.param, exc.code)
+        except ClientDisconnect:  # gone before its body was read: nothing was started
+            self.metrics.finished("abort", None)
+            return Response(status_code=CLIENT_CLOSED)
+
+    async def unless_disconnected(self, request: Request, work) -> Response:
+        """The endpoint's work, cancelled the moment its client goes away. Starlette watches for a
+        disconnect only while a streamed body is being sent; a non-streamed answer, or a stream
+        still waiting for its first output, would otherwise compute on for nobody. Cancelling the
+        work closes its AsyncLLM stream, which aborts the request in the engine."""
+        task = asyncio.ensure_future(work)
+        gone = asyncio.ensure_future(_disconnected(request))
+        try:
+            await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task  # start() or outputs() counted the abort
+            return Response(status_code=CLIENT_CLOSED)  # nobody reads it
+        return task.result()
 
     def check_model(self, model: str) -> None:
         if model != self.settings.model_name:
@@ -132,7 +163,11 @@ class _Api:
     async def start(self, prompt, params):
         """The request's output stream and its first output; an engine refusal becomes a BadRequest."""
         stream = self.llm.generate(prompt, params)
-        first = await stream.__anext__()
+        try:
+            first = await stream.__anext__()
+        except asyncio.CancelledError:  # the client left before the first output
+            self.metrics.finished("abort", None)
+            raise
         if first.outputs.finish_reason == "error":
             await stream.aclose()
             self.metrics.finished("error", None)
@@ -142,10 +177,18 @@ class _Api:
         return stream, first
 
     async def outputs(self, stream, first):
-        yield first
-        if not first.finished:
-            async for out in stream:
-                yield out
+        """Every output of the request; one whose reader goes away mid-stream counts as aborted
+        (its AsyncLLM stream, cancelled or closed, has aborted it in the engine)."""
+        out = first
+        try:
+            yield first
+            if not first.finished:
+                async for out in stream:
+                    yield out
+        except (asyncio.CancelledError, GeneratorExit):
+            if not out.finished:
+                self.metrics.finished("abort", None)
+            raise
 
     async def collect(self, stream, first):
         """A whole (not streamed) answer: its text, token ids, logprobs and last output."""
@@ -251,6 +294,12 @@ class _Api:
                             "top_logprobs": [{"token": self.token_text(t), "logprob": p,
                                               "bytes": list(self.token_text(t).encode())} for t, p in lp[1:]]})
         return entries
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns once the client has gone (its body was read already: only a disconnect is left)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def _include_usage(body) -> bool:
