@@ -7,9 +7,13 @@ chat messages are rendered with the checkpoint's chat template
 Face transformers does, once, here) and tokenized without adding special
 tokens again.
 
-NOTE: special-token text inside a message (a user writing ``<|im_end|>``) is
-tokenized as that special token, as transformers does unless asked for
-``sanitize_control_tokens``; a user can thus close their own turn early.
+NOTE: special-token text inside a message's content (a user writing
+``<|im_end|>``) is encoded as plain text, never as the control token: otherwise
+a user could close their own turn and write the assistant's (transformers
+matches it as the token unless asked for ``sanitize_control_tokens``). The
+rendered prompt is split at the contents that hold such text; only those spans
+are encoded with the special tokens not matched, so every other prompt's ids
+stay exactly transformers'.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ class ModelTokenizer:
         self.max_position_embeddings = int(config.get("max_position_embeddings", 2048))
         self.eos_token_ids = eos_ids(path, config)
         self.special_tokens = special_tokens(settings, legacy_map)
+        self.control_texts = [t.content for t in self.tokenizer.get_added_tokens_decoder().values() if t.special]
         self.chat_templates = ChatTemplates.load(path, settings)  # compiled now: a broken one stops the start
 
     def limits(self, max_model_len: int, cache_tokens: int) -> ModelLimits:
@@ -55,7 +60,39 @@ class ModelTokenizer:
         return render(template, prepare_messages(messages), options, self.special_tokens)
 
     def encode_chat(self, messages: list[dict], options: ChatOptions = ChatOptions()) -> list[int]:
-        return self.tokenizer.encode(self.render_chat(messages, options), add_special_tokens=False).ids
+        """The prompt's ids; control-token text inside message contents is encoded as text."""
+        text = self.render_chat(messages, options)
+        contents = [m.get("content") for m in prepare_messages(messages)]
+        ids, cursor = [], 0
+        for start, end in _spans_of(text, [c for c in contents if isinstance(c, str) and self._controls(c)]):
+            ids += self.tokenizer.encode(text[cursor:start], add_special_tokens=False).ids
+            ids += self._encode_as_text(text[start:end])
+            cursor = end
+        return ids + self.tokenizer.encode(text[cursor:], add_special_tokens=False).ids
+
+    def _controls(self, content: str) -> bool:
+        return any(control in content for control in self.control_texts)
+
+    def _encode_as_text(self, text: str) -> list[int]:
+        self.tokenizer.encode_special_tokens = True
+        try:
+            return self.tokenizer.encode(text, add_special_tokens=False).ids
+        finally:
+            self.tokenizer.encode_special_tokens = False
+
+
+def _spans_of(text: str, contents: list[str]) -> list[tuple[int, int]]:
+    """Where each content (in message order) sits in the rendered prompt; a template that changed a
+    content's edges (``| trim``) is matched on the stripped text."""
+    spans, cursor = [], 0
+    for content in contents:
+        for candidate in (content, content.strip()):
+            start = text.find(candidate, cursor) if candidate else -1
+            if start >= 0:
+                spans.append((start, start + len(candidate)))
+                cursor = start + len(candidate)
+                break
+    return spans
 
 
 def _tokenizer_files(path: str) -> tuple[Tokenizer, dict, dict]:
