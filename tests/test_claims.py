@@ -1,0 +1,88 @@
+"""README claims that had no test: a second Ctrl-C, the standby worker, client slots.
+
+Each runs a real tree (tests/supervised.py) and checks the claim as the README
+states it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from fdcore import LLM
+from fdcore.client import EngineError
+from tests.supervised import Tree, make_model_dir
+
+
+@pytest.fixture
+def start_tree(tmp_path):
+    trees: list[Tree] = []
+    model = make_model_dir(tmp_path)
+
+    def start(extra: str = "") -> Tree:
+        path = tmp_path / f"tree-{len(trees)}.toml"
+        path.write_text(f'[model]\npath = "{model}"\n{extra}\n')
+        trees.append(Tree(str(path)))
+        return trees[-1]
+
+    yield start
+    for tree in trees:
+        tree.destroy()
+        assert not tree.alive_children(), "a child outlived its test"
+
+
+def test_a_second_ctrl_c_kills_at_once(start_tree):
+    """README: SIGINT stops the children in order, `shutdown_timeout` apart per step; a second
+    Ctrl-C kills at once. The cache (stopped last) is frozen, so the orderly stop would wait
+    2 x 5 s for it; the second SIGINT must end everything well before."""
+    tree = start_tree("[supervisor]\nshutdown_timeout = 5.0\n[workers]\nstandby = false\n")
+    tree.wait("ready")
+    os.kill(tree.pids["cache"], signal.SIGSTOP)
+    os.kill(tree.proc.pid, signal.SIGINT)
+    tree.wait("child_stopped", id="worker0")  # the orderly stop has reached the frozen cache
+    second = time.monotonic()
+    os.kill(tree.proc.pid, signal.SIGINT)
+    tree.exit_code(timeout=30)  # whatever the code: what matters is how fast it came
+    assert time.monotonic() - second < 2.5, "the second Ctrl-C waited for the orderly stop"
+    assert not tree.alive_children()
+
+
+def test_the_standby_worker_takes_a_crashed_workers_place(start_tree):
+    """README: `workers.standby` keeps a loaded spare that replaces a crashed worker at once."""
+    tree = start_tree("[workers]\nstandby = true\n")
+    spare = int(tree.wait("standby", id="worker0")["pid"])
+    tree.wait("ready")
+    tree.kill_child("worker0")
+    promoted = tree.wait("promoted", id="worker0")
+    assert int(promoted["pid"]) == spare  # the loaded spare, not a fresh process
+    tree.wait("standby", id="worker0")  # and a new spare is loaded behind it
+    os.kill(tree.proc.pid, signal.SIGTERM)
+    assert tree.exit_code() == 0
+
+
+def test_without_a_standby_a_crashed_worker_is_started_afresh(start_tree):
+    tree = start_tree("[workers]\nstandby = false\n")
+    tree.wait("ready")
+    killed = tree.kill_child("worker0")
+    restarted = tree.wait("restarted", id="worker0")
+    assert int(restarted["pid"]) != killed
+    os.kill(tree.proc.pid, signal.SIGTERM)
+    assert tree.exit_code() == 0
+    assert not any("event=standby" in line or "event=promoted" in line for line in tree.log)
+
+
+def test_max_clients_slots_are_claimed_refused_and_freed(start_tree):
+    """README: up to `engine.max_clients` processes use one tree at once (each claims a slot)."""
+    tree = start_tree("[engine]\nmax_clients = 2\n[workers]\nstandby = false\n")
+    tree.wait("ready")
+    with LLM.connect(tree.instance):
+        with LLM.connect(tree.instance):
+            with pytest.raises(EngineError, match=r"engine\.max_clients"):
+                LLM.connect(tree.instance)
+        with LLM.connect(tree.instance) as third:  # the freed slot is claimed again
+            assert third.check_health() == (True, "")
+    os.kill(tree.proc.pid, signal.SIGTERM)
+    assert tree.exit_code() == 0
