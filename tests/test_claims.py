@@ -86,3 +86,71 @@ def test_max_clients_slots_are_claimed_refused_and_freed(start_tree):
             assert third.check_health() == (True, "")
     os.kill(tree.proc.pid, signal.SIGTERM)
     assert tree.exit_code() == 0
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_the_server_takes_its_key_from_the_environment_its_name_from_the_config_and_health_says_503(
+        start_tree, monkeypatch):
+    """README: FDCORE_API_KEY (over server.api_key), server.model_name, /health 503 with the reason
+    while an actor is not serving, 200 again once it is back."""
+    import httpx
+
+    port = _free_port()
+    monkeypatch.setenv("FDCORE_API_KEY", "from-env")
+    tree = start_tree(f'[server]\nenabled = true\nport = {port}\nmodel_name = "my-model"\napi_key = "from-file"\n'
+                      "[workers]\nstandby = false\n")
+    tree.wait("ready")
+    base = f"http://127.0.0.1:{port}"
+    with httpx.Client(base_url=base, timeout=10) as http:
+        assert http.get("/v1/models", headers={"Authorization": "Bearer from-file"}).status_code == 401
+        models = http.get("/v1/models", headers={"Authorization": "Bearer from-env"}).json()
+        assert [m["id"] for m in models["data"]] == ["my-model"]
+        assert http.get("/health").status_code == 200
+        tree.kill_child("worker0")
+        deadline = time.monotonic() + 30
+        while (answer := http.get("/health")).status_code == 200:
+            assert time.monotonic() < deadline, "/health never said the worker was down"
+        assert answer.status_code == 503 and answer.json()["status"] == "unhealthy" and answer.json()["reason"]
+        tree.wait("restarted", id="worker0")
+        deadline = time.monotonic() + 30
+        while http.get("/health").status_code != 200:
+            assert time.monotonic() < deadline, "/health did not recover after the restart"
+    os.kill(tree.proc.pid, signal.SIGTERM)
+    assert tree.exit_code() == 0
+
+
+def test_breaking_out_of_async_for_aborts_the_request(start_tree):
+    """README: breaking out of the `async for` aborts the request (its blocks are freed)."""
+    import asyncio
+
+    from fdcore import AsyncLLM, SamplingParams
+
+    tree = start_tree("[workers]\nstandby = false\n")
+    tree.wait("ready")
+
+    async def scenario():
+        llm = AsyncLLM.connect(tree.instance)
+        try:
+            params = SamplingParams(temperature=0.0, max_tokens=1500, ignore_eos=True)
+            outputs = 0
+            async for _ in llm.generate([5] * 30, params, request_id="walked-away"):
+                outputs += 1
+                if outputs == 3:
+                    break
+            deadline = time.monotonic() + 1.0
+            while (stats := await llm.stats()).running or stats.cache.num_free < stats.cache.num_blocks:
+                assert time.monotonic() < deadline, f"the abandoned request still runs after 1 s: {stats}"
+                await asyncio.sleep(0.01)  # polling the engine's counters: no event to wait on
+        finally:
+            await llm.shutdown()
+
+    asyncio.run(scenario())
+    os.kill(tree.proc.pid, signal.SIGTERM)
+    assert tree.exit_code() == 0
