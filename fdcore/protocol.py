@@ -213,6 +213,16 @@ class Restarted(Message):
     generation: int
 
 
+class Suspects(Message):
+    """A crashing actor's last word (scheduler -> engine; a worker's or cache manager's through the
+    scheduler): the requests it was handling when it raised. Two consecutive reports of one actor
+    kind naming a request get it quarantined (:mod:`fdcore.core.quarantine`)."""
+
+    child: str
+    epoch: int
+    seqs: list[int]
+
+
 # ------------------------------------------------------ scheduler <-> cache
 # The scheduler's block calls, one message each, applied in order by the cache
 # manager. Only calls whose answer the scheduler needs wait for one (allocate,
@@ -354,8 +364,9 @@ class StepResult(Message):
 ControlMessage = Stop | Ping | Pong
 ClientMessage = Welcome | Update | ServingStats | Pong
 EngineMessage = (Stop | Ping | Hello | AddRequest | AbortRequest | StatsQuery | SeqTokens | ServingStats
-                 | Restarted)
-SchedulerMessage = Stop | Ping | Resync | AddSeq | FinishSeq | StatsQuery | StepResult | CacheReply | GrowReply
+                 | Restarted | Suspects)
+SchedulerMessage = (Stop | Ping | Resync | AddSeq | FinishSeq | StatsQuery | StepResult | CacheReply | GrowReply
+                    | Suspects)
 CacheMessage = Stop | Ping | Allocate | Grow | GrowMany | Free | Computed | CacheStatsQuery | CacheReset
 WorkerMessage = Stop | Ping | WorkerSync | Step
 

@@ -59,7 +59,7 @@ async def stream_all(client: AsyncLLM, prompts, params, on_progress=None):
             received[0] += len(out.outputs.token_ids)
             if on_progress is not None:
                 await on_progress(received[0])
-        return tokens, text, out.outputs.finish_reason, out.error_msg
+        return tokens, text, out.outputs.finish_reason, out.error_msg, out.error_code
 
     return await asyncio.gather(*(one(i) for i in range(len(prompts))))
 
@@ -186,7 +186,7 @@ def test_intensity_exceeded_ends_every_stream_with_an_error_and_leaves_nothing(m
 
     results, supervisor, pids = asyncio.run(main())
     assert supervisor.returncode == 1
-    for _tokens, _text, reason, error in results:
+    for _tokens, _text, reason, error, _code in results:
         assert reason == "error" and error.startswith("fdcore stopped: worker0 "), error
     assert not [pid for pid in pids if names.pid_alive(pid)]
     assert not [e for e in names.list_entries() if e.owner_pid == supervisor.pid]
@@ -230,3 +230,37 @@ def test_a_scheduler_drops_cache_answers_nobody_waits_for(model_dir, epoch):
     actor.epoch = epoch
     actor.handle(CacheReply(1, True, [3], 0, CacheStats(), 6))
     actor.handle(GrowReply(0, [], CacheStats(), 6))
+
+
+POISON = 2  # a token id no prompt of requests() holds (they start at 5)
+
+
+@pytest.mark.parametrize("kind", ["engine", "scheduler", "worker"])
+def test_a_poisoned_request_fails_alone_and_the_others_resume_identical(model_dir, monkeypatch, kind):
+    """A request that makes an actor raise (the test fault point) is that request's 500, never a
+    tree outage: the engine isolates its own per-request work, and a scheduler or worker it crashes
+    twice in a row gets it quarantined. Every other stream completes as without it."""
+    prompts, params = requests(count=8, max_tokens=40)
+    assert not any(POISON in p for p in prompts)
+    bad = 3
+    poisoned = [*prompts[:bad], [POISON, *prompts[bad]], *prompts[bad + 1:]]
+    monkeypatch.setenv("FDCORE_TEST_POISON", f"{kind}:{POISON}")
+    tree_config = config(model_dir, max_restarts=5)  # the shipped intensity: the tree must stay up
+
+    async def main():
+        async with AsyncLLM(tree_config) as client:
+            clean = await stream_all(client, prompts, params)
+            crashed = await stream_all(client, poisoned, params)
+            return (clean, crashed, await client.check_health(),
+                    actor_census(client._tree.proc.pid, topology.child_ids(tree_config)))
+
+    clean, crashed, health, census = asyncio.run(main())
+    tokens, _text, reason, error, code = crashed[bad]
+    assert (reason, code) == ("error", 500)
+    wanted = "request failed in fdcore:engine: PoisonedRequest" if kind == "engine" else \
+        f"request crashed fdcore:{kind} twice"
+    assert error.startswith(wanted), error
+    for i in range(len(prompts)):
+        if i != bad:
+            assert crashed[i] == clean[i], f"request {i} changed"
+    assert health == (True, "") and census == ""

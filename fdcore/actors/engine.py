@@ -29,19 +29,20 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from fdcore.actors import health, topology
+from fdcore.actors import faults, health, topology
 from fdcore.actors.runtime import Actor
 from fdcore.config import model_path
 from fdcore.core.chat_template import ChatOptions
 from fdcore.core.detokenizer import IncrementalDetokenizer
 from fdcore.core.generation_config import sampling_defaults
+from fdcore.core.quarantine import Quarantine
 from fdcore.core.tokenizer import ModelTokenizer
 from fdcore.core.validation import (RequestError, check_chat_options, check_length, check_one_prompt,
                                     check_sampling, check_token_ids, validate_request_id)
 from fdcore.ipc import Ring, RingFull, Sender, names
 from fdcore.protocol import (AbortRequest, AddRequest, AddSeq, EngineMessage, FinishSeq, Hello, Metrics,
                              RequestBody, Restarted, Resync, SamplingParams, SeqTokens, ServingStats, StatsQuery,
-                             Update, Welcome)
+                             Suspects, Update, Welcome)
 
 EPOCHS_PER_GENERATION = 1_000_000
 LIVENESS_INTERVAL = 0.5  # seconds between checks that each busy client slot still has its owner (README: a
@@ -90,7 +91,9 @@ class EngineActor(Actor):
         self._decode_body = msgspec.msgpack.Decoder(RequestBody).decode
         # Epochs only grow, across engine restarts too: the supervisor's restart generation
         # (which counts every restart of the tree) leads.
-        self.epoch = self.board.read(self.slot, health.GENERATION) * EPOCHS_PER_GENERATION
+        self.epoch = self.first_epoch = self.board.read(self.slot, health.GENERATION) * EPOCHS_PER_GENERATION
+        self.quarantine = Quarantine()
+        self.poison = faults.poison_for("engine")
         self.send("scheduler", Resync(self.epoch))
 
     # ---------------------------------------------------------------- messages
@@ -108,6 +111,8 @@ class EngineActor(Actor):
                 self.send("scheduler", message)
             case Restarted():
                 self._resync()
+            case Suspects():
+                self._on_suspects(message)
             case ServingStats():
                 self._deliver(message.client, [msgspec.structs.replace(message, requests=len(self.table))])
             case _:
@@ -156,6 +161,10 @@ class EngineActor(Actor):
         except RequestError as exc:
             self._deliver(m.client, [Update(m.request_id, [], "", "error", error_code=exc.code,
                                             error_msg=str(exc))])
+            return
+        except Exception as exc:  # a bug this request triggers is its own 500, not the engine's crash
+            self._deliver(m.client, [Update(m.request_id, [], "", "error", error_code=500,
+                                            error_msg=f"request failed in fdcore:engine: {exc!r}")])
             return
         self.table[tracked.seq] = tracked
         slot.requests[m.request_id] = tracked.seq
@@ -225,22 +234,49 @@ class EngineActor(Actor):
             tracked = self.table.get(seq)
             if tracked is None:
                 continue  # aborted or stopped while its step ran
-            token, reason = m.token_ids[i], m.finish_reasons[i]
-            tracked.output_token_ids.append(token)
-            tracked.first_token_time = tracked.first_token_time or now
-            text = tracked.detokenizer.add(token)
-            if tracked.detokenizer.stopped and reason is None:
-                reason = "stop"
-                self.send("scheduler", FinishSeq(seq, "stop"))
-            elif reason is not None:
-                text += tracked.detokenizer.finish()
-            logprobs = [m.logprobs[i]] if m.logprobs and m.logprobs[i] is not None else None
-            by_client.setdefault(tracked.client, []).append(
-                self._update(tracked, [token], text, reason, logprobs, now))
-            if reason is not None:
+            try:
+                update = self._render(tracked, m, i, now)
+            except Exception as exc:  # this request's bug (detokenizer, stop strings): it alone fails
+                self._fail(tracked, f"request failed in fdcore:engine: {exc!r}")
+                continue
+            by_client.setdefault(tracked.client, []).append(update)
+            if update.finish_reason is not None:
                 self._drop(tracked)
         for client, updates in by_client.items():
             self._deliver(client, updates)
+
+    def _render(self, tracked: TrackedRequest, m: SeqTokens, i: int, now: float) -> Update:
+        """One request's new token: appended, detokenized, checked for stop strings."""
+        faults.check(self.poison, tracked.seq, tracked.prompt_token_ids)
+        token, reason = m.token_ids[i], m.finish_reasons[i]
+        tracked.output_token_ids.append(token)
+        tracked.first_token_time = tracked.first_token_time or now
+        text = tracked.detokenizer.add(token)
+        if tracked.detokenizer.stopped and reason is None:
+            reason = "stop"
+            self.send("scheduler", FinishSeq(tracked.seq, "stop"))
+        elif reason is not None:
+            text += tracked.detokenizer.finish()
+        logprobs = [m.logprobs[i]] if m.logprobs and m.logprobs[i] is not None else None
+        return self._update(tracked, [token], text, reason, logprobs, now)
+
+    def _on_suspects(self, m: Suspects) -> None:
+        """An actor crashed handling these requests: one named by two consecutive crashes of that
+        kind of actor is failed alone, and never re-submitted into a third."""
+        if m.epoch < self.first_epoch:
+            return  # a crash from before this engine: its sequence numbers are not ours
+        kind = topology.kind_of(m.child)
+        for seq in sorted(self.quarantine.crashed(kind, m.seqs)):
+            tracked = self.table.get(seq)
+            if tracked is not None:
+                self._fail(tracked, f"request crashed fdcore:{kind} twice")
+
+    def _fail(self, tracked: TrackedRequest, reason: str) -> None:
+        """End one request with a 500 (the scheduler forgets it); nobody else is touched."""
+        self.send("scheduler", FinishSeq(tracked.seq, "abort"))
+        self._deliver(tracked.client, [Update(tracked.request_id, [], "", "error", error_code=500,
+                                              error_msg=reason)])
+        self._drop(tracked)
 
     def _update(self, t: TrackedRequest, tokens: list[int], text: str, reason: str | None,
                 logprobs, now: float) -> Update:
@@ -255,6 +291,7 @@ class EngineActor(Actor):
 
     def _drop(self, tracked: TrackedRequest) -> None:
         del self.table[tracked.seq]
+        self.quarantine.forget(tracked.seq)
         slot = self.clients.get(tracked.client)
         if slot is not None:
             slot.requests.pop(tracked.request_id, None)

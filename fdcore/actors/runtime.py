@@ -30,7 +30,7 @@ from fdcore.actors.health import HealthBoard, State
 from fdcore.config import Config, load_config
 from fdcore.ipc import Inbox, Receiver, Ring, RingEmpty, Sender
 from fdcore.models.loader import CheckpointError
-from fdcore.protocol import ControlMessage, Ping, Pong, Stop
+from fdcore.protocol import ControlMessage, Ping, Pong, Stop, Suspects
 
 PR_SET_PDEATHSIG = 1
 
@@ -47,6 +47,7 @@ class Actor:
     """Base class: subclasses set ``inbox_type`` and override the hooks."""
 
     inbox_type = ControlMessage
+    suspects_to: str | None = None  # where a crash report naming requests goes (on to the engine)
 
     def __init__(self, child_id: str, instance_id: str, config: Config, board: HealthBoard,
                  slot: int):
@@ -62,6 +63,7 @@ class Actor:
         self.restarting = False  # stopped only to be started again: open work goes to the successor
         self.receiver: Receiver | None = None  # set by run()
         self.deferred: list = []  # messages that arrived while waiting for a reply (see call())
+        self.handling: list[int] = []  # requests the work in hand concerns: named if it raises
 
     # ------------------------------------------------------------------ hooks
     def on_start(self) -> None:
@@ -92,6 +94,17 @@ class Actor:
     def wait_timeout(self, interval: float) -> float:
         """How long the loop may wait for a message (shorter while there is work to retry)."""
         return interval
+
+    def report_suspects(self) -> None:
+        """Crash handler: name the requests we were handling, so that one that keeps crashing us is
+        quarantined instead of re-submitted into the next crash (best effort: we are dying)."""
+        if self.suspects_to is None or not self.handling:
+            return
+        try:
+            self.send(self.suspects_to, Suspects(self.child_id, getattr(self, "epoch", None) or 0,
+                                                 list(self.handling)))
+        except Exception as exc:
+            sys.stderr.write(f"fdcore: {self.child_id} could not report its suspects: {exc!r}\n")
 
     # --------------------------------------------------------------- plumbing
     def _sender(self, to: str) -> Sender:
@@ -160,12 +173,14 @@ def run(actor: Actor, inbox: Inbox) -> None:
         if messages:
             board.write(slot, health.BUSY, 1)
         for message in messages:
+            actor.handling = []
             actor.handle(message)
             progress += 1
             board.write(slot, health.PROGRESS, progress)
             if actor.stopping:
                 break
         if not actor.stopping:
+            actor.handling = []
             actor.after_messages()
         board.write(slot, health.BUSY, int(actor.has_work()))
 
@@ -212,6 +227,7 @@ def main(actor_cls, argv=None) -> int:
         if _stop_signals and actor.standby:
             return 0  # a spare told to stop while it loaded (the signal surfaced in some import)
         _crash_report(args.id)
+        actor.report_suspects()
         return 1
     finally:
         actor.close()

@@ -23,11 +23,12 @@ from __future__ import annotations
 
 from collections import deque
 
+from fdcore.actors import faults
 from fdcore.actors.runtime import Actor, Interrupted
 from fdcore.core.scheduler import Request, ScheduledRequest, Scheduler, SchedulerConfig
 from fdcore.protocol import (AddSeq, Allocate, CacheReply, CacheReset, CacheStats, CacheStatsQuery, Computed,
                              FinishSeq, Free, Grow, GrowMany, GrowReply, NewSeq, Resync, SchedulerMessage, SeqTokens,
-                             ServingStats, StatsQuery, Step, StepItem, StepResult, Stop, WorkerSync)
+                             ServingStats, StatsQuery, Step, StepItem, StepResult, Stop, Suspects, WorkerSync)
 
 WORKER = "worker0"
 PIPELINE_DEPTH = 2  # steps in flight: the one running and the next, queued
@@ -122,9 +123,11 @@ class RemoteBlocks:
 
 class SchedulerActor(Actor):
     inbox_type = SchedulerMessage
+    suspects_to = "engine"
 
     def on_start(self) -> None:
         self.epoch: int | None = None  # nothing is scheduled before the engine's first Resync
+        self.poison = faults.poison_for("scheduler")
         self._reset()
 
     def _reset(self) -> None:
@@ -161,6 +164,8 @@ class SchedulerActor(Actor):
                 self._on_result(message)
             case StatsQuery(nonce=nonce, client=client):
                 self.send("engine", self._stats(nonce, client))
+            case Suspects():
+                self.send("engine", message)  # a worker's or the cache manager's crash report
             case CacheReply() | GrowReply():
                 pass  # the answer to a call nobody waits for: ours was interrupted, or it was our predecessor's
             case _:
@@ -174,6 +179,8 @@ class SchedulerActor(Actor):
         self.send(WORKER, WorkerSync(epoch))
 
     def _add(self, m: AddSeq) -> None:
+        self.handling = [m.seq]
+        faults.check(self.poison, m.seq, m.prompt_token_ids)
         self.policy.add(Request(m.seq, list(m.prompt_token_ids), m.params, tuple(m.eos_token_ids),
                                 list(m.output_token_ids)))
         self.unsent[m.seq] = NewSeq(m.seq, m.prompt_token_ids, m.output_token_ids, m.params, m.eos_token_ids)
@@ -187,6 +194,7 @@ class SchedulerActor(Actor):
         if result.epoch != self.epoch or not self.in_flight or result.step != self.in_flight[0][0]:
             return  # a result of a step that no longer counts
         _, scheduled = self.in_flight.popleft()
+        self.handling = list(result.seqs)
         live = [i for i, seq in enumerate(result.seqs) if seq in self.policy.requests]
         finished = self.policy.update(scheduled, dict(zip(result.seqs, result.token_ids, strict=True)))
         reasons = {r.request_id: r.finish_reason for r in finished}
@@ -226,6 +234,7 @@ class SchedulerActor(Actor):
         scheduled = self.policy.schedule()
         if not scheduled:
             return False
+        self.handling = [s.request.request_id for s in scheduled]
         new, items = [], []
         for s in scheduled:
             seq = s.request.request_id

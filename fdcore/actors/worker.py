@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from fdcore.actors import health
+from fdcore.actors import faults, health
 from fdcore.actors.runtime import Actor
 from fdcore.config import model_path
 from fdcore.protocol import SamplingParams, Step, StepResult, WorkerMessage, WorkerSync
@@ -47,12 +47,14 @@ class SeqState:
 
 class WorkerActor(Actor):
     inbox_type = WorkerMessage
+    suspects_to = "scheduler"  # it forwards the report to the engine
 
     def on_start(self) -> None:
         from fdcore.models.loader import load_checkpoint
 
         self.seqs: dict[int, SeqState] = {}
         self.epoch: int | None = None  # no step is run before the scheduler's WorkerSync
+        self.poison = faults.poison_for("worker")
         if self.config.model.backend == "null":
             from fdcore.models.null import NullModel
 
@@ -89,8 +91,11 @@ class WorkerActor(Actor):
         for seq in step.finished:
             self.seqs.pop(seq, None)
         for new in step.new:
+            self.handling = [new.seq]
+            faults.check(self.poison, new.seq, new.prompt_token_ids)
             self.seqs[new.seq] = SeqState(list(new.prompt_token_ids), list(new.output_token_ids), new.params,
                                           tuple(new.eos_token_ids))
+        self.handling = [item.seq for item in step.items]  # a failing forward names the whole batch
         token_ids, starts, tables, prompt_lengths, sampling = [], [], [], [], []
         for row, item in enumerate(step.items):
             state = self.seqs[item.seq]
