@@ -154,3 +154,37 @@ def test_breaking_out_of_async_for_aborts_the_request(start_tree):
     asyncio.run(scenario())
     os.kill(tree.proc.pid, signal.SIGTERM)
     assert tree.exit_code() == 0
+
+
+def _metric(text: str, sample: str) -> float:
+    """One sample's value (name with its labels, as written) from Prometheus text; 0 when absent."""
+    values = dict(line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#"))
+    return float(values.get(sample, 0.0))
+
+
+def test_metrics_count_what_happened(start_tree):
+    """README: /metrics counts requests by outcome and fills the TTFT / TPOT / end-to-end
+    histograms (checked by the numbers, not by the names appearing)."""
+    import httpx
+
+    port = _free_port()
+    tree = start_tree(f"[server]\nenabled = true\nport = {port}\n[workers]\nstandby = false\n")
+    tree.wait("ready")
+    with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as http:
+        model = http.get("/v1/models").json()["data"][0]["id"]
+        before = http.get("/metrics").text
+        for _ in range(3):
+            body = {"model": model, "prompt": "def main():", "max_tokens": 5, "ignore_eos": True, "temperature": 0}
+            assert http.post("/v1/completions", json=body).status_code == 200
+        bad = {"model": model, "prompt": "x", "temperature": -1}
+        assert http.post("/v1/completions", json=bad).status_code == 400
+        after = http.get("/metrics").text
+    for histogram in ("fdcore_time_to_first_token_seconds", "fdcore_time_per_output_token_seconds",
+                      "fdcore_e2e_request_latency_seconds"):
+        assert _metric(after, histogram + "_count") - _metric(before, histogram + "_count") == 3, histogram
+        assert _metric(after, histogram + "_sum") > _metric(before, histogram + "_sum"), histogram
+    grown = {outcome: _metric(after, f'fdcore_requests_total{{outcome="{outcome}"}}')
+             - _metric(before, f'fdcore_requests_total{{outcome="{outcome}"}}') for outcome in ("length", "error")}
+    assert grown == {"length": 3, "error": 1}, grown
+    os.kill(tree.proc.pid, signal.SIGTERM)
+    assert tree.exit_code() == 0
