@@ -20,7 +20,14 @@ Streaming: each ``RequestOutput`` from ``generate`` carries the *new* tokens
 and text since the previous one (FastDeploy's convention); ``LLM.generate``
 returns whole outputs. A request the engine refuses ends with one output with
 ``finish_reason == "error"``, ``error_code`` (400, 429, ...) and ``error_msg``
-naming the field and the limit; nothing is raised for it.
+naming the field and the limit; nothing is raised for it. ``LLM.generate``
+never hands back a 429 (it keeps a window of requests in the engine and sends
+refused ones again); ``AsyncLLM.generate(..., wait=True)`` waits for room too.
+
+Only a client that can no longer be served raises: :class:`EngineDeadError`
+from every open request and every later call, when the tree stopped, the client
+was shut down or its reader thread died. An engine restart is not that: open
+requests are re-submitted to the new engine and resume.
 """
 
 from __future__ import annotations
@@ -522,7 +529,7 @@ class _Router:
         with self.lock:
             self.recovering = True
         try:
-            self.conn.handshake(RECOVERY_TIMEOUT, keep_waiting=self.tree.alive)
+            self.conn.handshake(RECOVERY_TIMEOUT, keep_waiting=lambda: self.tree.alive() and not self.closing.is_set())
         except EngineError:
             self._die(_tree_gone(self.tree))
             return

@@ -37,8 +37,8 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def small(model_dir):
-    """A tree that holds at most 16 requests: anything bigger is refused with 429 by the engine."""
-    llm = LLM(config(model_dir, max_pending_requests=16))
+    """A tree that holds at most 64 requests: anything more is refused with 429 by the engine."""
+    llm = LLM(config(model_dir, max_pending_requests=64))
     yield llm
     llm.shutdown()
 
@@ -49,7 +49,7 @@ def prompts_of(count: int, length: int = 8) -> list[list[int]]:
 
 # ------------------------------------------------------------ backpressure
 def test_a_batch_far_above_the_engine_limit_is_served_whole_and_in_order(small):
-    prompts = prompts_of(3000)
+    prompts = prompts_of(10_000)
     sent = []
     submit = small._conn.submit
     small._conn.submit = lambda request_id, *args, **kw: (sent.append(request_id), submit(request_id, *args, **kw))
@@ -73,19 +73,19 @@ def test_async_wait_queues_instead_of_refusing(small):
 
     async def last(client, i, wait):
         tokens = []
-        async for out in client.generate(prompts_of(64)[i], params, wait=wait):
+        async for out in client.generate(prompts_of(128)[i], params, wait=wait):
             tokens += out.outputs.token_ids
         return out.error_code, len(tokens)
 
     async def scenario():
         async with AsyncLLM.connect(small.instance) as client:
-            refused = await asyncio.gather(*(last(client, i, False) for i in range(64)))
-            waited = await asyncio.gather(*(last(client, i, True) for i in range(64)))
+            refused = await asyncio.gather(*(last(client, i, False) for i in range(128)))
+            waited = await asyncio.gather(*(last(client, i, True) for i in range(128)))
             return refused, waited
 
     refused, waited = asyncio.run(scenario())
     assert (429, 0) in refused, "without wait the engine's limit refuses some"
-    assert waited == [(0, 6)] * 64
+    assert waited == [(0, 6)] * 128
 
 
 # --------------------------------------------------------------- recovery
@@ -94,14 +94,21 @@ def test_an_engine_killed_while_three_threads_submit_loses_and_doubles_nothing(m
     prompts = prompts_of(64, length=12)
     client = AsyncLLM(config(model_dir))
     try:
-        submitted = threading.Semaphore(0)
+        sent, sixteen = [], threading.Event()
+        submit = client._conn.submit
+
+        def counted(request_id, *args, **kw):
+            submit(request_id, *args, **kw)
+            sent.append(request_id)
+            if len(sent) == 16:
+                sixteen.set()
+
+        client._conn.submit = counted
         results: dict[int, list] = {}
 
         async def one(i):
             finals, tokens = 0, []
-            stream = client.generate(prompts[i], params, request_id=f"r{i}")
-            submitted.release()
-            async for out in stream:
+            async for out in client.generate(prompts[i], params, request_id=f"r{i}"):
                 tokens += out.outputs.token_ids
                 finals += out.finished
             results[i] = [finals, tokens, out.outputs.finish_reason, out.error_msg]
@@ -110,21 +117,22 @@ def test_an_engine_killed_while_three_threads_submit_loses_and_doubles_nothing(m
             tasks = []
             for i in indices:  # paced, so that the kill falls in the middle of the submissions
                 tasks.append(asyncio.ensure_future(one(i)))
-                await asyncio.sleep(0.002)
+                await asyncio.sleep(0.01)
             await asyncio.gather(*tasks)
 
         threads = [threading.Thread(target=asyncio.run, args=(batch(range(k, 64, 3)),)) for k in range(3)]
         for thread in threads:
             thread.start()
-        for _ in range(16):
-            assert submitted.acquire(timeout=30)
+        assert sixteen.wait(30)
         os.kill(actor_pid(client._tree.proc.pid, "engine"), signal.SIGKILL)
+        sent_at_kill = len(set(sent))
         for thread in threads:
             thread.join(120)
         with LLM.connect(client.instance) as reference:
             clean = reference.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     finally:
         asyncio.run(client.shutdown())
+    assert sent_at_kill < 64, "the engine was meant to die while requests were still being submitted"
     assert sorted(results) == list(range(64))
     for i, (finals, tokens, reason, error) in results.items():
         assert (finals, reason, error) == (1, "length", ""), (i, error)
