@@ -8,7 +8,11 @@ shapes: per layer qkv, o, gate_up, down and the two attention products
 for one 512-token prompt, beside its GEMM floor too (the LM head on its last
 token only, as the model computes it).
 
-Usage: OMP_NUM_THREADS=1 python benchmarks/bench_model.py [--model DIR] [--steps N]
+Usage: OMP_NUM_THREADS=1 python benchmarks/bench_model.py [--model DIR|smollm2] [--dtype float32|bfloat16]
+           [--steps N] [--batches 1,8,32]
+
+``--model smollm2`` is the real SmolLM2-135M-Instruct (fetched once; see
+fdcore.models.fetch); the floor uses the model's own matrix dtype.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from fdcore.models import cpu_env  # noqa: E402,F401  (math-library settings bef
 import paddle  # noqa: E402
 
 from fdcore.models import tiny  # noqa: E402
-from fdcore.models.llama import BatchInput, LlamaModel, PagedKVCache  # noqa: E402
+from fdcore.models.llama import BatchInput, LlamaModel, PagedKVCache, linear  # noqa: E402
 from fdcore.models.loader import load_checkpoint  # noqa: E402
 
 BLOCK = 16
@@ -63,14 +67,14 @@ def gemm_floor(model: LlamaModel, rows: int, decode_context: int = 0):
 
     def step():
         for layer in model.layers:
-            paddle.matmul(x_h, layer["qkv"], transpose_y=True)
-            paddle.matmul(x_q, layer["o"], transpose_y=True)
-            paddle.matmul(x_h, layer["gate_up"], transpose_y=True)
-            paddle.matmul(x_i, layer["down"], transpose_y=True)
+            linear(x_h, layer["qkv"])
+            linear(x_q, layer["o"])
+            linear(x_h, layer["gate_up"])
+            linear(x_i, layer["down"])
             if decode_context:
                 paddle.matmul(q, kv, transpose_y=True)
                 paddle.matmul(probs, kv)
-        paddle.matmul(head_rows, model.lm_head, transpose_y=True)
+        linear(head_rows, model.lm_head)
 
     return step
 
@@ -101,13 +105,18 @@ def prefill(model: LlamaModel, tokens: int):
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", help="checkpoint directory (default: the bundled tiny model)")
+    parser.add_argument("--model", help="checkpoint directory, GGUF file or smollm2 (default: the tiny model)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--steps", type=int, default=20, help="timed steps per figure")
     parser.add_argument("--batches", default="1,8,32,64,128")
     opts = parser.parse_args(argv)
+    if opts.model == "smollm2":
+        from fdcore.models.fetch import fetch_smollm2
+
+        opts.model = fetch_smollm2()
     path = opts.model or tiny.make_tiny_model(os.path.join(tempfile.mkdtemp(), "tiny"))
-    model = LlamaModel(load_checkpoint(path, progress=lambda *_: None))
-    print(f"model {path}: {model.args.num_layers} layers, hidden {model.args.hidden_size}, "
+    model = LlamaModel(load_checkpoint(path, progress=lambda *_: None), opts.dtype)
+    print(f"model {path} ({opts.dtype}): {model.args.num_layers} layers, hidden {model.args.hidden_size}, "
           f"vocab {model.args.vocab_size}; OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}, "
           f"context {CONTEXT}, median of {opts.steps} steps")
     print(f"{'decode batch':>12s} {'step ms':>9s} {'GEMM floor ms':>14s} {'step/floor':>11s} {'tok/s':>9s}")

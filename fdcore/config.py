@@ -9,7 +9,8 @@ Example (every key shown with its default)::
     [model]
     path = ""                 # HF-format checkpoint directory; "" = the bundled tiny model,
                               # made on first use in $FDCORE_HOME (default ~/.cache/fdcore)
-    dtype = "auto"            # auto | float32 (bfloat16 / float16 compute: not built yet, refused)
+    dtype = "auto"            # auto (= float32) | float32 | bfloat16 (projection weights in bf16, float32
+                              # accumulation: CPUs with AVX512-BF16 only; refused elsewhere)
     backend = "paddle"        # paddle | null (answers without computing: measures fdcore's own cost)
     generation_config = "auto"  # auto: the checkpoint's generation_config.json sampling values are the
                               # defaults of requests that leave them unset (as vLLM's "auto");
@@ -215,12 +216,21 @@ def _check_ranges(config: Config, source: str) -> None:
     if config.workers.count != 1:
         raise ConfigError(f"{source}: key 'workers.count' is {config.workers.count}; this version "
                           "runs exactly 1 worker (tensor parallelism across workers is not built yet)")
-    if config.model.dtype not in ("auto", "float32"):
-        raise ConfigError(f"{source}: key 'model.dtype' is {config.model.dtype!r}; this version computes in "
-                          "float32 only (bfloat16 / float16 checkpoints load and are widened): use 'auto' "
-                          "or 'float32'")
+    _check_dtype(config.model.dtype, source)
     if config.server.port > 65535:
         raise ConfigError(f"{source}: key 'server.port' is {config.server.port}, must be <= 65535")
+
+
+def _check_dtype(dtype: str, source: str) -> None:
+    """float32 anywhere; bfloat16 where the CPU multiplies it natively (AVX512-BF16)."""
+    from fdcore.models.kernels import cpu_flags
+
+    if dtype == "float16":
+        raise ConfigError(f"{source}: key 'model.dtype' is 'float16'; the CPU model computes in float32 or "
+                          "bfloat16 (float16 checkpoints load and are widened)")
+    if dtype == "bfloat16" and "avx512_bf16" not in cpu_flags().split():
+        raise ConfigError(f"{source}: key 'model.dtype' is 'bfloat16', which needs a CPU with AVX512-BF16 "
+                          "(avx512_bf16 in /proc/cpuinfo); this one has none: use 'float32'")
 
 
 def default_model_path() -> str:

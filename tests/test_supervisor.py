@@ -215,7 +215,7 @@ def _check(tmp_path, text: str) -> subprocess.CompletedProcess:
     ('[supervisor]\nstrategy = "one_for_none"\n', "key 'supervisor.strategy': Invalid enum value 'one_for_none'"),
     ('[cache]\nblock_size = 0\n', "key 'cache.block_size' is 0, must be >= 1"),
     ('[workers]\ncount = 2\n', "key 'workers.count' is 2; this version runs exactly 1 worker"),
-    ('[model]\ndtype = "bfloat16"\n', "key 'model.dtype' is 'bfloat16'; this version computes in float32 only"),
+    ('[model]\ndtype = "float16"\n', "key 'model.dtype' is 'float16'; the CPU model computes in float32 or bfloat16"),
     ('[model]\nbackend = "onnx"\n', "key 'model.backend': Invalid enum value 'onnx'"),
 ])
 def test_bad_configs_are_rejected_naming_the_key_and_file(tmp_path, text, message):

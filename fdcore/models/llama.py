@@ -106,18 +106,18 @@ class LlamaModel:
     """
 
     def __init__(self, checkpoint: Checkpoint, dtype: str = "float32"):
-        if dtype != "float32":
-            raise ValueError(f"dtype {dtype!r}: this CPU model runs in float32 only "
-                             "(bfloat16 / float16 need the GPU path, not written yet)")
         self.args = args = checkpoint.args
         self.dtype = paddle.float32
+        self.matrix_dtype = _matrix_dtype(dtype)  # the projections' weights: float32 or bfloat16
         # NOTE: the checkpoint's arrays are taken (popped) as they become the model's tensors, so
         # loading peaks at the weights plus one layer, not two copies of everything.
         t = checkpoint.tensors
         embed = t.pop("model.embed_tokens.weight")
         self.embed = self._tensor(embed)
-        self.lm_head = self.embed if args.tie_word_embeddings else self._tensor(t.pop("lm_head.weight"))
-        del embed
+        head = embed if args.tie_word_embeddings else t.pop("lm_head.weight")
+        tied_and_same = args.tie_word_embeddings and self.matrix_dtype == "float32"
+        self.lm_head = self.embed if tied_and_same else self._matrix(head)
+        del embed, head
         self.norm = _float32(t.pop("model.norm.weight"))
         self.layers = [self._layer(t, i) for i in range(args.num_layers)]
         self.scale = args.head_dim ** -0.5
@@ -135,15 +135,21 @@ class LlamaModel:
         """A Paddle tensor sharing the float32 array's memory (no second copy of the weights)."""
         return _shared(_float32(array))
 
+    def _matrix(self, array: np.ndarray) -> paddle.Tensor:
+        """A projection's weight [out, in] in the model's matrix dtype."""
+        if self.matrix_dtype == "float32":
+            return self._tensor(array)
+        return self._tensor(array).astype("bfloat16")
+
     def _layer(self, t: dict, i: int) -> dict:
         p = f"model.layers.{i}."
         take = lambda name: t.pop(p + name)  # noqa: E731  [out, in] for projections
         a = self.args
         layer = {
-            "qkv": self._tensor(np.concatenate([take(f"self_attn.{n}_proj.weight") for n in "qkv"])),
-            "o": self._tensor(take("self_attn.o_proj.weight")),
-            "gate_up": self._tensor(np.concatenate([take("mlp.gate_proj.weight"), take("mlp.up_proj.weight")])),
-            "down": self._tensor(take("mlp.down_proj.weight")),
+            "qkv": self._matrix(np.concatenate([take(f"self_attn.{n}_proj.weight") for n in "qkv"])),
+            "o": self._matrix(take("self_attn.o_proj.weight")),
+            "gate_up": self._matrix(np.concatenate([take("mlp.gate_proj.weight"), take("mlp.up_proj.weight")])),
+            "down": self._matrix(take("mlp.down_proj.weight")),
             "in_norm": _float32(take("input_layernorm.weight")),
             "post_norm": _float32(take("post_attention_layernorm.weight")),
             "window": a.window(i),
@@ -173,12 +179,12 @@ class LlamaModel:
                                          if self.args.rope.is_dynamic else None)
         if self.fused is not None:
             normed = self._fused_layers(hidden, cos, sin, plan, cache)
-            logits = _linear(paddle.index_select(normed, paddle.to_tensor(plan.last_rows)), self.lm_head)
+            logits = linear(paddle.index_select(normed, paddle.to_tensor(plan.last_rows)), self.lm_head)
         else:
             for index, layer in enumerate(self.layers):
                 hidden = self._layer_forward(hidden, layer, index, cos, sin, plan, cache)
             last = paddle.index_select(hidden, paddle.to_tensor(plan.last_rows))
-            logits = _linear(_rms_norm(last, self.norm, self.args.rms_norm_eps), self.lm_head)
+            logits = linear(_rms_norm(last, self.norm, self.args.rms_norm_eps), self.lm_head)
         out = np.empty((batch.num_seqs, self.args.vocab_size), dtype=np.float32)
         out[order] = logits.numpy()
         return out
@@ -196,13 +202,13 @@ class LlamaModel:
         delta, none = self.no_tensor, self.no_tensor
         for index, layer in enumerate(self.layers):
             hidden, x = add_rms_norm(hidden, delta, layer["in_norm_t"], eps)
-            qkv = _linear(x, layer["qkv"], layer.get("qkv_bias"))
+            qkv = linear(x, layer["qkv"], layer.get("qkv_bias"))
             k, v = cache.tensors(index)
             attn = attention_block(qkv, cos_t, sin_t, slots, k, v, tables, lengths, layer.get("q_norm_t", none),
                                    layer.get("k_norm_t", none), a.num_heads, self.scale, layer["window"], eps)
-            hidden, x = add_rms_norm(hidden, _linear(attn, layer["o"], layer.get("o_bias")), layer["post_norm_t"], eps)
-            gate_up = _linear(x, layer["gate_up"], layer.get("gate_up_bias"))
-            delta = _linear(silu_mul(gate_up), layer["down"], layer.get("down_bias"))
+            hidden, x = add_rms_norm(hidden, linear(attn, layer["o"], layer.get("o_bias")), layer["post_norm_t"], eps)
+            gate_up = linear(x, layer["gate_up"], layer.get("gate_up_bias"))
+            delta = linear(silu_mul(gate_up), layer["down"], layer.get("down_bias"))
         return add_rms_norm(hidden, delta, self.norm_t, eps)[1]
 
     def _windows(self) -> tuple[int, ...]:
@@ -211,7 +217,7 @@ class LlamaModel:
     def _layer_forward(self, hidden, layer, index, cos, sin, plan, cache):
         a = self.args
         x = _rms_norm(hidden, layer["in_norm"], a.rms_norm_eps)
-        qkv = _linear(x, layer["qkv"], layer.get("qkv_bias"))
+        qkv = linear(x, layer["qkv"], layer.get("qkv_bias"))
         # Small per-token work (rotary, scaling, head shuffles) is cheaper in numpy
         # than as a dozen Paddle ops; the big products stay in Paddle.
         heads = qkv.numpy().reshape(-1, a.num_heads + 2 * a.num_kv_heads, a.head_dim)
@@ -223,10 +229,10 @@ class LlamaModel:
         q = qk[:, :a.num_heads] * np.float32(self.scale)
         cache.write(index, plan.write_slots, qk[:, a.num_heads:], heads[:, a.num_heads + a.num_kv_heads:])
         attn = _shared(self._attention(q, index, cache, plan, layer["window"]))
-        hidden = hidden + _linear(attn, layer["o"], layer.get("o_bias"))
+        hidden = hidden + linear(attn, layer["o"], layer.get("o_bias"))
         x = _rms_norm(hidden, layer["post_norm"], a.rms_norm_eps)
-        gate, up = paddle.split(_linear(x, layer["gate_up"], layer.get("gate_up_bias")), 2, axis=-1)
-        return hidden + _linear(paddle.nn.functional.silu(gate) * up, layer["down"], layer.get("down_bias"))
+        gate, up = paddle.split(linear(x, layer["gate_up"], layer.get("gate_up_bias")), 2, axis=-1)
+        return hidden + linear(paddle.nn.functional.silu(gate) * up, layer["down"], layer.get("down_bias"))
 
     def _attention(self, q: np.ndarray, layer: int, cache: PagedKVCache, plan, window: int) -> np.ndarray:
         """Attention output [tokens, heads * head_dim] for scaled queries ``q`` [tokens, heads, dim]
@@ -361,10 +367,34 @@ def _causal_bias(start: int, end: int, width: int, window: int = 0) -> np.ndarra
     return np.where(seen, 0.0, -np.inf).astype(np.float32)
 
 
-def _linear(x: paddle.Tensor, weight: paddle.Tensor, bias: paddle.Tensor | None = None) -> paddle.Tensor:
-    """``x @ weight.T (+ bias)`` for a weight stored ``[out, in]``."""
-    out = paddle.matmul(x, weight, transpose_y=True)
+def linear(x: paddle.Tensor, weight: paddle.Tensor, bias: paddle.Tensor | None = None) -> paddle.Tensor:
+    """``x @ weight.T (+ bias)`` for a weight stored ``[out, in]`` (a bfloat16 one through fdcore's
+    kernel: Paddle's CPU build has no bfloat16 matmul)."""
+    if weight.dtype == paddle.bfloat16:
+        out = _BF16_LINEAR[0](x, weight)
+    else:
+        out = paddle.matmul(x, weight, transpose_y=True)
     return out if bias is None else out + bias
+
+
+_BF16_LINEAR: list = [None]  # the compiled kernel, loaded by the first bfloat16 model
+
+
+def _matrix_dtype(dtype: str) -> str:
+    """float32, or bfloat16 where this CPU multiplies it natively (AVX512-BF16) and the kernel built."""
+    if dtype == "float32":
+        return dtype
+    if dtype != "bfloat16":
+        raise ValueError(f"dtype {dtype!r}: the CPU model computes in float32 or bfloat16")
+    from fdcore.models.kernels import bf16_path, linear_bf16
+
+    if not bf16_path():
+        raise ValueError("dtype 'bfloat16' needs a CPU with AVX512-BF16 (avx512_bf16 in /proc/cpuinfo); "
+                         "this one has none: use float32")
+    _BF16_LINEAR[0] = linear_bf16()
+    if _BF16_LINEAR[0] is None:
+        raise ValueError("dtype 'bfloat16' needs fdcore's C++ operators, which could not be built here")
+    return dtype
 
 
 def _float32(array: np.ndarray) -> np.ndarray:

@@ -21,7 +21,7 @@ import os
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-SOURCE = os.path.join(HERE, "paged_attention.cc")
+SOURCES = [os.path.join(HERE, name) for name in ("paged_attention.cc", "linear_bf16.cc")]
 _loaded: dict[str, object] = {}
 
 
@@ -29,9 +29,11 @@ def kernel_dir() -> str:
     root = os.environ.get("FDCORE_KERNEL_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "fdcore-kernels")
     import paddle
 
-    with open(SOURCE, "rb") as f:
-        digest = hashlib.sha256(f.read() + paddle.__version__.encode() + cpu_flags().encode()).hexdigest()[:16]
-    return os.path.join(root, digest)
+    digest = hashlib.sha256(paddle.__version__.encode() + cpu_flags().encode())
+    for source in SOURCES:
+        with open(source, "rb") as f:
+            digest.update(f.read())
+    return os.path.join(root, digest.hexdigest()[:16])
 
 
 def cpu_flags() -> str:
@@ -58,7 +60,19 @@ def gumbel_sample():
 def fused_ops():
     """(add_rms_norm, silu_mul, attention_block) compiled, or None when they cannot be built here."""
     ops = _ops()
-    return ops and ops[1:]
+    return ops and ops[1:4]
+
+
+def linear_bf16():
+    """``linear(x, w_bf16, path=None)``: x [M, K] float32 times a bfloat16 weight [N, K] (transposed),
+    float32 out; ``path`` None = the fastest this CPU has (see bf16_path). None when not built here."""
+    ops = _ops()
+    return ops and ops[4]
+
+
+def bf16_path() -> int:
+    """1 where the CPU has AVX512-BF16 (``vdpbf16ps``), else 0 (the portable widening path)."""
+    return 1 if "avx512_bf16" in cpu_flags().split() else 0
 
 
 def _ops():
@@ -95,9 +109,9 @@ def _build():
             if not os.path.exists(ready):
                 from paddle.utils.cpp_extension import load
 
-                load(name="fdcore_kernels", sources=[SOURCE], build_directory=directory,
-                     extra_cxx_cflags=["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno",
-                                       "-fno-trapping-math"], verbose=False)
+                load(name="fdcore_kernels", sources=SOURCES, build_directory=directory,
+                     extra_cxx_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno",
+                                       "-fno-trapping-math"], extra_ldflags=["-fopenmp"], verbose=False)
                 open(ready, "w").close()
             else:
                 # NOTE: registering the built library directly takes ~20 ms; paddle's load() re-runs
@@ -123,7 +137,10 @@ def _build():
                                          tables, lengths, q_norm, k_norm, int(num_heads), float(scale),
                                          int(window), float(norm_eps))[0]
 
-        return gumbel, add_rms_norm, silu_mul, attention_block
+        def linear(x, w, path=None):
+            return _C_ops._run_custom_op("fdcore_linear_bf16", x, w, bf16_path() if path is None else int(path))[0]
+
+        return gumbel, add_rms_norm, silu_mul, attention_block, linear
     except Exception as exc:  # a missing compiler must not stop serving
         sys.stderr.write(f"fdcore: C++ operators unavailable ({type(exc).__name__}: {exc}); "
                          "using the slower Python path\n")
