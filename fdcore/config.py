@@ -29,6 +29,7 @@ Example (every key shown with its default)::
     [engine]
     max_clients = 8           # client slots (each AsyncLLM / LLM / API server takes one)
     max_pending_requests = 4096  # requests in the engine at once; more are refused (429)
+    client_stall_timeout = 30.0  # seconds a client may leave its inbox full before it is cut off
 
     [workers]
     count = 1
@@ -99,6 +100,7 @@ class SchedulerConfig(_Section):
 class EngineConfig(_Section):
     max_clients: int = 8
     max_pending_requests: int = 4096
+    client_stall_timeout: float = 30.0
 
 
 class WorkersConfig(_Section):
@@ -149,7 +151,8 @@ _MINIMA = [
     ("cache", "block_size", 1), ("cache", "num_blocks", 1),
     ("scheduler", "max_num_seqs", 1), ("scheduler", "max_num_batched_tokens", 1),
     ("scheduler", "max_model_len", 1), ("engine", "max_clients", 1),
-    ("engine", "max_pending_requests", 1), ("workers", "count", 1), ("workers", "omp_threads", 1),
+    ("engine", "max_pending_requests", 1), ("engine", "client_stall_timeout", 0.001),
+    ("workers", "count", 1), ("workers", "omp_threads", 1),
     ("supervisor", "max_restarts", 0), ("supervisor", "period", 0.001),
     ("supervisor", "start_timeout", 0.001), ("supervisor", "shutdown_timeout", 0.0),
     ("supervisor", "heartbeat_interval", 0.001), ("supervisor", "hang_timeout", 0.001),

@@ -319,6 +319,7 @@ class ServingStats(Message):
     preemptions: int = 0
     cache: CacheStats = CacheStats()
     client: int = -1           # who asked (the engine answers that client)
+    disconnected_clients: int = 0  # clients the engine cut off (bad records, stopped reading)
 
 
 # ----------------------------------------------------- scheduler <-> workers
@@ -363,8 +364,12 @@ class StepResult(Message):
 
 ControlMessage = Stop | Ping | Pong
 ClientMessage = Welcome | Update | ServingStats | Pong
-EngineMessage = (Stop | Ping | Hello | AddRequest | AbortRequest | StatsQuery | SeqTokens | ServingStats
-                 | Restarted | Suspects)
+# The engine decodes each link with what its producer may send (a client's ``client`` fields are
+# ignored: the link says who sent it); EngineMessage is all of them.
+SupervisorToEngine = Stop | Ping | Restarted
+SchedulerToEngine = SeqTokens | ServingStats | Suspects
+ClientToEngine = Hello | AddRequest | AbortRequest | StatsQuery
+EngineMessage = SupervisorToEngine | SchedulerToEngine | ClientToEngine
 SchedulerMessage = (Stop | Ping | Resync | AddSeq | FinishSeq | StatsQuery | StepResult | CacheReply | GrowReply
                     | Suspects)
 CacheMessage = Stop | Ping | Allocate | Grow | GrowMany | Free | Computed | CacheStatsQuery | CacheReset

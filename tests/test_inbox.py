@@ -159,3 +159,29 @@ def test_a_batch_is_one_record_and_recv_hands_it_out_one_by_one(inbox):
         assert receiver.recv(timeout=5).request_id == "after-empty"
     finally:
         ring.close()
+
+
+def test_a_link_receiver_names_each_sender_and_returns_bad_records_instead_of_raising():
+    """Each link decodes only its own union; garbage or a misplaced message on one link is that
+    link's ProtocolError, handed back in place, and drain() empties one link only."""
+    from fdcore.ipc import LinkReceiver
+
+    with Inbox.create(names.object_name(names.new_instance_id(), "links"), ["actor", "client0"],
+                      capacity=4096) as inbox:
+        actor, client = (Sender(Ring.attach(inbox.link_name(p))) for p in ("actor", "client0"))
+        receiver = LinkReceiver(inbox, {"actor": Stop | Ping, "client0": Ping})
+        actor.send(Stop("bye"))
+        client.send(Stop("forged"))  # valid msgpack, but not what a client may send
+        client.ring.put(b"\xc1garbage")
+        client.send_many([Ping(3), Ping(4)])
+        items = receiver.recv_many(timeout=1.0)
+        assert items[0] == ("actor", Stop("bye"))
+        assert [link for link, _ in items[1:3]] == ["client0", "client0"]
+        assert all(isinstance(m, ProtocolError) for _, m in items[1:3])
+        assert items[3:] == [("client0", Ping(3)), ("client0", Ping(4))]
+        client.send(Ping(5))
+        actor.send(Ping(6))
+        assert inbox.drain("client0") == 1
+        assert receiver.recv_many(timeout=1.0) == [("actor", Ping(6))]
+        actor.close()
+        client.close()

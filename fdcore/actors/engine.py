@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -39,10 +40,10 @@ from fdcore.core.quarantine import Quarantine
 from fdcore.core.tokenizer import ModelTokenizer
 from fdcore.core.validation import (RequestError, check_chat_options, check_length, check_one_prompt,
                                     check_sampling, check_token_ids, validate_request_id)
-from fdcore.ipc import Ring, RingFull, Sender, names
-from fdcore.protocol import (AbortRequest, AddRequest, AddSeq, EngineMessage, FinishSeq, Hello, Metrics,
-                             RequestBody, Restarted, Resync, SamplingParams, SeqTokens, ServingStats, StatsQuery,
-                             Suspects, Update, Welcome)
+from fdcore.ipc import LinkReceiver, ProtocolError, RecordTooLarge, Ring, RingFull, Sender, names
+from fdcore.protocol import (AbortRequest, AddRequest, AddSeq, ClientToEngine, EngineMessage, FinishSeq, Hello,
+                             Metrics, RequestBody, Restarted, Resync, SamplingParams, SchedulerToEngine, SeqTokens,
+                             ServingStats, StatsQuery, Suspects, SupervisorToEngine, Update, Welcome)
 
 EPOCHS_PER_GENERATION = 1_000_000
 LIVENESS_INTERVAL = 0.5  # seconds between checks that each busy client slot still has its owner (README: a
@@ -73,6 +74,7 @@ class ClientSlot:
     session: int = 0
     requests: dict[str, int] = field(default_factory=dict)  # request id -> seq
     outbox: list = field(default_factory=list)             # messages its full inbox did not take yet
+    stalled_since: float | None = None                     # when its inbox first had no room (monotonic)
 
 
 class EngineActor(Actor):
@@ -93,30 +95,60 @@ class EngineActor(Actor):
         # (which counts every restart of the tree) leads.
         self.epoch = self.first_epoch = self.board.read(self.slot, health.GENERATION) * EPOCHS_PER_GENERATION
         self.quarantine = Quarantine()
+        self.disconnected = 0  # clients cut off for bad records or for not reading (ServingStats)
         self.poison = faults.poison_for("engine")
         self.send("scheduler", Resync(self.epoch))
 
     # ---------------------------------------------------------------- messages
+    def make_receiver(self, inbox):
+        """Each link decoded with what its producer may send; a client's bad record is returned,
+        not raised (see dispatch)."""
+        self.client_links = {link: topology.client_index(link) for link in inbox.links
+                             if topology.client_index(link) is not None}
+        unions = {link: ClientToEngine for link in self.client_links}
+        return LinkReceiver(inbox, {**unions, topology.SUPERVISOR: SupervisorToEngine,
+                                    "scheduler": SchedulerToEngine})
+
+    def dispatch(self, item) -> None:
+        """The link names the sender: a client's message is handled as that client's whatever
+        its body says, and a client that sends garbage or what only an actor may send is cut off
+        (an actor's bad record is still a crash: that actor is broken)."""
+        link, message = item
+        client = self.client_links.get(link)
+        if client is None:
+            if isinstance(message, ProtocolError):
+                raise message
+            self.handle(message)
+        elif isinstance(message, ProtocolError):
+            self._disconnect(client, str(message))
+        else:
+            self._on_client(client, message)
+
     def handle(self, message) -> None:
+        """A message of the supervisor or the scheduler."""
         match message:
             case SeqTokens():
                 self._on_tokens(message)
-            case AddRequest():
-                self._on_request(message)
-            case AbortRequest(client=client, request_id=request_id):
-                self._on_abort(client, request_id)
-            case Hello(client=client, session=session):
-                self._on_hello(client, session)
-            case StatsQuery():
-                self.send("scheduler", message)
             case Restarted():
                 self._resync()
             case Suspects():
                 self._on_suspects(message)
             case ServingStats():
-                self._deliver(message.client, [msgspec.structs.replace(message, requests=len(self.table))])
+                self._deliver(message.client, [msgspec.structs.replace(
+                    message, requests=len(self.table), disconnected_clients=self.disconnected)])
             case _:
                 super().handle(message)
+
+    def _on_client(self, client: int, message) -> None:
+        match message:
+            case AddRequest():
+                self._on_request(client, message)
+            case AbortRequest(request_id=request_id):
+                self._on_abort(client, request_id)
+            case Hello(session=session):
+                self._on_hello(client, session)
+            case StatsQuery():
+                self.send("scheduler", msgspec.structs.replace(message, client=client))
 
     def _resync(self) -> None:
         """An actor behind us was restarted and lost its state: start a new epoch and hand the
@@ -143,8 +175,6 @@ class EngineActor(Actor):
             self._flush(slot)
 
     def _on_hello(self, client: int, session: int) -> None:
-        if not 0 <= client < self.config.engine.max_clients:
-            return
         slot = self._slot(client)
         self._abandon(slot)
         slot.session = session
@@ -152,19 +182,17 @@ class EngineActor(Actor):
         self._deliver(client, [Welcome(session, self.limits.vocab_size, self.limits.max_model_len,
                                        model_path(self.config), os.getpid(), self.sampling_defaults)])
 
-    def _on_request(self, m: AddRequest) -> None:
-        if not 0 <= m.client < self.config.engine.max_clients:
-            return
-        slot = self._slot(m.client)
+    def _on_request(self, client: int, m: AddRequest) -> None:
+        slot = self._slot(client)
         try:
             tracked = self._admit(m, slot)
         except RequestError as exc:
-            self._deliver(m.client, [Update(m.request_id, [], "", "error", error_code=exc.code,
-                                            error_msg=str(exc))])
+            self._deliver(client, [Update(m.request_id, [], "", "error", error_code=exc.code,
+                                          error_msg=str(exc))])
             return
         except Exception as exc:  # a bug this request triggers is its own 500, not the engine's crash
-            self._deliver(m.client, [Update(m.request_id, [], "", "error", error_code=500,
-                                            error_msg=f"request failed in fdcore:engine: {exc!r}")])
+            self._deliver(client, [Update(m.request_id, [], "", "error", error_code=500,
+                                          error_msg=f"request failed in fdcore:engine: {exc!r}")])
             return
         self.table[tracked.seq] = tracked
         slot.requests[m.request_id] = tracked.seq
@@ -202,7 +230,7 @@ class EngineActor(Actor):
             detokenizer.add(token)
         # what the client has shown already (text held back then is still to come)
         detokenizer.emitted = min(m.resume_text_chars, len(detokenizer.text)) if resumed else 0
-        return TrackedRequest(seq, m.client, m.request_id, prompt_ids, params, detokenizer, m.arrival_time,
+        return TrackedRequest(seq, slot.index, m.request_id, prompt_ids, params, detokenizer, m.arrival_time,
                               resumed, announced=bool(resumed))
 
     def _body(self, raw) -> RequestBody:
@@ -271,10 +299,10 @@ class EngineActor(Actor):
             if tracked is not None:
                 self._fail(tracked, f"request crashed fdcore:{kind} twice")
 
-    def _fail(self, tracked: TrackedRequest, reason: str) -> None:
-        """End one request with a 500 (the scheduler forgets it); nobody else is touched."""
+    def _fail(self, tracked: TrackedRequest, reason: str, code: int = 500) -> None:
+        """End one request with an error (the scheduler forgets it); nobody else is touched."""
         self.send("scheduler", FinishSeq(tracked.seq, "abort"))
-        self._deliver(tracked.client, [Update(tracked.request_id, [], "", "error", error_code=500,
+        self._deliver(tracked.client, [Update(tracked.request_id, [], "", "error", error_code=code,
                                               error_msg=reason)])
         self._drop(tracked)
 
@@ -314,13 +342,49 @@ class EngineActor(Actor):
         self._flush(slot)
 
     def _flush(self, slot: ClientSlot) -> None:
-        if not slot.outbox:
-            return
-        try:
-            slot.sender.send_many(slot.outbox, timeout=0)
-        except RingFull:
-            return  # the client is behind: keep them, retry on the next turn of the loop
-        slot.outbox = []
+        """Send a client's queued updates in records its ring can hold; a client that has left no
+        room for longer than ``engine.client_stall_timeout`` while it has requests open is cut off
+        (its backlog would grow without bound); nobody else ever waits for it."""
+        while slot.outbox:
+            count = self._send_some(slot)
+            if count == 0:
+                now = time.monotonic()
+                slot.stalled_since = slot.stalled_since or now
+                if slot.requests and now - slot.stalled_since > self.config.engine.client_stall_timeout:
+                    self._disconnect(slot.index, f"it read nothing for {self.config.engine.client_stall_timeout:g} s")
+                return
+            del slot.outbox[:count]
+            slot.stalled_since = None
+
+    def _send_some(self, slot: ClientSlot) -> int:
+        """Send the longest prefix of the outbox (halving from all of it) that fits one record and
+        the room its ring has now; how many messages went (0: no room)."""
+        count = len(slot.outbox)
+        while True:
+            try:
+                slot.sender.send_many(slot.outbox[:count], timeout=0)
+                return count
+            except RingFull:
+                if count == 1:
+                    return 0
+            except RecordTooLarge:
+                if count == 1:  # one message larger than the ring: it can never be delivered
+                    slot.outbox[0] = _too_large(slot.outbox[0])
+                    continue
+            count //= 2
+
+    def _disconnect(self, client: int, reason: str) -> None:
+        """Cut a client off: its requests end with a 400 saying why, its slot forgets its session and
+        backlog, whatever else it wrote is dropped. The engine and every other client go on."""
+        slot = self._slot(client)
+        self.disconnected += 1
+        sys.stderr.write(f"fdcore: engine disconnected client{client}: {reason}\n")
+        self.receiver.source.drain(f"client{client}")  # first: what it sends after our answer counts
+        slot.outbox.clear()
+        slot.stalled_since = None
+        slot.session = 0
+        for seq in list(slot.requests.values()):
+            self._fail(self.table[seq], f"client disconnected by the engine: {reason}", code=400)
 
     def _abandon(self, slot: ClientSlot) -> None:
         """Abort every request of a slot's previous owner (it is gone, or replaced)."""
@@ -357,6 +421,14 @@ class EngineActor(Actor):
             slot.sender.close()
             os.close(slot.lock_fd)
         super().close()
+
+
+def _too_large(message):
+    """What replaces an update too large for any record of the client's ring (a request's text
+    cannot be split here without breaking the stream's accounting): its request's error."""
+    request_id = getattr(message, "request_id", "")
+    return Update(request_id, [], "", "error", error_code=500,
+                  error_msg="an update larger than the client's ring (supervisor.ring_capacity)")
 
 
 def _chat_options(body: RequestBody) -> ChatOptions:

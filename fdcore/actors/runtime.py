@@ -81,6 +81,15 @@ class Actor:
             case _:
                 raise ValueError(f"{self.child_id}: unexpected message {type(message).__name__}")
 
+    def make_receiver(self, inbox: Inbox):
+        """How the loop reads the inbox (an actor that must know each message's link overrides
+        this and :meth:`dispatch`)."""
+        return Receiver(inbox, self.inbox_type)
+
+    def dispatch(self, item) -> None:
+        """One item of what the receiver returned: for most actors, a message."""
+        self.handle(item)
+
     def on_stop(self) -> None:
         """Clean-up after the loop ends (not called after a crash)."""
 
@@ -159,7 +168,7 @@ class Actor:
 def run(actor: Actor, inbox: Inbox) -> None:
     """The loop: receive, handle, let the actor act on what it learnt, tick; returns when asked to stop."""
     board, slot = actor.board, actor.slot
-    actor.receiver = Receiver(inbox, actor.inbox_type)
+    actor.receiver = actor.make_receiver(inbox)
     interval = actor.config.supervisor.heartbeat_interval
     progress = 0
     while not actor.stopping:
@@ -174,7 +183,7 @@ def run(actor: Actor, inbox: Inbox) -> None:
             board.write(slot, health.BUSY, 1)
         for message in messages:
             actor.handling = []
-            actor.handle(message)
+            actor.dispatch(message)
             progress += 1
             board.write(slot, health.PROGRESS, progress)
             if actor.stopping:

@@ -39,6 +39,12 @@ def client_ids(config: Config) -> list[str]:
     return [f"client{i}" for i in range(config.engine.max_clients)]
 
 
+def client_index(link: str) -> int | None:
+    """The slot number of a client link ("client3" -> 3); None for an actor's link."""
+    number = link.removeprefix("client")
+    return int(number) if number != link and number.isdigit() else None
+
+
 def standby_title(child_id: str) -> str:
     """A warm spare's title until it takes over: fdcore:standby:worker:0."""
     return title_of(child_id).replace("fdcore:", "fdcore:standby:", 1)

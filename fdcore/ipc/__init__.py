@@ -1,6 +1,6 @@
 """fdcore's shared-memory message layer: rings, inboxes, typed channels, names."""
 
-from fdcore.ipc.channel import ProtocolError, Receiver, Sender
+from fdcore.ipc.channel import LinkReceiver, ProtocolError, Receiver, Sender
 from fdcore.ipc.doorbell import Doorbell
 from fdcore.ipc.inbox import Inbox, InboxStatistics
 from fdcore.ipc.names import new_instance_id, object_name, sweep
@@ -9,4 +9,4 @@ from fdcore.ipc.ring import (RecordTooLarge, Ring, RingClosed, RingCorrupted, Ri
 
 __all__ = ["Ring", "RingStatistics", "RingError", "RingCorrupted", "RingClosed", "RingEmpty",
            "RingFull", "RecordTooLarge", "Inbox", "InboxStatistics", "Doorbell", "Sender",
-           "Receiver", "ProtocolError", "new_instance_id", "object_name", "sweep"]
+           "Receiver", "LinkReceiver", "ProtocolError", "new_instance_id", "object_name", "sweep"]

@@ -104,3 +104,33 @@ class Receiver:
 
     def close(self) -> None:
         self.source.close()
+
+
+class LinkReceiver:
+    """Receives from an inbox link by link, for a consumer that must not trust its producers: each
+    link decodes only the union its producer may send, and a record that does not decode as one of
+    those (garbage, or a message out of place) comes back as a :class:`ProtocolError` for that link
+    instead of being raised, so one bad producer cannot stop the consumer."""
+
+    def __init__(self, inbox, unions: dict[str, object]):
+        self.source = inbox
+        self._decoders = {link: (decoder_for(union).decode, decoder_for(list[union]).decode)
+                          for link, union in unions.items()}
+
+    def recv_many(self, timeout: float | None = None, max_records: int = 64) -> list[tuple[str, object]]:
+        """Wait up to ``timeout`` for a record, then (link, message or ProtocolError) for all there is."""
+        return [item for link, raw in self.source.get_many_by_link(max_records, timeout)
+                for item in self._decoded(link, raw)]
+
+    def _decoded(self, link: str, raw: bytes) -> list[tuple[str, object]]:
+        decode, decode_batch = self._decoders[link]
+        try:
+            if raw[:1] == _BATCH_PREFIX:
+                return [(link, message) for message in decode_batch(memoryview(raw)[1:])]
+            return [(link, decode(raw))]
+        except msgspec.DecodeError as exc:
+            return [(link, ProtocolError(f"{self.source.name}.{link}: undecodable record ({exc}); "
+                                         f"first bytes {bytes(raw[:16])!r}"))]
+
+    def close(self) -> None:
+        self.source.close()

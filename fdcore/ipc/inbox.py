@@ -149,13 +149,32 @@ class Inbox:
     def get_many(self, max_records: int | None = None, timeout: float | None = None) -> list[bytes]:
         """Wait up to ``timeout`` for at least one record, then drain every link
         (at most ``max_records`` from each)."""
+        return self._wait_for(self.get_many_nowait, max_records, timeout)
+
+    def get_many_by_link_nowait(self, max_records: int | None = None) -> list[tuple[str, bytes]]:
+        """Like :meth:`get_many_nowait`, each record with the link it came by: the sender of a
+        record is its link, which a consumer can trust (the body is whatever the producer wrote)."""
+        return [(producer, raw) for producer, ring in self._links.items()
+                for raw in ring.get_many_nowait(max_records)]
+
+    def get_many_by_link(self, max_records: int | None = None,
+                         timeout: float | None = None) -> list[tuple[str, bytes]]:
+        """Like :meth:`get_many`, each record with its link."""
+        return self._wait_for(self.get_many_by_link_nowait, max_records, timeout)
+
+    def _wait_for(self, take, max_records: int | None, timeout: float | None) -> list:
+        """``take(max_records)`` until it returns something, sleeping on the doorbell between tries."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
-            out = self.get_many_nowait(max_records)
+            out = take(max_records)
             if out:
                 return out
             if not self._wait(deadline):
                 raise RingEmpty(f"{self.name}: no record within {timeout} s")
+
+    def drain(self, producer: str) -> int:
+        """Drop everything waiting on one link (a producer that was disconnected); the count."""
+        return len(self._links[producer].get_many_nowait())
 
     def readable(self) -> bool:
         return any(ring.readable() for ring in self._order)

@@ -1,0 +1,179 @@
+"""The engine distrusts its client links: the link names the sender, each link decodes only what a
+client may send, and one client's garbage, misplaced messages, forged ``client`` fields or forged
+``Hello`` cost that client only. Also: backlogs go out in records the ring can hold."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import time
+
+import pytest
+
+from fdcore import AsyncLLM, SamplingParams
+from fdcore.client import Connection
+from fdcore.ipc import RingEmpty
+from fdcore.models import tiny
+from fdcore.protocol import (AbortRequest, AddRequest, Hello, Ping, Restarted, SeqTokens, ServingStats, Stop,
+                             Suspects, Update, Welcome)
+from fdcore.supervisor import actor_pid
+from tests.test_crash_resume import config, requests, stream_all
+
+HOSTILE = ["bytes", "wrong_type", "wrong_type_batch", "forged_abort", "forged_add", "forged_hello"]
+DISCONNECTING = {"bytes", "wrong_type", "wrong_type_batch"}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return tiny.make_tiny_model(str(tmp_path_factory.mktemp("links") / "tiny"))
+
+
+def wrong_type(rng: random.Random):
+    """A valid record of a type only an actor (or the engine itself) may send."""
+    return rng.choice([Stop("forged"), Ping(1), Restarted("worker0", 9), SeqTokens(0, [1], [7], [None]),
+                       Suspects("worker0", 0, list(range(1, 9))), ServingStats(1, client=0),
+                       Update("r0", [1], "x"), Welcome(1, 10, 10, "m")])
+
+
+def final_update(conn: Connection, request_id: str, timeout: float = 20.0) -> Update:
+    """The attacker's last update of one request (its error, or its end)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            message = conn.receiver.recv(timeout=max(0.0, deadline - time.monotonic()))
+        except RingEmpty:
+            raise AssertionError(f"no final update for {request_id}") from None
+        if isinstance(message, Update) and message.request_id == request_id and message.finish_reason:
+            return message
+
+
+def await_welcome(conn: Connection, session: int, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        message = conn.receiver.recv(timeout=max(0.0, deadline - time.monotonic()))
+        if isinstance(message, Welcome) and message.session == session:
+            return
+
+
+def attack(conn: Connection, victim: int, case: int, kind: str, rng: random.Random) -> None:
+    """One hostile record after a request of the attacker's own; checks what the attacker hears."""
+    own = f"a{case}"
+    conn.submit(own, [5, 6, 7, 8], SamplingParams(max_tokens=200, ignore_eos=True))
+    match kind:
+        case "bytes":
+            conn.sender.ring.put(os.urandom(rng.randrange(1, 64)))
+        case "wrong_type":
+            conn.send(wrong_type(rng))
+        case "wrong_type_batch":
+            conn.sender.send_many([wrong_type(rng), AbortRequest(conn.slot, own)])
+        case "forged_abort":  # aborting the victim's stream: the link says it is ours, so a no-op
+            conn.send(AbortRequest(victim, f"r{rng.randrange(8)}"))
+        case "forged_add":    # a request in the victim's name, with one of its ids: ours, not its
+            forged = f"r{rng.randrange(8)}"
+            conn.send(AddRequest(victim, forged, conn_body(), time.time()))
+            conn.send(AbortRequest(victim, forged))
+            assert final_update(conn, forged).finish_reason in ("abort", "length")
+        case "forged_hello":  # takes over the victim's slot? only resets ours
+            session = rng.randrange(1 << 40)
+            conn.send(Hello(victim, session))
+            await_welcome(conn, session)
+            return  # our own request was dropped with our old session
+    if kind in DISCONNECTING:
+        update = final_update(conn, own)
+        assert (update.finish_reason, update.error_code) == ("error", 400), update
+        assert update.error_msg.startswith("client disconnected by the engine: "), update.error_msg
+    else:
+        conn.send(AbortRequest(conn.slot, own))
+        assert final_update(conn, own).finish_reason in ("abort", "length")
+
+
+def conn_body():
+    import msgspec
+
+    return msgspec.Raw(msgspec.msgpack.encode({"prompt_token_ids": [9, 10, 11],
+                                               "sampling_params": {"max_tokens": 200, "ignore_eos": True}}))
+
+
+def test_a_hostile_client_costs_only_itself(model_dir):
+    rng = random.Random(12)
+    prompts, params = requests(count=8, max_tokens=200)
+    cases = [rng.choice(HOSTILE) for _ in range(300)]
+
+    async def main():
+        async with AsyncLLM(config(model_dir)) as client:
+            clean = await stream_all(client, prompts, params)
+            engine = actor_pid(client._tree.proc.pid, "engine")
+            attacker = Connection(client._tree)
+            try:
+                streams = asyncio.ensure_future(stream_all(client, prompts, params))
+                for case, kind in enumerate(cases):
+                    await asyncio.to_thread(attack, attacker, client._conn.slot, case, kind, rng)
+                crashed = await streams
+                attacker.handshake(10.0)  # the engine still answers the attacker too
+            finally:
+                attacker.close()
+            stats = await client.stats()
+            return clean, crashed, engine, actor_pid(client._tree.proc.pid, "engine"), stats
+
+    clean, crashed, engine_before, engine_after, stats = asyncio.run(main())
+    assert engine_after == engine_before, "the engine was restarted: a client's records crashed it"
+    assert crashed == clean
+    assert stats.disconnected_clients == sum(kind in DISCONNECTING for kind in cases)
+
+
+def stall_config(model_dir: str, stall_timeout: float):
+    from fdcore.config import parse_config
+
+    return parse_config(f'[model]\npath = "{model_dir}"\n[engine]\nclient_stall_timeout = {stall_timeout}\n'
+                        '[supervisor]\nring_capacity = 16384\n')
+
+
+def read_all(conn: Connection, request_ids: set[str], timeout: float = 30.0) -> dict[str, list[Update]]:
+    """Every update of these requests until each has ended."""
+    updates: dict[str, list[Update]] = {rid: [] for rid in request_ids}
+    open_ids, deadline = set(request_ids), time.monotonic() + timeout
+    while open_ids:
+        message = conn.receiver.recv(timeout=max(0.0, deadline - time.monotonic()))
+        if isinstance(message, Update) and message.request_id in updates:
+            updates[message.request_id].append(message)
+            if message.finish_reason:
+                open_ids.discard(message.request_id)
+    return updates
+
+
+@pytest.mark.parametrize("pause, stall_timeout, cut_off", [(2.0, 30.0, False), (3.0, 1.0, True)])
+def test_a_client_that_stops_reading(model_dir, pause, stall_timeout, cut_off):
+    """Its backlog (far more than one record of its 16 KiB ring) goes out in records the ring holds
+    once it reads again; past the stall timeout it is cut off with an error. Others never notice."""
+    prompts, params = requests(count=8, max_tokens=120)
+    slow_ids = {f"s{i}" for i in range(20)}
+
+    async def main():
+        async with AsyncLLM(stall_config(model_dir, stall_timeout)) as client:
+            clean = await stream_all(client, prompts, params)
+            engine = actor_pid(client._tree.proc.pid, "engine")
+            slow = Connection(client._tree)
+            try:
+                for rid in sorted(slow_ids):
+                    slow.submit(rid, [5, 6, 7, int(rid[1:]) + 20], SamplingParams(max_tokens=200, ignore_eos=True))
+                streams = asyncio.ensure_future(stream_all(client, prompts, params))
+                await asyncio.sleep(pause)  # the slow client reads nothing meanwhile
+                updates = await asyncio.to_thread(read_all, slow, slow_ids)
+                crashed = await streams
+            finally:
+                slow.close()
+            stats = await client.stats()
+            return clean, crashed, engine, actor_pid(client._tree.proc.pid, "engine"), stats, updates
+
+    clean, crashed, engine_before, engine_after, stats, updates = asyncio.run(main())
+    assert engine_after == engine_before and crashed == clean
+    assert stats.disconnected_clients == int(cut_off)
+    for rid, received in updates.items():
+        last = received[-1]
+        if cut_off:
+            assert (last.finish_reason, last.error_code) == ("error", 400), last
+            assert last.error_msg == f"client disconnected by the engine: it read nothing for {stall_timeout:g} s"
+        else:
+            assert last.finish_reason == "length", last
+            assert sum(len(u.token_ids) for u in received) == 200, rid
