@@ -315,8 +315,22 @@ class Connection:
         for request_id, flight in flights.items():
             self.submit(request_id, flight.prompt, flight.params, flight.token_ids, flight.text_chars)
 
+    def send_soon(self, message) -> None:
+        """Send without waiting: now if the link has room and no other thread is sending, else from
+        a short-lived thread. For aborts and stats queries made on an event loop, which must never
+        wait for the engine to drain its link."""
+        if self._send_lock.acquire(blocking=False):
+            try:
+                self.sender.send_nowait(message)
+                return
+            except RingFull:
+                pass
+            finally:
+                self._send_lock.release()
+        threading.Thread(target=self.send, args=(message,), name="fdcore-client-send", daemon=True).start()
+
     def abort(self, request_id: str) -> None:
-        self.send(AbortRequest(self.slot, request_id))
+        self.send_soon(AbortRequest(self.slot, request_id))
 
     def close(self) -> None:
         self.sender.close()
@@ -427,9 +441,13 @@ class _Router:
     def submit(self, request_id: str, prompt, params: SamplingParams, sink, target,
                timeout: float = SEND_TIMEOUT) -> None:
         """Open a request whose answers go to ``sink([(target, update), ...])``; RingFull (nothing
-        registered) if the engine's link has no room within ``timeout``."""
+        registered) if the engine's link has no room within ``timeout``, or, with ``timeout == 0``,
+        if another thread holds the lock while it waits for room (a caller on an event loop then
+        waits in a worker thread instead)."""
         self.check()
-        with self.lock:
+        if not self.lock.acquire(blocking=timeout > 0):
+            raise RingFull("another thread is waiting for room in the engine's link")
+        try:
             self._check_alive()
             if request_id in self.streams:
                 raise ValueError(f"request_id {request_id!r} is already open in this client")
@@ -440,6 +458,8 @@ class _Router:
                 except BaseException:
                     del self.streams[request_id]
                     raise
+        finally:
+            self.lock.release()
 
     def abort(self, request_id: str) -> None:
         """Ask the engine to stop the request; its last output ("abort") still comes."""
@@ -447,11 +467,25 @@ class _Router:
         self.conn.abort(request_id)
 
     def forget(self, request_id: str) -> None:
-        """Nobody listens to the request any more: stop routing it and stop its computation."""
+        """Nobody listens to the request any more: stop routing it and stop its computation. Never
+        waits long (called on event loops): with the lock held by a thread waiting for room in the
+        engine's link, it is done from a short-lived thread."""
+        if not self.lock.acquire(blocking=False):
+            threading.Thread(target=self._forget, args=(request_id,), name="fdcore-client-forget", daemon=True).start()
+            return
+        try:
+            self._forget_locked(request_id)
+        finally:
+            self.lock.release()
+
+    def _forget(self, request_id: str) -> None:
         with self.lock:
-            stream = self.streams.pop(request_id, None)
-            if stream is not None and self.dead is None and not self.recovering:
-                self.conn.abort(request_id)
+            self._forget_locked(request_id)
+
+    def _forget_locked(self, request_id: str) -> None:
+        stream = self.streams.pop(request_id, None)
+        if stream is not None and self.dead is None and not self.recovering:
+            self.conn.abort(request_id)
 
     def query_stats(self, waiter) -> int:
         """Send a StatsQuery; ``waiter(stats or exception)`` is called from the reader thread."""
@@ -460,7 +494,7 @@ class _Router:
         with self.lock:
             self._check_alive()
             self.stats_waiters[nonce] = waiter
-        self.conn.send(StatsQuery(nonce, self.conn.slot))
+        self.conn.send_soon(StatsQuery(nonce, self.conn.slot))
         return nonce
 
     def check(self) -> None:

@@ -225,3 +225,37 @@ def test_the_tree_stops_when_the_process_that_started_it_dies(model_dir):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_a_full_engine_link_never_blocks_the_event_loop(model_dir):
+    text = f'[model]\npath = "{model_dir}"\n[supervisor]\nring_capacity = 65536\n'
+    client = AsyncLLM(parse_config(text))
+    params = SamplingParams(max_tokens=2, **GREEDY)
+    prompts = prompts_of(1000)  # ~130 kB of requests: twice what the engine's link holds
+
+    async def one(i):
+        async for out in client.generate(prompts[i], params, wait=True):
+            pass
+        return out.outputs.finish_reason
+
+    async def scenario(engine):
+        tasks = [asyncio.ensure_future(one(i)) for i in range(1000)]
+        await asyncio.sleep(0)  # every request has tried to go: the link is full, the engine stopped
+        gaps = []
+        for _ in range(50):
+            started = time.monotonic()
+            await asyncio.sleep(0.005)
+            gaps.append(time.monotonic() - started)
+        unsent = client._conn.sender.ring.statistics().used_bytes
+        engine.resume()
+        return max(gaps), unsent, await asyncio.gather(*tasks)
+
+    try:
+        engine = psutil.Process(actor_pid(client._tree.proc.pid, "engine"))
+        engine.suspend()
+        stalled, used, reasons = asyncio.run(scenario(engine))
+    finally:
+        asyncio.run(client.shutdown())
+    assert used > 60_000, f"the engine's link was meant to be full ({used} bytes used)"
+    assert stalled < 0.2, f"the event loop stood still {stalled:.2f} s"
+    assert reasons == ["length"] * 1000
