@@ -398,6 +398,7 @@ class Supervisor:
     # ------------------------------------------------------------------ ipc
     def _create_ipc(self) -> None:
         removed = names.sweep()
+        names.claim_instance(self.instance)
         if removed:
             log("swept", objects=len(removed))
         self.board = HealthBoard.create(topology.health_name(self.instance), len(self.specs))

@@ -23,7 +23,9 @@ def test_link_names_are_checked():
 
 
 def _leave_objects_behind(queue):
-    ring = Ring.create(4096, name=names.object_name(names.new_instance_id(), "orphan"))
+    instance = names.new_instance_id()
+    names.claim_instance(instance)
+    ring = Ring.create(4096, name=names.object_name(instance, "orphan"))
     queue.put(ring.name)
     os._exit(0)  # dies without unlinking, like a SIGKILLed owner
 
@@ -38,6 +40,7 @@ def test_sweep_removes_dead_owners_objects_and_spares_live_ones(spawn):
     with Ring.create(4096) as mine, Inbox.create(names.object_name(names.new_instance_id(), "in")) as box:
         removed = names.sweep()
         assert orphan[1:] in removed and f"sem.{orphan[1:]}" in removed
+        assert orphan[1:].replace("-orphan", "-owner") in removed
         assert not os.path.exists("/dev/shm" + orphan)
         assert os.path.exists("/dev/shm" + mine.name)
         assert os.path.exists("/dev/shm" + box.name)
@@ -67,3 +70,45 @@ def test_this_session_judges_only_its_own_instances(monkeypatch):
     monkeypatch.setenv(names.TAG_ENV, "not-hex")
     with pytest.raises(ValueError, match="FDCORE_INSTANCE_TAG"):
         names.new_instance_id()
+
+
+def _instance_with_record(pid: int, start, namespace) -> str:
+    """An instance owned (says its record) by pid, started at ``start``, in pid namespace ``namespace``."""
+    instance = names.new_instance_id(pid)
+    path = os.path.join(names.SHM_DIR, names.object_name(instance, names.OWNER_LINK).lstrip("/"))
+    with open(path, "w") as f:
+        f.write(f"{pid} {start} {namespace}\n")
+    Ring.create(4096, name=names.object_name(instance, "left")).close()
+    return instance
+
+
+def _left(instance: str) -> list[str]:
+    return [e.filename for e in names.list_entries() if e.instance_id == instance]
+
+
+def test_sweep_removes_only_instances_whose_owner_is_verifiably_gone():
+    me, start, namespace = os.getpid(), names.process_start_time(os.getpid()), names.pid_namespace()
+    alive = _instance_with_record(me, start, namespace)
+    reused = _instance_with_record(me, start - 1, namespace)  # our pid, but not the process that made it
+    elsewhere = _instance_with_record(me, start - 1, namespace + 1)  # another pid namespace: unknowable
+    unrecorded = names.new_instance_id(2 ** 22 + 1)  # no owner record (and no such pid): proves nothing
+    Ring.create(4096, name=names.object_name(unrecorded, "left")).close()
+    try:
+        removed = names.sweep()
+        assert not _left(reused) and len([f for f in removed if reused in f]) == 4  # ring, 2 semaphores, record
+        assert len(_left(alive)) == 4 and len(_left(elsewhere)) == 4 and len(_left(unrecorded)) == 3
+    finally:
+        for instance in (alive, reused, elsewhere, unrecorded):
+            names.unlink_instance(instance)
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="making another user's entry needs root")
+def test_sweep_leaves_another_users_entries_alone():
+    instance = _instance_with_record(os.getpid(), 1, names.pid_namespace())  # owner verifiably gone
+    try:
+        for filename in _left(instance):
+            os.chown(os.path.join(names.SHM_DIR, filename), 65534, 65534)
+        assert names.sweep() == []
+        assert len(_left(instance)) == 4
+    finally:
+        names.unlink_instance(instance)

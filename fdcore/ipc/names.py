@@ -2,10 +2,13 @@
 
 Every object is named ``fdcore-<instance id>-<link>`` where the instance id is
 ``<12 random hex digits>.<owner pid>``: the random part makes names unguessable
-(no other user can pre-create or squat on them), the pid lets :func:`sweep`
-find instances whose owner is gone. Objects are created with ``O_CREAT|O_EXCL``
-and mode 0600; exactly one owner (the process that created the instance)
-unlinks them, everyone else only closes.
+(no other user can pre-create or squat on them). An instance's owner records
+itself in ``fdcore-<instance id>-owner`` (:func:`claim_instance`: pid, the
+process's start time and its pid namespace), so that :func:`sweep` removes an
+instance only when its owner is verifiably gone: not for a pid that was reused,
+nor for one that lives in another pid namespace sharing /dev/shm. Objects are
+created with ``O_CREAT|O_EXCL`` and mode 0600; exactly one owner (the process
+that created the instance) unlinks them, everyone else only closes.
 
 On Linux, segments appear in ``/dev/shm/<name>`` and semaphores in
 ``/dev/shm/sem.<name>``.
@@ -29,6 +32,7 @@ _LINK_RE = re.compile(r"^[A-Za-z0-9_.]+$")
 # machine, another test session among them, are left alone).
 TAG_ENV = "FDCORE_INSTANCE_TAG"
 _TAG_RE = re.compile(r"^[0-9a-f]{0,4}$")
+OWNER_LINK = "owner"  # the object that records who owns an instance (see claim_instance)
 
 
 def new_instance_id(pid: int | None = None) -> str:
@@ -99,11 +103,11 @@ def _is_zombie(pid: int) -> bool:
 
 
 def unlink_entry(entry: ShmEntry) -> bool:
-    """Unlink one object; False when it was already gone."""
+    """Unlink one object; False when it was already gone or is not ours to remove."""
     unlink = posix_ipc.unlink_semaphore if entry.is_semaphore else posix_ipc.unlink_shared_memory
     try:
         unlink(entry.posix_name)
-    except posix_ipc.ExistentialError:
+    except (posix_ipc.ExistentialError, posix_ipc.PermissionsError, PermissionError):
         return False
     return True
 
@@ -113,14 +117,67 @@ def unlink_instance(instance_id: str, shm_dir: str = SHM_DIR) -> int:
     return sum(unlink_entry(e) for e in list_entries(shm_dir) if e.instance_id == instance_id)
 
 
-def sweep(shm_dir: str = SHM_DIR) -> list[str]:
-    """Unlink the objects of every instance whose owner process is gone.
+def claim_instance(instance_id: str, shm_dir: str = SHM_DIR) -> str:
+    """Record the owner of an instance (the pid in its id, that process's start time, our pid
+    namespace) beside its objects; :func:`sweep` trusts nothing else. Returns the record's path."""
+    pid = int(instance_id.rsplit(".", 1)[1])
+    path = os.path.join(shm_dir, object_name(instance_id, OWNER_LINK).lstrip("/"))
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(f"{pid} {process_start_time(pid)} {pid_namespace()}\n")
+    return path
 
-    Returns the filenames removed. Objects of live owners are left alone, so it
-    is safe to call while other fdcore instances run.
+
+def owner_gone(instance_id: str, shm_dir: str = SHM_DIR) -> bool:
+    """True only when the instance's owner record says who owned it and that process is gone: a
+    missing or unreadable record, or one from another pid namespace, proves nothing."""
+    path = os.path.join(shm_dir, object_name(instance_id, OWNER_LINK).lstrip("/"))
+    try:
+        with open(path) as f:
+            pid, start, namespace = (int(word) for word in f.read().split())
+    except (OSError, ValueError):
+        return False
+    if namespace != pid_namespace():
+        return False
+    return process_start_time(pid) != start or _is_zombie(pid)
+
+
+def process_start_time(pid: int) -> int | None:
+    """When a process started (clock ticks since boot, /proc/<pid>/stat field 22); None if none."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return int(f.read().rsplit(b")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def pid_namespace() -> int:
+    return os.stat("/proc/self/ns/pid").st_ino
+
+
+def sweep(shm_dir: str = SHM_DIR) -> list[str]:
+    """Unlink the objects of every instance whose owner is verifiably gone (:func:`owner_gone`)
+    and that belong to this user; returns the filenames removed.
+
+    Instances of live owners, of other users, of other pid namespaces and without an owner record
+    are left alone, so it is safe to call while other fdcore instances run, whoever runs them.
+    The owner record goes last: a sweep cut short can be finished by the next one.
     """
     removed = []
+    by_instance: dict[str, list[ShmEntry]] = {}
     for entry in list_entries(shm_dir):
-        if not pid_alive(entry.owner_pid) and unlink_entry(entry):
-            removed.append(entry.filename)
+        by_instance.setdefault(entry.instance_id, []).append(entry)
+    for instance, entries in by_instance.items():
+        if not owner_gone(instance, shm_dir):
+            continue
+        for entry in sorted(entries, key=lambda e: e.filename.endswith(f"-{OWNER_LINK}")):
+            if _ours(entry, shm_dir) and unlink_entry(entry):
+                removed.append(entry.filename)
     return removed
+
+
+def _ours(entry: ShmEntry, shm_dir: str) -> bool:
+    try:
+        return os.stat(os.path.join(shm_dir, entry.filename)).st_uid == os.getuid()
+    except OSError:
+        return False
