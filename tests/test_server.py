@@ -37,7 +37,7 @@ def server(tmp_path_factory):
     config = root / "server.toml"
     config.write_text(f'[model]\npath = "{model}"\n[server]\nenabled = true\nport = {port}\n'
                       f'api_key = "{KEY}"\nmax_request_bytes = 65536\nheader_timeout = 1.0\n'
-                      '[engine]\nmax_pending_requests = 64\n')
+                      'timeout_keep_alive = 0.5\nlimit_concurrency = 200\n[engine]\nmax_pending_requests = 64\n')
     tree = Tree(str(config))
     TREES.append(tree)
     try:
@@ -298,8 +298,8 @@ def test_chat_template_fields_reach_the_engine_and_unset_sampling_stays_unset():
 # ---------------------------------------------------------------- abuse
 def _metric(server, name: str) -> float:
     text = httpx.get(f"{server}/metrics", timeout=10).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + " ")
-               or line.startswith(name + "{"))
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith((name + " ", name + "{")))
 
 
 def _request_bytes(body: dict) -> bytes:
@@ -362,3 +362,38 @@ def test_chat_max_tokens_comes_from_the_model_else_the_config():
     assert chat_max_tokens({"max_tokens": 64}, server) == 64
     assert chat_max_tokens({}, server) == 1024
     assert chat_max_tokens({}, parse_config("[server]\ndefault_max_tokens = 0\n", check_model=False).server) is None
+
+
+def _response(sock) -> bytes:
+    """One whole HTTP response (its head and Content-Length body) from a raw socket."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += sock.recv(65536)
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = int(next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")))
+    while len(body) < length:
+        body += sock.recv(65536)
+    return head
+
+
+def test_an_idle_keep_alive_connection_is_closed_after_its_timeout(server):
+    host, port = server.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert _response(sock).startswith(b"HTTP/1.1 200")
+        started = time.monotonic()
+        assert sock.recv(1024) == b""
+        assert 0.4 < time.monotonic() - started < 0.95  # timeout_keep_alive, before the head timeout
+
+
+def test_connections_beyond_the_limit_get_503_until_they_go(server):
+    host, port = server.removeprefix("http://").split(":")
+    idle = [socket.create_connection((host, int(port)), timeout=10) for _ in range(200)]
+    try:
+        assert _post(server, "/v1/completions", OK).status_code == 503
+        for sock in idle:  # the head timeout closes every idle connection
+            assert sock.recv(1024) == b""
+    finally:
+        for sock in idle:
+            sock.close()
+    assert _post(server, "/v1/completions", OK).status_code == 200
