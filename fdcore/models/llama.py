@@ -135,11 +135,11 @@ class LlamaModel:
         """A Paddle tensor sharing the float32 array's memory (no second copy of the weights)."""
         return _shared(_float32(array))
 
-    def _matrix(self, array: np.ndarray) -> paddle.Tensor:
-        """A projection's weight [out, in] in the model's matrix dtype."""
+    def _matrix(self, array: np.ndarray):
+        """A projection's weight [out, in] in the model's matrix dtype (bfloat16: packed, see Bf16Matrix)."""
         if self.matrix_dtype == "float32":
             return self._tensor(array)
-        return self._tensor(array).astype("bfloat16")
+        return Bf16Matrix.pack(array)
 
     def _layer(self, t: dict, i: int) -> dict:
         p = f"model.layers.{i}."
@@ -367,11 +367,30 @@ def _causal_bias(start: int, end: int, width: int, window: int = 0) -> np.ndarra
     return np.where(seen, 0.0, -np.inf).astype(np.float32)
 
 
-def linear(x: paddle.Tensor, weight: paddle.Tensor, bias: paddle.Tensor | None = None) -> paddle.Tensor:
-    """``x @ weight.T (+ bias)`` for a weight stored ``[out, in]`` (a bfloat16 one through fdcore's
+class Bf16Matrix:
+    """A weight ``[out, in]`` in bfloat16, packed for fdcore's kernel (linear_bf16.cc): groups of 64
+    output rows, each ``[in / 2, 4, 16, 2]`` (16 rows x 2 inputs per 64-byte load), zero-padded."""
+
+    __slots__ = ("packed", "rows")
+
+    def __init__(self, packed: paddle.Tensor, rows: int):
+        self.packed, self.rows = packed, rows
+
+    @classmethod
+    def pack(cls, weight: np.ndarray) -> "Bf16Matrix":
+        rows, cols = weight.shape
+        padded = np.zeros((-(-rows // 64) * 64, cols + cols % 2), dtype=np.float32)
+        padded[:rows, :cols] = weight
+        groups, pairs = padded.shape[0] // 64, padded.shape[1] // 2
+        blocks = padded.reshape(groups, 4, 16, pairs, 2).transpose(0, 3, 1, 2, 4)
+        return cls(paddle.to_tensor(np.ascontiguousarray(blocks)).astype("bfloat16"), rows)
+
+
+def linear(x: paddle.Tensor, weight, bias: paddle.Tensor | None = None) -> paddle.Tensor:
+    """``x @ weight.T (+ bias)`` for a weight stored ``[out, in]`` (a Bf16Matrix through fdcore's
     kernel: Paddle's CPU build has no bfloat16 matmul)."""
-    if weight.dtype == paddle.bfloat16:
-        out = _BF16_LINEAR[0](x, weight)
+    if isinstance(weight, Bf16Matrix):
+        out = _BF16_LINEAR[0](x, weight.packed, weight.rows)
     else:
         out = paddle.matmul(x, weight, transpose_y=True)
     return out if bias is None else out + bias

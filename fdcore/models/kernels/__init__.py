@@ -64,14 +64,15 @@ def fused_ops():
 
 
 def linear_bf16():
-    """``linear(x, w_bf16, path=None)``: x [M, K] float32 times a bfloat16 weight [N, K] (transposed),
-    float32 out; ``path`` None = the fastest this CPU has (see bf16_path). None when not built here."""
+    """``linear(x, packed, rows)``: x [M, K] float32 times a bfloat16 weight of ``rows`` outputs packed
+    by fdcore.models.llama.Bf16Matrix, float32 out [M, rows]; AVX512-BF16 CPUs only (bf16_path).
+    None when not built here."""
     ops = _ops()
     return ops and ops[4]
 
 
 def bf16_path() -> int:
-    """1 where the CPU has AVX512-BF16 (``vdpbf16ps``), else 0 (the portable widening path)."""
+    """1 where the CPU has AVX512-BF16 (``vdpbf16ps``, what linear_bf16 runs on), else 0."""
     return 1 if "avx512_bf16" in cpu_flags().split() else 0
 
 
@@ -137,8 +138,8 @@ def _build():
                                          tables, lengths, q_norm, k_norm, int(num_heads), float(scale),
                                          int(window), float(norm_eps))[0]
 
-        def linear(x, w, path=None):
-            return _C_ops._run_custom_op("fdcore_linear_bf16", x, w, bf16_path() if path is None else int(path))[0]
+        def linear(x, packed, rows):
+            return _C_ops._run_custom_op("fdcore_linear_bf16", x, packed, int(rows))[0]
 
         return gumbel, add_rms_norm, silu_mul, attention_block, linear
     except Exception as exc:  # a missing compiler must not stop serving

@@ -1,15 +1,19 @@
-// fdcore's bfloat16-weight linear layer: Y[M, N] = X[M, K] . W[N, K]^T, W in bfloat16 (Hugging Face's
-// [out, in] layout), X and Y in float32, float32 accumulation.
+// fdcore's bfloat16-weight linear layer: Y[M, N] = X[M, K] . W[N, K]^T with W in bfloat16, X and Y in
+// float32, float32 accumulation, on CPUs with AVX512-BF16 (`vdpbf16ps`).
 //
-// Why: decoding one token reads every weight once, so its speed is the memory's; bfloat16 weights
-// are half the bytes of float32. Paddle's CPU build has no bfloat16 matmul kernel.
+// Why: decoding one token reads every weight once, so its speed is the memory's, and bfloat16 weights
+// are half the bytes of float32; in batches, `vdpbf16ps` does two products per float32 lane and
+// instruction. Paddle's CPU build has no bfloat16 matmul.
 //
-// Two paths, chosen by the caller from the CPU's flags (/proc/cpuinfo), never assumed:
-//   path 1 (avx512_bf16): X rounded to bfloat16 once per call, then `vdpbf16ps` (two bf16 products
-//          per float32 lane and instruction) over register tiles of 4 x 4 (1 x 8 for one row);
-//   path 0 (any x86-64): each weight row widened to float32 once and dotted with every X row.
-// Both read W exactly once per call. Built with per-function target attributes, so the library
-// compiles on any CPU and the AVX-512 code only runs where the caller found the instructions.
+// NOTE: the weight is packed once, at load (fdcore.models.llama.Bf16Matrix), in groups of 64 output
+// rows: packed[g][kp][b][lane][e] = W[64 g + 16 b + lane][2 kp + e] (rows padded to a multiple of 64,
+// the inner dimension to an even count, with zeros). One 64-byte load then holds 16 output rows x 2
+// inputs, exactly what `vdpbf16ps` multiplies against a broadcast pair of X values: the accumulators
+// are the outputs themselves (no horizontal sums), and each group is one contiguous stream of memory
+// (what the hardware prefetcher follows best). X is rounded to bfloat16 once per call.
+//
+// The caller checks the CPU's flags (/proc/cpuinfo) before using this; the function carries its own
+// target attribute, so the library builds on any x86-64 compiler and CPU.
 #include <immintrin.h>
 
 #include <algorithm>
@@ -21,12 +25,8 @@
 
 namespace {
 
-inline float WidenBf16(uint16_t bits) {
-  const uint32_t wide = static_cast<uint32_t>(bits) << 16;
-  float out;
-  std::memcpy(&out, &wide, sizeof(out));
-  return out;
-}
+constexpr int kGroup = 64;            // output rows per packed group
+constexpr int kBlocks = kGroup / 16;  // 16-lane blocks per group
 
 inline uint16_t RoundToBf16(float value) {  // round to nearest even, as every bf16 conversion does
   uint32_t bits;
@@ -36,104 +36,102 @@ inline uint16_t RoundToBf16(float value) {  // round to nearest even, as every b
   return static_cast<uint16_t>(bits >> 16);
 }
 
-void LinearPortable(const float* X, int64_t M, int64_t K, const uint16_t* W, int64_t N, float* Y) {
-  std::vector<float> row(K);
-  for (int64_t n = 0; n < N; ++n) {
-    const uint16_t* w = W + n * K;
-    for (int64_t k = 0; k < K; ++k) row[k] = WidenBf16(w[k]);
-    const float* __restrict__ r = row.data();
-    for (int64_t m = 0; m < M; ++m) {
-      const float* __restrict__ x = X + m * K;
-      float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-      for (int64_t k = 0; k < K; ++k) sum += x[k] * r[k];
-      Y[m * N + n] = sum;
-    }
-  }
-}
-
 #define FDCORE_BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512bf16")))
 
-// One MB x NB tile of Y: MB rows of X against NB rows of W, K in steps of 32 bf16 values.
-template <int MB, int NB>
-FDCORE_BF16_TARGET void Tile(const uint16_t* Xb, int64_t K, const uint16_t* W, int64_t N, int64_t m0,
-                             int64_t n0, float* Y) {
-  __m512 acc[MB][NB];
-  for (int j = 0; j < MB; ++j)
-    for (int i = 0; i < NB; ++i) acc[j][i] = _mm512_setzero_ps();
-  const int64_t full = K / 32 * 32;
-  for (int64_t k = 0; k < full; k += 32) {
-    __m512bh w[NB];
-    for (int i = 0; i < NB; ++i) w[i] = (__m512bh)_mm512_loadu_si512(W + (n0 + i) * K + k);
-    for (int j = 0; j < MB; ++j) {
-      const __m512bh x = (__m512bh)_mm512_loadu_si512(Xb + (m0 + j) * K + k);
-      for (int i = 0; i < NB; ++i) acc[j][i] = _mm512_dpbf16_ps(acc[j][i], w[i], x);
-    }
+// Stores one 16-lane block of outputs (fewer lanes past the last real output row).
+FDCORE_BF16_TARGET inline void StoreBlock(float* y, int64_t first, int64_t N, __m512 value) {
+  if (first + 16 <= N) {
+    _mm512_storeu_ps(y + first, value);
+  } else if (first < N) {
+    _mm512_mask_storeu_ps(y + first, static_cast<__mmask16>((1u << (N - first)) - 1), value);
   }
-  if (full < K) {
-    const __mmask32 mask = static_cast<__mmask32>((1ull << (K - full)) - 1);
-    __m512bh w[NB];
-    for (int i = 0; i < NB; ++i) w[i] = (__m512bh)_mm512_maskz_loadu_epi16(mask, W + (n0 + i) * K + full);
-    for (int j = 0; j < MB; ++j) {
-      const __m512bh x = (__m512bh)_mm512_maskz_loadu_epi16(mask, Xb + (m0 + j) * K + full);
-      for (int i = 0; i < NB; ++i) acc[j][i] = _mm512_dpbf16_ps(acc[j][i], w[i], x);
-    }
-  }
-  for (int j = 0; j < MB; ++j)
-    for (int i = 0; i < NB; ++i) Y[(m0 + j) * N + n0 + i] = _mm512_reduce_add_ps(acc[j][i]);
 }
 
-// Columns of Y [n0, n0 + NB) for every row: the NB weight rows stay in L1 while every X row passes
-// (W is read from memory once, whatever M is), rows left over one at a time.
-template <int MB, int NB>
-FDCORE_BF16_TARGET void ColumnBlock(const uint16_t* Xb, int64_t M, int64_t K, const uint16_t* W, int64_t N,
-                                    int64_t n0, float* Y) {
-  int64_t m0 = 0;
-  for (; m0 + MB <= M; m0 += MB) Tile<MB, NB>(Xb, K, W, N, m0, n0, Y);
-  for (; m0 < M; ++m0) Tile<1, NB>(Xb, K, W, N, m0, n0, Y);
+// MB rows of X against one group of 64 output rows.
+template <int MB>
+FDCORE_BF16_TARGET void GroupRows(const uint32_t* Xp, int64_t KP, const uint16_t* Wg, int64_t N, int64_t g,
+                                  int64_t m0, float* Y) {
+  __m512 acc[MB][kBlocks];
+  for (int j = 0; j < MB; ++j)
+    for (int b = 0; b < kBlocks; ++b) acc[j][b] = _mm512_setzero_ps();
+  const uint16_t* w = Wg;
+  for (int64_t kp = 0; kp < KP; ++kp, w += kGroup * 2) {
+    __m512bh wb[kBlocks];
+    for (int b = 0; b < kBlocks; ++b) wb[b] = (__m512bh)_mm512_loadu_si512(w + b * 32);
+    for (int j = 0; j < MB; ++j) {
+      const __m512bh x = (__m512bh)_mm512_set1_epi32(static_cast<int>(Xp[(m0 + j) * KP + kp]));
+      for (int b = 0; b < kBlocks; ++b) acc[j][b] = _mm512_dpbf16_ps(acc[j][b], wb[b], x);
+    }
+  }
+  for (int j = 0; j < MB; ++j)
+    for (int b = 0; b < kBlocks; ++b) StoreBlock(Y + (m0 + j) * N, g * kGroup + b * 16, N, acc[j][b]);
 }
 
-FDCORE_BF16_TARGET void LinearAvx512Bf16(const float* X, int64_t M, int64_t K, const uint16_t* W, int64_t N,
-                                         float* Y) {
+// One row of X (decoding one sequence): two accumulator sets over alternate pairs, so the
+// additions into one output do not wait on each other.
+FDCORE_BF16_TARGET void GroupOneRow(const uint32_t* Xp, int64_t KP, const uint16_t* Wg, int64_t N, int64_t g,
+                                    float* Y) {
+  __m512 even[kBlocks], odd[kBlocks];
+  for (int b = 0; b < kBlocks; ++b) even[b] = odd[b] = _mm512_setzero_ps();
+  const uint16_t* w = Wg;
+  int64_t kp = 0;
+  for (; kp + 1 < KP; kp += 2, w += 2 * kGroup * 2) {
+    const __m512bh x0 = (__m512bh)_mm512_set1_epi32(static_cast<int>(Xp[kp]));
+    const __m512bh x1 = (__m512bh)_mm512_set1_epi32(static_cast<int>(Xp[kp + 1]));
+    for (int b = 0; b < kBlocks; ++b) {
+      even[b] = _mm512_dpbf16_ps(even[b], (__m512bh)_mm512_loadu_si512(w + b * 32), x0);
+      odd[b] = _mm512_dpbf16_ps(odd[b], (__m512bh)_mm512_loadu_si512(w + kGroup * 2 + b * 32), x1);
+    }
+  }
+  if (kp < KP) {
+    const __m512bh x0 = (__m512bh)_mm512_set1_epi32(static_cast<int>(Xp[kp]));
+    for (int b = 0; b < kBlocks; ++b) even[b] = _mm512_dpbf16_ps(even[b], (__m512bh)_mm512_loadu_si512(w + b * 32), x0);
+  }
+  for (int b = 0; b < kBlocks; ++b) StoreBlock(Y, g * kGroup + b * 16, N, _mm512_add_ps(even[b], odd[b]));
+}
+
+FDCORE_BF16_TARGET void Linear(const float* X, int64_t M, int64_t K, const uint16_t* Wp, int64_t G, int64_t KP,
+                               int64_t N, float* Y) {
   thread_local std::vector<uint16_t> rounded;
-  rounded.resize(M * K);
-  for (int64_t i = 0; i < M * K; ++i) rounded[i] = RoundToBf16(X[i]);
-  const uint16_t* Xb = rounded.data();
-  // Output columns are split across the OpenMP threads (OMP_NUM_THREADS): each thread streams its
-  // own share of W, which is what makes one sequence's decoding use more than one core's bandwidth.
-  const int tile = M == 1 ? 8 : 4;  // decoding one sequence: more independent accumulators per X row
-  const int64_t tiles = N / tile;
-  const bool parallel = tiles > 1 && M * N * K >= (1 << 18);
+  rounded.assign(M * KP * 2, 0);  // an odd K leaves a zero in each row's last pair
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t k = 0; k < K; ++k) rounded[m * KP * 2 + k] = RoundToBf16(X[m * K + k]);
+  const auto* Xp = reinterpret_cast<const uint32_t*>(rounded.data());
+  const int64_t group_size = KP * kGroup * 2;
+  // Groups of output rows are split across the OpenMP threads (OMP_NUM_THREADS): each streams its
+  // own share of W, which is what lets one sequence's decoding use more than one core's bandwidth.
+  const bool parallel = G > 1 && M * N * K >= (1 << 18);
 #pragma omp parallel for schedule(static) if (parallel)
-  for (int64_t t = 0; t < tiles; ++t) {
+  for (int64_t g = 0; g < G; ++g) {
+    const uint16_t* Wg = Wp + g * group_size;
     if (M == 1) {
-      Tile<1, 8>(Xb, K, W, N, 0, t * 8, Y);
-    } else {
-      ColumnBlock<4, 4>(Xb, M, K, W, N, t * 4, Y);
+      GroupOneRow(Xp, KP, Wg, N, g, Y);
+      continue;
     }
+    int64_t m0 = 0;
+    for (; m0 + 4 <= M; m0 += 4) GroupRows<4>(Xp, KP, Wg, N, g, m0, Y);
+    for (; m0 < M; ++m0) GroupRows<1>(Xp, KP, Wg, N, g, m0, Y);
   }
-  for (int64_t n0 = tiles * tile; n0 < N; ++n0) ColumnBlock<4, 1>(Xb, M, K, W, N, n0, Y);
 }
 
 }  // namespace
 
-std::vector<paddle::Tensor> LinearBf16(const paddle::Tensor& x, const paddle::Tensor& w, int64_t path) {
-  const int64_t M = x.shape()[0], K = x.shape()[1], N = w.shape()[0];
+// x [M, K] float32; w [G, KP, 4, 16, 2] bfloat16 (the packed weight); rows = N, the real output count.
+std::vector<paddle::Tensor> LinearBf16(const paddle::Tensor& x, const paddle::Tensor& w, int64_t rows) {
+  const auto& ws = w.shape();
   PD_CHECK(x.dtype() == paddle::DataType::FLOAT32, "linear_bf16: x must be float32");
   PD_CHECK(w.dtype() == paddle::DataType::BFLOAT16, "linear_bf16: w must be bfloat16");
-  PD_CHECK(w.shape()[1] == K, "linear_bf16: x and w disagree on the inner dimension");
-  auto y = paddle::empty({M, N}, paddle::DataType::FLOAT32, paddle::CPUPlace());
-  const auto* W = static_cast<const uint16_t*>(w.data());
-  if (path == 1) {
-    LinearAvx512Bf16(x.data<float>(), M, K, W, N, y.data<float>());
-  } else {
-    LinearPortable(x.data<float>(), M, K, W, N, y.data<float>());
-  }
+  PD_CHECK(ws.size() == 5 && ws[2] == kBlocks && ws[3] == 16 && ws[4] == 2, "linear_bf16: w is not packed");
+  const int64_t M = x.shape()[0], K = x.shape()[1], G = ws[0], KP = ws[1];
+  PD_CHECK(KP == (K + 1) / 2, "linear_bf16: x and w disagree on the inner dimension");
+  PD_CHECK(rows > G * kGroup - kGroup && rows <= G * kGroup, "linear_bf16: rows does not fit the packed groups");
+  auto y = paddle::empty({M, rows}, paddle::DataType::FLOAT32, paddle::CPUPlace());
+  Linear(x.data<float>(), M, K, static_cast<const uint16_t*>(w.data()), G, KP, rows, y.data<float>());
   return {y};
 }
 
 PD_BUILD_OP(fdcore_linear_bf16)
     .Inputs({"X", "W"})
     .Outputs({"Y"})
-    .Attrs({"path: int64_t"})
+    .Attrs({"rows: int64_t"})
     .SetKernelFn(PD_KERNEL(LinearBf16));
