@@ -397,3 +397,31 @@ def test_connections_beyond_the_limit_get_503_until_they_go(server):
         for sock in idle:
             sock.close()
     assert _post(server, "/v1/completions", OK).status_code == 200
+
+
+def test_the_api_heartbeat_ticks_from_the_event_loop():
+    """A loop wedged by a blocking call must stop the heartbeat, so the supervisor sees a hang."""
+    import asyncio
+    import itertools
+
+    from fdcore.actors.api import ApiActor
+    from fdcore.config import parse_config
+
+    ticks = []
+
+    class Board:
+        def write(self, slot, field, value):
+            ticks.append(time.monotonic())
+
+    class WedgingServer:
+        async def serve(self):
+            await asyncio.sleep(0.2)
+            time.sleep(0.6)  # noqa: ASYNC251 -- the blocking call on the loop this test is about
+            await asyncio.sleep(0.2)
+
+    config = parse_config("[supervisor]\nheartbeat_interval = 0.05\n", check_model=False)
+    actor = ApiActor("api", "no-instance", config, Board(), 0)
+    actor.server = WedgingServer()
+    asyncio.run(actor._serve())
+    gaps = [b - a for a, b in itertools.pairwise(ticks)]
+    assert len(ticks) > 5 and max(gaps) > 0.55, "the heartbeat kept ticking while the loop was wedged"
