@@ -259,3 +259,26 @@ def test_a_full_engine_link_never_blocks_the_event_loop(model_dir):
     assert used > 60_000, f"the engine's link was meant to be full ({used} bytes used)"
     assert stalled < 0.2, f"the event loop stood still {stalled:.2f} s"
     assert reasons == ["length"] * 1000
+
+
+def test_an_open_stream_raises_when_the_tree_is_killed(model_dir):
+    from fdcore.ipc import names
+
+    client = AsyncLLM(config(model_dir))
+    supervisor = client._tree.proc
+
+    async def scenario():
+        stream = client.generate([5] * 20, SamplingParams(max_tokens=2000, **GREEDY))
+        await stream.__anext__()
+        supervisor.kill()  # no Stop, no 503 from the engine: the actors just die with it
+        killed = time.monotonic()
+        with pytest.raises(EngineDeadError, match="stopped"):
+            async for _ in stream:
+                pass
+        return time.monotonic() - killed
+
+    try:
+        assert asyncio.run(scenario()) < 1.0
+    finally:
+        asyncio.run(client.shutdown())
+        names.unlink_instance(client.instance)
