@@ -5,6 +5,8 @@
 - :func:`plan_restart`: the same as the supervisor acts on it: which running siblings to stop
   first (reverse start order) and what to start again (start order).
 - :func:`should_restart`: whether a child's restart type wants a restart after an exit.
+- :class:`Backoff`: exponentially growing pauses between respawns of something that keeps
+  failing (a warm standby worker).
 - :class:`RestartIntensity`: more than ``max_restarts`` restarts within ``period``
   seconds means the tree cannot heal itself: stop everything and exit with the reason.
 """
@@ -84,3 +86,37 @@ class RestartIntensity:
 
     def describe(self) -> str:
         return f"{self.recent} restarts within {self.period:g} s (at most {self.max_restarts} allowed)"
+
+
+class Backoff:
+    """How long to wait before respawning something that keeps dying: ``base`` after the first
+    failure, doubling with each failure that follows within ``reset_after`` seconds of the previous
+    one, at most ``cap``. A respawn loop then costs a few processes a minute, not twenty a second."""
+
+    def __init__(self, base: float = 0.1, cap: float = 30.0, reset_after: float = 60.0,
+                 clock: Callable[[], float] = time.monotonic):
+        if not 0 < base <= cap:
+            raise ValueError(f"backoff needs 0 < base ({base}) <= cap ({cap})")
+        self.base, self.cap, self.reset_after, self.clock = base, cap, reset_after, clock
+        self.failures = 0
+        self._last_failure = self._not_before = float("-inf")
+
+    def failed(self) -> float:
+        """Note a failure; the delay before the next attempt."""
+        now = self.clock()
+        if now - self._last_failure > self.reset_after:
+            self.failures = 0
+        self.failures += 1
+        self._last_failure = now
+        delay = min(self.cap, self.base * 2 ** (self.failures - 1))
+        self._not_before = now + delay
+        return delay
+
+    def ready(self) -> bool:
+        """True once the delay after the last failure has passed."""
+        return self.clock() >= self._not_before
+
+    def succeeded(self) -> None:
+        """It worked (a spare took over): the next failure starts from ``base`` again."""
+        self.failures = 0
+        self._not_before = float("-inf")

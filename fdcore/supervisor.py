@@ -37,7 +37,7 @@ from fdcore.actors.health import HealthBoard, State
 from fdcore.config import Config, ConfigError, load_config, model_path
 from fdcore.ipc import Inbox, Ring, Sender, names
 from fdcore.protocol import Restarted, Stop
-from fdcore.supervision import ChildSpec, RestartIntensity, plan_restart, should_restart
+from fdcore.supervision import Backoff, ChildSpec, RestartIntensity, plan_restart, should_restart
 
 POLL = 0.05  # seconds between looks at the health board when nothing else happens
 STATEFUL = {"cache", "scheduler", "worker"}  # actors whose restart loses in-flight request state
@@ -86,6 +86,7 @@ class Supervisor:
         self.restart_counts: dict[str, int] = {}
         self.standbys: dict[str, subprocess.Popen] = {}  # warm spare workers, by the child they replace
         self.standby_semaphores: dict = {}
+        self.standby_backoff: dict[str, Backoff] = {}  # by child: pauses between respawns of crashing spares
         self.senders: dict[str, Sender] = {}
 
     # ------------------------------------------------------------------ main
@@ -229,6 +230,7 @@ class Supervisor:
         if standby is not None and standby.poll() is None:
             proc = standby  # a warm spare: loaded already, it takes the place at once
             self.standby_semaphores[spec.id].release()
+            self._backoff(spec.id).succeeded()
             log("promoted", id=spec.id, pid=proc.pid)
         else:
             if standby is not None:
@@ -253,7 +255,8 @@ class Supervisor:
     # ------------------------------------------------------------- standbys
     def _spawn_standby(self, spec: ChildSpec) -> None:
         """Start a warm spare for a worker (it loads, then waits on its semaphore to take over)."""
-        if spec.kind != "worker" or not self.config.workers.standby or self.stopping or not self.started:
+        if (spec.kind != "worker" or not self.config.workers.standby or self.stopping or not self.started
+                or not self._backoff(spec.id).ready()):
             return
         if spec.id in self.standbys and self.standbys[spec.id].poll() is None:
             return
@@ -271,11 +274,22 @@ class Supervisor:
         log("standby", id=spec.id, pid=self.standbys[spec.id].pid)
 
     def _check_standbys(self) -> None:
+        """A spare never exits on its own: one that did crashed while loading or waiting. It counts
+        toward the intensity (a spare that cannot load means a worker that cannot start) and is
+        respawned after an exponentially growing pause, not at once and forever."""
         for cid, proc in list(self.standbys.items()):
             if proc.poll() is not None:
-                log("standby_exited", id=cid, pid=proc.pid, reason=_exit_reason(proc.returncode))
                 del self.standbys[cid]
-                self._spawn_standby(next(s for s in self.specs if s.id == cid))
+                delay = self._backoff(cid).failed()
+                log("standby_exited", id=cid, pid=proc.pid, reason=_exit_reason(proc.returncode),
+                    respawn_in=f"{delay:g}s")
+                if not self._count_restart(cid):
+                    return
+        for spec in self.specs:  # those whose pause is over (the others return at once)
+            self._spawn_standby(spec)
+
+    def _backoff(self, cid: str) -> Backoff:
+        return self.standby_backoff.setdefault(cid, Backoff())
 
     def _stop_standbys(self) -> None:
         """SIGKILL: a spare has touched nothing shared (no slot, no inbox) and holds no state, and a

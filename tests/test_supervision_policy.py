@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from fdcore.actors.health import stall_reason
-from fdcore.supervision import RestartIntensity, RestartPlan, plan_restart, should_restart, to_restart
+from fdcore.supervision import Backoff, RestartIntensity, RestartPlan, plan_restart, should_restart, to_restart
 
 ORDER = ["cache", "worker0", "scheduler", "engine"]
 
@@ -88,3 +88,29 @@ def test_stall_reason_sees_a_stopped_heartbeat_and_busy_without_progress():
     assert "busy without progress for 12.0 s" == stall_reason(110 * S, 5, True, 5, 98 * S, 110 * S, 10 * S)
     assert stall_reason(110 * S, 5, False, 5, 98 * S, 110 * S, 10 * S) is None  # idle: no progress owed
     assert stall_reason(0, 0, False, 0, 0, 110 * S, 10 * S) is None  # not ticking yet
+
+
+def test_backoff_doubles_up_to_its_cap_and_waits_that_long():
+    clock = FakeClock()
+    backoff = Backoff(base=0.1, cap=0.5, reset_after=60.0, clock=clock)
+    assert backoff.ready()
+    assert [backoff.failed() for _ in range(5)] == [0.1, 0.2, 0.4, 0.5, 0.5]
+    assert not backoff.ready()
+    clock.now += 0.5
+    assert backoff.ready()
+
+
+def test_backoff_starts_over_after_a_success_or_a_quiet_while():
+    clock = FakeClock()
+    backoff = Backoff(base=1.0, cap=30.0, reset_after=60.0, clock=clock)
+    backoff.failed(), backoff.failed()
+    backoff.succeeded()
+    assert backoff.ready() and backoff.failed() == 1.0
+    clock.now += 61
+    assert backoff.failed() == 1.0
+
+
+@pytest.mark.parametrize("base, cap", [(0.0, 1.0), (2.0, 1.0)])
+def test_backoff_refuses_nonsense(base, cap):
+    with pytest.raises(ValueError, match="backoff"):
+        Backoff(base=base, cap=cap)

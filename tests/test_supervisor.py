@@ -151,6 +151,23 @@ def test_a_hung_actor_is_detected_killed_and_restarted(tree_factory):
     assert tree.exit_code() == 0
 
 
+def test_a_crashing_standby_is_respawned_with_growing_pauses_and_counts_toward_intensity(tree_factory):
+    """A spare that keeps dying is not respawned every 50 ms forever: each death waits twice as long
+    as the last before the next spare, and each counts as a restart, so a worker that cannot even
+    load its spare stops the tree with the reason."""
+    tree = tree_factory("max_restarts = 2\nperiod = 60.0")
+    delays = []  # the first spare is announced with the tree's start
+    for _ in range(3):
+        spare = int(tree.wait("standby", id="worker0")["pid"])
+        os.kill(spare, signal.SIGKILL)
+        exited = tree.wait("standby_exited", id="worker0", pid=spare)
+        delays.append(float(exited["respawn_in"].rstrip("s")))
+    assert delays == [0.1, 0.2, 0.4]
+    exceeded = tree.wait("intensity_exceeded", id="worker0")
+    assert "3 restarts within 60 s (at most 2 allowed)" in exceeded["reason"]
+    assert tree.exit_code() == 1
+
+
 def test_a_worker_loads_its_checkpoint_and_reports_progress(tree_factory):
     tree = tree_factory()
     tree.wait("loading", id="worker0", progress="100%")
