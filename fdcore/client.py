@@ -52,7 +52,7 @@ import msgspec
 
 from fdcore.actors import health, topology
 from fdcore.actors.health import HealthBoard, State
-from fdcore.config import Config
+from fdcore.config import Config, ConfigError, load_config
 from fdcore.ipc import Inbox, Receiver, Ring, RingEmpty, RingFull, Sender, names
 from fdcore.protocol import (
     AbortRequest,
@@ -491,9 +491,10 @@ class _Router:
         """Send a StatsQuery; ``waiter(stats or exception)`` is called from the reader thread."""
         nonce = secrets.randbits(62)
         self.check()
-        with self.lock:
-            self._check_alive()
-            self.stats_waiters[nonce] = waiter
+        self.stats_waiters[nonce] = waiter  # no lock (callers on event loops): _die sets dead, then swaps
+        if self.dead is not None:
+            self.stats_waiters.pop(nonce, None)
+            raise EngineDeadError(self.dead)
         self.conn.send_soon(StatsQuery(nonce, self.conn.slot))
         return nonce
 
@@ -601,6 +602,7 @@ class _Client:
                 self._tree.stop()
             raise
         self._router = _Router(self._tree, self._conn)
+        self._window = _pending_limit(config) if _tree is None else INITIAL_WINDOW
 
     @classmethod
     def connect(cls, instance: str | None = None):
@@ -615,6 +617,19 @@ class _Client:
         self._router.close()
         self._conn.close()
         self._tree.stop()
+
+
+def _pending_limit(config) -> int:
+    """engine.max_pending_requests of a config we start a tree with (a file we cannot read: the
+    default; the supervisor will say why)."""
+    if isinstance(config, Config):
+        return config.engine.max_pending_requests
+    if config is None:
+        return Config().engine.max_pending_requests
+    try:
+        return load_config(os.fspath(config), check_model=False).engine.max_pending_requests
+    except ConfigError:
+        return INITIAL_WINDOW
 
 
 # -------------------------------------------------------------------- async
@@ -757,7 +772,7 @@ class LLM(_Client):
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} sampling_params for {len(prompts)} prompts")
-        return _Batch(self._router, prompts, params, _Progress(len(prompts), enabled=use_tqdm)).run()
+        return _Batch(self._router, prompts, params, _Progress(len(prompts), enabled=use_tqdm), self._window).run()
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
              use_tqdm: bool = True, **options) -> list[RequestOutput]:
@@ -804,7 +819,7 @@ class _Batch:
     client holds state only for the window (plus each finished output).
 
     NOTE: the window is learnt as TCP learns its congestion window: it starts at the engine's
-    default limit; every 429 shrinks it to the requests still in flight (a burst's refusals arrive
+    limit (its configured one when this client started the tree, else the default); every 429 shrinks it to the requests still in flight (a burst's refusals arrive
     together, so it settles on what the engine accepted), every finished request grows it by
     1/window (one more request per window's worth of answers), probing for room other clients
     freed. With nothing in flight, a refused request waits a doubling back-off before it retries.
@@ -812,7 +827,7 @@ class _Batch:
 
     growth = 1.0  # requests the window grows by per window's worth of finished ones (0: a fixed window)
 
-    def __init__(self, router: _Router, prompts: list, params: list, bar: _Progress):
+    def __init__(self, router: _Router, prompts: list, params: list, bar: _Progress, window: int = INITIAL_WINDOW):
         self.router, self.prompts, self.params, self.bar = router, prompts, params, bar
         self.results: list[RequestOutput | None] = [None] * len(prompts)
         self.tag = uuid.uuid4().hex[:8]
@@ -821,7 +836,7 @@ class _Batch:
         self.retry: collections.deque[int] = collections.deque()
         self.next = 0
         self.done = 0
-        self.window = float(INITIAL_WINDOW)
+        self.window = float(window)
         self.backoff, self.hold_until = _Backoff(), 0.0
 
     def run(self) -> list[RequestOutput]:
