@@ -9,7 +9,7 @@ for one 512-token prompt, beside its GEMM floor too (the LM head on its last
 token only, as the model computes it).
 
 Usage: OMP_NUM_THREADS=1 python benchmarks/bench_model.py [--model DIR|smollm2] [--dtype float32|bfloat16]
-           [--steps N] [--batches 1,8,32]
+           [--quantization none|wint8] [--steps N] [--batches 1,8,32]
 
 ``--model smollm2`` is the real SmolLM2-135M-Instruct (fetched once; see
 fdcore.models.fetch); the floor uses the model's own matrix dtype.
@@ -107,6 +107,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", help="checkpoint directory, GGUF file or smollm2 (default: the tiny model)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--quantization", default="none", choices=["none", "wint8"])
     parser.add_argument("--steps", type=int, default=20, help="timed steps per figure")
     parser.add_argument("--batches", default="1,8,32,64,128")
     opts = parser.parse_args(argv)
@@ -115,8 +116,8 @@ def main(argv=None) -> int:
 
         opts.model = fetch_smollm2()
     path = opts.model or tiny.make_tiny_model(os.path.join(tempfile.mkdtemp(), "tiny"))
-    model = LlamaModel(load_checkpoint(path, progress=lambda *_: None), opts.dtype)
-    print(f"model {path} ({opts.dtype}): {model.args.num_layers} layers, hidden {model.args.hidden_size}, "
+    model = LlamaModel(load_checkpoint(path, progress=lambda *_: None), opts.dtype, opts.quantization)
+    print(f"model {path} ({model.matrix_dtype} weights): {model.args.num_layers} layers, hidden {model.args.hidden_size}, "
           f"vocab {model.args.vocab_size}; OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}, "
           f"context {CONTEXT}, median of {opts.steps} steps")
     print(f"{'decode batch':>12s} {'step ms':>9s} {'GEMM floor ms':>14s} {'step/floor':>11s} {'tok/s':>9s}")

@@ -11,6 +11,8 @@ Example (every key shown with its default)::
                               # made on first use in $FDCORE_HOME (default ~/.cache/fdcore)
     dtype = "auto"            # auto (= float32) | float32 | bfloat16 (projection weights in bf16, float32
                               # accumulation: CPUs with AVX512-BF16 only; refused elsewhere)
+    quantization = "none"     # none | wint8 (weights int8 per row and block of 32, quantized at load; activations
+                              # int8 per block of 32; AVX512-VNNI CPUs only)
     backend = "paddle"        # paddle | null (answers without computing: measures fdcore's own cost)
     generation_config = "auto"  # auto: the checkpoint's generation_config.json sampling values are the
                               # defaults of requests that leave them unset (as vLLM's "auto");
@@ -82,6 +84,7 @@ class ModelConfig(_Section):
     path: str = ""
     backend: Literal["paddle", "null"] = "paddle"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    quantization: Literal["none", "wint8"] = "none"
     generation_config: Literal["auto", "none"] = "auto"
 
 
@@ -220,6 +223,7 @@ def _check_ranges(config: Config, source: str) -> None:
         raise ConfigError(f"{source}: key 'workers.count' is {config.workers.count}; this version "
                           "runs exactly 1 worker (tensor parallelism across workers is not built yet)")
     _check_dtype(config.model.dtype, source)
+    _check_quantization(config.model.quantization, source)
     if config.server.port > 65535:
         raise ConfigError(f"{source}: key 'server.port' is {config.server.port}, must be <= 65535")
 
@@ -234,6 +238,14 @@ def _check_dtype(dtype: str, source: str) -> None:
     if dtype == "bfloat16" and "avx512_bf16" not in cpu_flags().split():
         raise ConfigError(f"{source}: key 'model.dtype' is 'bfloat16', which needs a CPU with AVX512-BF16 "
                           "(avx512_bf16 in /proc/cpuinfo); this one has none: use 'float32'")
+
+
+def _check_quantization(quantization: str, source: str) -> None:
+    from fdcore.models.kernels import cpu_flags
+
+    if quantization == "wint8" and "avx512_vnni" not in cpu_flags().split():
+        raise ConfigError(f"{source}: key 'model.quantization' is 'wint8', which needs a CPU with AVX512-VNNI "
+                          "(avx512_vnni in /proc/cpuinfo); this one has none: use 'none'")
 
 
 def default_model_path() -> str:

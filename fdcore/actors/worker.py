@@ -64,7 +64,7 @@ class WorkerActor(Actor):
 
         checkpoint = load_checkpoint(model_path(self.config), progress=self._loading)
         dtype = "float32" if self.config.model.dtype == "auto" else self.config.model.dtype
-        self.model = LlamaModel(checkpoint, dtype)
+        self.model = LlamaModel(checkpoint, dtype, self.config.model.quantization)
         cache = self.config.cache
         self.cache = PagedKVCache(checkpoint.args, cache.num_blocks, cache.block_size)
 

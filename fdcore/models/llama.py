@@ -105,10 +105,10 @@ class LlamaModel:
     for the 4096-wide head at batch 64).
     """
 
-    def __init__(self, checkpoint: Checkpoint, dtype: str = "float32"):
+    def __init__(self, checkpoint: Checkpoint, dtype: str = "float32", quantization: str = "none"):
         self.args = args = checkpoint.args
         self.dtype = paddle.float32
-        self.matrix_dtype = _matrix_dtype(dtype)  # the projections' weights: float32 or bfloat16
+        self.matrix_dtype = _matrix_kind(dtype, quantization)  # the projections' weights: float32, bfloat16, wint8
         # NOTE: the checkpoint's arrays are taken (popped) as they become the model's tensors, so
         # loading peaks at the weights plus one layer, not two copies of everything.
         t = checkpoint.tensors
@@ -136,10 +136,11 @@ class LlamaModel:
         return _shared(_float32(array))
 
     def _matrix(self, array: np.ndarray):
-        """A projection's weight [out, in] in the model's matrix dtype (bfloat16: packed, see Bf16Matrix)."""
+        """A projection's weight [out, in] as the model multiplies it (bfloat16 and wint8: packed for
+        fdcore's kernels, see Bf16Matrix and Int8Matrix)."""
         if self.matrix_dtype == "float32":
             return self._tensor(array)
-        return Bf16Matrix.pack(array)
+        return (Bf16Matrix if self.matrix_dtype == "bfloat16" else Int8Matrix).pack(array)
 
     def _layer(self, t: dict, i: int) -> dict:
         p = f"model.layers.{i}."
@@ -386,34 +387,82 @@ class Bf16Matrix:
         return cls(paddle.to_tensor(np.ascontiguousarray(blocks)).astype("bfloat16"), rows)
 
 
+class Int8Matrix:
+    """A weight ``[out, in]`` quantized to int8 per output row and block of 32 inputs (wint8, llama.cpp's
+    Q8_0 grouping: ``w ~= scale[row, block] * q``), stored as ``q + 128`` and packed for fdcore's
+    kernel (linear_int8.cc): groups of 64 output rows, each ``[in / 4, 4, 16, 4]`` (16 rows x 4
+    inputs per 64-byte load), zero-padded to whole groups and to a multiple of 32 inputs; scales
+    ``[groups, in / 32, 64]``."""
+
+    __slots__ = ("packed", "scales", "rows")
+
+    def __init__(self, packed: paddle.Tensor, scales: paddle.Tensor, rows: int):
+        self.packed, self.scales, self.rows = packed, scales, rows
+
+    @staticmethod
+    def quantize(weight: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(q int8 [out, in'] in [-127, 127], scale float32 [out, in' / 32]) with weight ~= scale * q
+        block by block (in' = in rounded up to 32, padded with zeros)."""
+        rows, cols = weight.shape
+        padded = np.zeros((rows, -(-cols // 32) * 32), dtype=np.float32)
+        padded[:, :cols] = weight
+        blocks = padded.reshape(rows, -1, 32)
+        top = np.abs(blocks).max(axis=2)
+        inverse = np.divide(127.0, top, out=np.zeros_like(top), where=top > 0)
+        q = np.clip(np.rint(blocks * inverse[:, :, None]), -127, 127).astype(np.int8)
+        return q.reshape(rows, -1), (top / 127.0).astype(np.float32)
+
+    @classmethod
+    def pack(cls, weight: np.ndarray) -> "Int8Matrix":
+        q, scale = cls.quantize(weight)
+        rows, cols = q.shape
+        padded = np.full((-(-rows // 64) * 64, cols), 128, dtype=np.uint8)
+        padded[:rows] = (q.astype(np.int16) + 128).astype(np.uint8)
+        groups, quads = padded.shape[0] // 64, cols // 4
+        blocks = padded.reshape(groups, 4, 16, quads, 4).transpose(0, 3, 1, 2, 4)
+        scales = np.zeros((padded.shape[0], cols // 32), dtype=np.float32)
+        scales[:rows] = scale
+        scales = scales.reshape(groups, 64, cols // 32).transpose(0, 2, 1)
+        return cls(paddle.to_tensor(np.ascontiguousarray(blocks)), paddle.to_tensor(np.ascontiguousarray(scales)),
+                   rows)
+
+
 def linear(x: paddle.Tensor, weight, bias: paddle.Tensor | None = None) -> paddle.Tensor:
     """``x @ weight.T (+ bias)`` for a weight stored ``[out, in]`` (a Bf16Matrix through fdcore's
     kernel: Paddle's CPU build has no bfloat16 matmul)."""
     if isinstance(weight, Bf16Matrix):
         out = _BF16_LINEAR[0](x, weight.packed, weight.rows)
+    elif isinstance(weight, Int8Matrix):
+        out = _INT8_LINEAR[0](x, weight.packed, weight.scales, weight.rows)
     else:
         out = paddle.matmul(x, weight, transpose_y=True)
     return out if bias is None else out + bias
 
 
-_BF16_LINEAR: list = [None]  # the compiled kernel, loaded by the first bfloat16 model
+_BF16_LINEAR: list = [None]  # the compiled kernels, loaded by the first model that needs them
+_INT8_LINEAR: list = [None]
 
 
-def _matrix_dtype(dtype: str) -> str:
-    """float32, or bfloat16 where this CPU multiplies it natively (AVX512-BF16) and the kernel built."""
-    if dtype == "float32":
-        return dtype
-    if dtype != "bfloat16":
+def _matrix_kind(dtype: str, quantization: str) -> str:
+    """How the projections' weights are kept: float32; bfloat16 where the CPU multiplies it natively
+    (AVX512-BF16); wint8 where it has AVX512-VNNI (with either dtype: the weights are int8 then). The
+    kernel must have been built."""
+    from fdcore.models.kernels import cpu_flags, linear_bf16, linear_int8
+
+    if quantization not in ("none", "wint8"):
+        raise ValueError(f"quantization {quantization!r}: none or wint8")
+    if dtype not in ("float32", "bfloat16"):
         raise ValueError(f"dtype {dtype!r}: the CPU model computes in float32 or bfloat16")
-    from fdcore.models.kernels import bf16_path, linear_bf16
-
-    if not bf16_path():
-        raise ValueError("dtype 'bfloat16' needs a CPU with AVX512-BF16 (avx512_bf16 in /proc/cpuinfo); "
-                         "this one has none: use float32")
-    _BF16_LINEAR[0] = linear_bf16()
-    if _BF16_LINEAR[0] is None:
-        raise ValueError("dtype 'bfloat16' needs fdcore's C++ operators, which could not be built here")
-    return dtype
+    kind, flag, table, build = ((quantization, "avx512_vnni", _INT8_LINEAR, linear_int8) if quantization == "wint8"
+                                else (dtype, "avx512_bf16", _BF16_LINEAR, linear_bf16))
+    if kind == "float32":
+        return kind
+    if flag not in cpu_flags().split():
+        raise ValueError(f"{kind} needs a CPU with {flag} in /proc/cpuinfo; this one has none")
+    table[0] = build()
+    if table[0] is None:
+        raise ValueError(f"{kind} needs fdcore's C++ operators, which could not be built here")
+    return kind
 
 
 def _float32(array: np.ndarray) -> np.ndarray:

@@ -21,7 +21,7 @@ import os
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-SOURCES = [os.path.join(HERE, name) for name in ("paged_attention.cc", "linear_bf16.cc")]
+SOURCES = [os.path.join(HERE, name) for name in ("paged_attention.cc", "linear_bf16.cc", "linear_int8.cc")]
 _loaded: dict[str, object] = {}
 
 
@@ -69,6 +69,14 @@ def linear_bf16():
     None when not built here."""
     ops = _ops()
     return ops and ops[4]
+
+
+def linear_int8():
+    """``linear(x, packed, scales, rows)``: x [M, K] float32 times an int8 weight of ``rows`` outputs
+    packed by fdcore.models.llama.Int8Matrix (per-row scales), float32 out [M, rows]; AVX512-VNNI
+    CPUs only. None when not built here."""
+    ops = _ops()
+    return ops and ops[5]
 
 
 def bf16_path() -> int:
@@ -141,7 +149,10 @@ def _build():
         def linear(x, packed, rows):
             return _C_ops._run_custom_op("fdcore_linear_bf16", x, packed, int(rows))[0]
 
-        return gumbel, add_rms_norm, silu_mul, attention_block, linear
+        def linear_q8(x, packed, scales, rows):
+            return _C_ops._run_custom_op("fdcore_linear_int8", x, packed, scales, int(rows))[0]
+
+        return gumbel, add_rms_norm, silu_mul, attention_block, linear, linear_q8
     except Exception as exc:  # a missing compiler must not stop serving
         sys.stderr.write(f"fdcore: C++ operators unavailable ({type(exc).__name__}: {exc}); "
                          "using the slower Python path\n")

@@ -1,0 +1,139 @@
+// fdcore's weight-only int8 linear layer (wint8): Y[M, N] = X[M, K] . W[N, K]^T, W quantized per output
+// row and block of 32 inputs (symmetric: W ~= scale[n, b] * q[n, k], q in [-127, 127], llama.cpp's Q8_0
+// grouping), X quantized on the fly the same way (per row and block of 32), int32 dot products per
+// block with AVX512-VNNI's `vpdpbusd`, scaled and summed in float32.
+//
+// Why: a quarter of float32's bytes for decoding one sequence (memory bound), and 4 products per
+// 32-bit lane and instruction in batches. Per-block activation scales (llama.cpp's Q8 for activations)
+// keep an outlier channel from flattening a whole row's precision.
+//
+// NOTE: `vpdpbusd` multiplies unsigned by signed bytes. The weights are stored offset by 128
+// (u = q + 128, in [1, 255]) so that they are the unsigned operand and the activations the signed one;
+// sum_k u[n, k] x[k] = sum_k q[n, k] x[k] + 128 * sum_k x[k], and the second term (one number per row
+// of X and block, the same for every output) is subtracted per block. Packing, as for bfloat16, in
+// groups of 64 output rows: packed[g][kq][b][lane][j] = u[64 g + 16 b + lane][4 kq + j], so one 64-byte
+// load holds 16 rows x 4 inputs against a broadcast quad of x.
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "paddle/extension.h"
+
+namespace {
+
+constexpr int kGroup = 64;
+constexpr int kBlocks = kGroup / 16;
+constexpr int kQuant = 32;  // inputs per activation scale
+
+#define FDCORE_VNNI_TARGET __attribute__((target("avx512f,avx512bw,avx512vnni")))
+
+// x rows -> int8 per block of 32 (padded with zeros to Kp), their scales and 128 * their sums.
+void QuantizeRows(const float* X, int64_t M, int64_t K, int64_t Kp, std::vector<int8_t>& q,
+                  std::vector<float>& scales, std::vector<int32_t>& offsets) {
+  const int64_t blocks = Kp / kQuant;
+  q.assign(M * Kp, 0);
+  scales.assign(M * blocks, 0.f);
+  offsets.assign(M * blocks, 0);
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t blk = 0; blk < blocks; ++blk) {
+      const int64_t k0 = blk * kQuant, k1 = std::min(K, k0 + kQuant);
+      float top = 0.f;
+      for (int64_t k = k0; k < k1; ++k) top = std::max(top, std::fabs(X[m * K + k]));
+      const float scale = top / 127.f, inverse = top > 0.f ? 127.f / top : 0.f;
+      int32_t sum = 0;
+      for (int64_t k = k0; k < k1; ++k) {
+        const int value = static_cast<int>(std::nearbyint(X[m * K + k] * inverse));
+        q[m * Kp + k] = static_cast<int8_t>(value);
+        sum += value;
+      }
+      scales[m * blocks + blk] = scale;
+      offsets[m * blocks + blk] = 128 * sum;
+    }
+  }
+}
+
+// MB rows of x against one group of 64 output rows (ws: the group's scales, [blocks][64]).
+template <int MB>
+FDCORE_VNNI_TARGET void GroupRows(const int8_t* Xq, const float* xs, const int32_t* xo, int64_t Kp,
+                                  const uint8_t* Wg, const float* ws, int64_t N, int64_t g, int64_t m0, float* Y) {
+  const int64_t blocks = Kp / kQuant;
+  __m512 acc[MB][kBlocks];
+  for (int j = 0; j < MB; ++j)
+    for (int b = 0; b < kBlocks; ++b) acc[j][b] = _mm512_setzero_ps();
+  const uint8_t* w = Wg;
+  for (int64_t blk = 0; blk < blocks; ++blk) {
+    __m512i dot[MB][kBlocks];
+    for (int j = 0; j < MB; ++j)
+      for (int b = 0; b < kBlocks; ++b) dot[j][b] = _mm512_setzero_si512();
+    for (int quad = 0; quad < kQuant / 4; ++quad, w += kGroup * 4) {
+      __m512i wb[kBlocks];
+      for (int b = 0; b < kBlocks; ++b) wb[b] = _mm512_loadu_si512(w + b * 64);
+      for (int j = 0; j < MB; ++j) {
+        int32_t four;
+        __builtin_memcpy(&four, Xq + (m0 + j) * Kp + blk * kQuant + quad * 4, 4);
+        const __m512i x = _mm512_set1_epi32(four);
+        for (int b = 0; b < kBlocks; ++b) dot[j][b] = _mm512_dpbusd_epi32(dot[j][b], wb[b], x);
+      }
+    }
+    for (int j = 0; j < MB; ++j) {
+      const __m512i offset = _mm512_set1_epi32(xo[(m0 + j) * blocks + blk]);
+      const __m512 x_scale = _mm512_set1_ps(xs[(m0 + j) * blocks + blk]);
+      for (int b = 0; b < kBlocks; ++b) {
+        const __m512 scale = _mm512_mul_ps(x_scale, _mm512_loadu_ps(ws + blk * kGroup + b * 16));
+        acc[j][b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(dot[j][b], offset)), scale, acc[j][b]);
+      }
+    }
+  }
+  for (int b = 0; b < kBlocks; ++b) {
+    const int64_t first = g * kGroup + b * 16;
+    if (first >= N) break;
+    const __mmask16 mask = first + 16 <= N ? 0xffff : static_cast<__mmask16>((1u << (N - first)) - 1);
+    for (int j = 0; j < MB; ++j) _mm512_mask_storeu_ps(Y + (m0 + j) * N + first, mask, acc[j][b]);
+  }
+}
+
+FDCORE_VNNI_TARGET void Linear(const float* X, int64_t M, int64_t K, const uint8_t* Wp, const float* ws, int64_t G,
+                               int64_t Kp, int64_t N, float* Y) {
+  thread_local std::vector<int8_t> q;
+  thread_local std::vector<float> scales;
+  thread_local std::vector<int32_t> offsets;
+  QuantizeRows(X, M, K, Kp, q, scales, offsets);
+  const int64_t group_size = Kp * kGroup;
+  const bool parallel = G > 1 && M * N * K >= (1 << 18);
+#pragma omp parallel for schedule(static) if (parallel)
+  for (int64_t g = 0; g < G; ++g) {
+    const uint8_t* Wg = Wp + g * group_size;
+    const float* wsg = ws + g * (Kp / kQuant) * kGroup;
+    int64_t m0 = 0;
+    for (; m0 + 2 <= M; m0 += 2) GroupRows<2>(q.data(), scales.data(), offsets.data(), Kp, Wg, wsg, N, g, m0, Y);
+    for (; m0 < M; ++m0) GroupRows<1>(q.data(), scales.data(), offsets.data(), Kp, Wg, wsg, N, g, m0, Y);
+  }
+}
+
+}  // namespace
+
+// x [M, K] float32; w [G, Kp / 4, 4, 16, 4] uint8 (q + 128, packed); scales [G, Kp / 32, 64] float32;
+// rows = N.
+std::vector<paddle::Tensor> LinearInt8(const paddle::Tensor& x, const paddle::Tensor& w, const paddle::Tensor& scales,
+                                       int64_t rows) {
+  const auto& s = w.shape();
+  PD_CHECK(x.dtype() == paddle::DataType::FLOAT32, "linear_int8: x must be float32");
+  PD_CHECK(w.dtype() == paddle::DataType::UINT8, "linear_int8: w must be uint8");
+  PD_CHECK(s.size() == 5 && s[2] == kBlocks && s[3] == 16 && s[4] == 4, "linear_int8: w is not packed");
+  const int64_t M = x.shape()[0], K = x.shape()[1], G = s[0], Kp = s[1] * 4;
+  PD_CHECK(Kp % kQuant == 0 && Kp >= K && Kp - K < kQuant, "linear_int8: x and w disagree on the inner dimension");
+  PD_CHECK(rows > G * kGroup - kGroup && rows <= G * kGroup, "linear_int8: rows does not fit the packed groups");
+  PD_CHECK(scales.numel() == G * kGroup * (Kp / kQuant), "linear_int8: one scale per packed row and block");
+  auto y = paddle::empty({M, rows}, paddle::DataType::FLOAT32, paddle::CPUPlace());
+  Linear(x.data<float>(), M, K, w.data<uint8_t>(), scales.data<float>(), G, Kp, rows, y.data<float>());
+  return {y};
+}
+
+PD_BUILD_OP(fdcore_linear_int8)
+    .Inputs({"X", "W", "Scales"})
+    .Outputs({"Y"})
+    .Attrs({"rows: int64_t"})
+    .SetKernelFn(PD_KERNEL(LinearInt8));
