@@ -24,10 +24,17 @@ RestartType = Literal["permanent", "transient", "temporary"]
 
 
 class ChildSpec(msgspec.Struct, frozen=True):
+    """A child as data (OTP's child spec): its id and kind, what runs it ("module:Class"), who may
+    send to it (its inbox's links), whether its restart loses request state, and how it is
+    restarted and stopped."""
+
     id: str
     kind: str
     restart: RestartType = "permanent"
     shutdown_timeout: float = 5.0
+    actor_class: str = ""
+    producers: tuple[str, ...] = ()
+    stateful: bool = False
 
 
 def to_restart(strategy: Strategy, order: list[str], failed: str) -> list[str]:

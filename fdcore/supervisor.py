@@ -40,7 +40,6 @@ from fdcore.protocol import Restarted, Stop
 from fdcore.supervision import Backoff, ChildSpec, RestartIntensity, plan_restart, should_restart
 
 POLL = 0.05  # seconds between looks at the health board when nothing else happens
-STATEFUL = {"cache", "scheduler", "worker"}  # actors whose restart loses in-flight request state
 
 
 class StartFailure(Exception):
@@ -69,8 +68,7 @@ class Supervisor:
         self.config_path = os.path.abspath(config_path)
         self.instance = names.new_instance_id()
         sup = config.supervisor
-        self.specs = [ChildSpec(cid, topology.kind_of(cid), shutdown_timeout=sup.shutdown_timeout)
-                      for cid in topology.child_ids(config)]
+        self.specs = topology.child_specs(config)
         self.slots = {spec.id: i for i, spec in enumerate(self.specs)}
         self.intensity = RestartIntensity(sup.max_restarts, sup.period)
         self.children: dict[str, Child] = {}
@@ -161,7 +159,7 @@ class Supervisor:
             self.restart_counts[cid] = self.restart_counts.get(cid, 0) + 1
             self._restart(cid)
         if not self.stopping and "engine" in self.children and any(
-                topology.kind_of(c) in STATEFUL for c in plan.start):
+                self.children[c].spec.stateful for c in plan.start if c in self.children):
             # Their request state died with them: the engine re-submits every unfinished request
             # in a new epoch (crash-resume). An engine or API restart needs no such thing (a new
             # engine starts a new epoch anyway, and its clients re-submit).
@@ -422,7 +420,7 @@ class Supervisor:
         self.inboxes.append(own)
         for spec in self.specs:
             inbox = Inbox.create(topology.inbox_name(self.instance, spec.id),
-                                 topology.producers_of(spec.id, self.config), capacity=capacity)
+                                 list(spec.producers), capacity=capacity)
             self.inboxes.append(inbox)
             self.senders[spec.id] = Sender(Ring.attach(inbox.link_name(topology.SUPERVISOR)))
         for client in topology.client_ids(self.config):

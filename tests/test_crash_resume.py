@@ -255,7 +255,7 @@ def test_a_poisoned_request_fails_alone_and_the_others_resume_identical(model_di
                     actor_census(client._tree.proc.pid, topology.child_ids(tree_config)))
 
     clean, crashed, health, census = asyncio.run(main())
-    tokens, _text, reason, error, code = crashed[bad]
+    _tokens, _text, reason, error, code = crashed[bad]
     assert (reason, code) == ("error", 500)
     wanted = "request failed in fdcore:engine: PoisonedRequest" if kind == "engine" else \
         f"request crashed fdcore:{kind} twice"

@@ -4,20 +4,12 @@ import importlib
 import sys
 
 from fdcore.actors.runtime import main
-
-KINDS = {
-    "engine": "fdcore.actors.engine:EngineActor",
-    "scheduler": "fdcore.actors.scheduler:SchedulerActor",
-    "cache": "fdcore.actors.cache:CacheActor",
-    "worker": "fdcore.actors.worker:WorkerActor",
-    "api": "fdcore.actors.api:ApiActor",
-}
-
+from fdcore.actors.topology import KINDS
 
 def actor_class(kind: str):
     if kind not in KINDS:
         raise SystemExit(f"unknown actor kind {kind!r}; known: {', '.join(KINDS)}")
-    module, _, name = KINDS[kind].partition(":")
+    module, _, name = KINDS[kind].actor_class.partition(":")
     return getattr(importlib.import_module(module), name)
 
 

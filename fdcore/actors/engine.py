@@ -328,8 +328,9 @@ class EngineActor(Actor):
     def _slot(self, client: int) -> ClientSlot:
         slot = self.clients.get(client)
         if slot is None:
-            inbox = topology.inbox_name(self.instance_id, f"client{client}")
-            sender = Sender(Ring.attach(f"{inbox}.{self.child_id}"))
+            inbox = topology.inbox_name(self.instance_id, topology.client_id(client))
+            sender = Sender(Ring.attach(topology.link_name(self.instance_id, topology.client_id(client),
+                                                           self.child_id)))
             lock_fd = os.open(os.path.join(names.SHM_DIR, inbox.lstrip("/")), os.O_RDWR)
             slot = self.clients[client] = ClientSlot(client, sender, lock_fd)
         return slot
@@ -378,8 +379,8 @@ class EngineActor(Actor):
         backlog, whatever else it wrote is dropped. The engine and every other client go on."""
         slot = self._slot(client)
         self.disconnected += 1
-        sys.stderr.write(f"fdcore: engine disconnected client{client}: {reason}\n")
-        self.receiver.source.drain(f"client{client}")  # first: what it sends after our answer counts
+        sys.stderr.write(f"fdcore: engine disconnected {topology.client_id(client)}: {reason}\n")
+        self.receiver.source.drain(topology.client_id(client))  # first: what it sends after our answer counts
         slot.outbox.clear()
         slot.stalled_since = None
         slot.session = 0

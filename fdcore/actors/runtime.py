@@ -119,8 +119,8 @@ class Actor:
     def _sender(self, to: str) -> Sender:
         sender = self._senders.get(to)
         if sender is None:
-            inbox = topology.inbox_name(self.instance_id, to)
-            sender = self._senders[to] = Sender(Ring.attach(f"{inbox}.{self.child_id}"))
+            link = topology.link_name(self.instance_id, to, self.child_id)
+            sender = self._senders[to] = Sender(Ring.attach(link))
         return sender
 
     def send(self, to: str, message) -> None:

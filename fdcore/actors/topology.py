@@ -10,8 +10,27 @@ from __future__ import annotations
 
 from fdcore.config import Config
 from fdcore.ipc import names
+from fdcore.supervision import ChildSpec
 
 SUPERVISOR = "supervisor"
+
+
+class ActorKind:
+    """What runs an actor kind, and whether its restart loses request state (the engine then
+    starts a new epoch and re-submits every unfinished request: crash-resume)."""
+
+    def __init__(self, actor_class: str, stateful: bool):
+        self.actor_class = actor_class  # "module:Class"
+        self.stateful = stateful
+
+
+KINDS = {
+    "cache": ActorKind("fdcore.actors.cache:CacheActor", stateful=True),
+    "worker": ActorKind("fdcore.actors.worker:WorkerActor", stateful=True),
+    "scheduler": ActorKind("fdcore.actors.scheduler:SchedulerActor", stateful=True),
+    "engine": ActorKind("fdcore.actors.engine:EngineActor", stateful=False),
+    "api": ActorKind("fdcore.actors.api:ApiActor", stateful=False),
+}
 
 
 def worker_ids(config: Config) -> list[str]:
@@ -21,6 +40,15 @@ def worker_ids(config: Config) -> list[str]:
 def child_ids(config: Config) -> list[str]:
     """Start order of the children."""
     return ["cache", *worker_ids(config), "scheduler", "engine", *(["api"] if config.server.enabled else [])]
+
+
+def child_specs(config: Config) -> list[ChildSpec]:
+    """Every child as the supervisor starts it, in start order: id, kind, what runs it, who may
+    send to it, whether its restart loses request state."""
+    return [ChildSpec(cid, kind_of(cid), shutdown_timeout=config.supervisor.shutdown_timeout,
+                      actor_class=KINDS[kind_of(cid)].actor_class, producers=tuple(producers_of(cid, config)),
+                      stateful=KINDS[kind_of(cid)].stateful)
+            for cid in child_ids(config)]
 
 
 def kind_of(child_id: str) -> str:
@@ -36,7 +64,11 @@ def title_of(child_id: str) -> str:
 
 def client_ids(config: Config) -> list[str]:
     """The client slots: inboxes the engine answers on, each claimed by one client process."""
-    return [f"client{i}" for i in range(config.engine.max_clients)]
+    return [client_id(i) for i in range(config.engine.max_clients)]
+
+
+def client_id(index: int) -> str:
+    return f"client{index}"
 
 
 def client_index(link: str) -> int | None:
@@ -63,6 +95,11 @@ def producers_of(child_id: str, config: Config) -> list[str]:
 
 def inbox_name(instance_id: str, child_id: str) -> str:
     return names.object_name(instance_id, child_id)
+
+
+def link_name(instance_id: str, to: str, producer: str) -> str:
+    """The ring ``producer`` sends to ``to`` by (one single-producer ring per link)."""
+    return f"{inbox_name(instance_id, to)}.{producer}"
 
 
 def health_name(instance_id: str) -> str:
