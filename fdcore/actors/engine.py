@@ -370,9 +370,20 @@ class EngineActor(Actor):
                     return 0
             except RecordTooLarge:
                 if count == 1:  # one message larger than the ring: it can never be delivered
-                    slot.outbox[0] = _too_large(slot.outbox[0])
+                    slot.outbox[0] = self._too_large(slot, slot.outbox[0])
                     continue
             count //= 2
+
+    def _too_large(self, slot: ClientSlot, message) -> Update:
+        """An update no record of the client's ring can hold (a request's text cannot be split
+        here without breaking the stream's accounting): its request ends with a 500 instead."""
+        request_id = getattr(message, "request_id", "")
+        seq = slot.requests.get(request_id)
+        if seq is not None:
+            self.send("scheduler", FinishSeq(seq, "abort"))
+            self._drop(self.table[seq])
+        return Update(request_id, [], "", "error", error_code=500,
+                      error_msg="an update larger than the client's ring (supervisor.ring_capacity)")
 
     def _disconnect(self, client: int, reason: str) -> None:
         """Cut a client off: its requests end with a 400 saying why, its slot forgets its session and
@@ -422,14 +433,6 @@ class EngineActor(Actor):
             slot.sender.close()
             os.close(slot.lock_fd)
         super().close()
-
-
-def _too_large(message):
-    """What replaces an update too large for any record of the client's ring (a request's text
-    cannot be split here without breaking the stream's accounting): its request's error."""
-    request_id = getattr(message, "request_id", "")
-    return Update(request_id, [], "", "error", error_code=500,
-                  error_msg="an update larger than the client's ring (supervisor.ring_capacity)")
 
 
 def _chat_options(body: RequestBody) -> ChatOptions:
