@@ -235,7 +235,7 @@ def test_a_scheduler_drops_cache_answers_nobody_waits_for(model_dir, epoch):
 POISON = 2  # a token id no prompt of requests() holds (they start at 5)
 
 
-@pytest.mark.parametrize("kind", ["engine", "scheduler", "worker"])
+@pytest.mark.parametrize("kind", ["engine", "scheduler", "worker", "cache"])
 def test_a_poisoned_request_fails_alone_and_the_others_resume_identical(model_dir, monkeypatch, kind):
     """A request that makes an actor raise (the test fault point) is that request's 500, never a
     tree outage: the engine isolates its own per-request work, and a scheduler or worker it crashes

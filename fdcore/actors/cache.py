@@ -10,6 +10,7 @@ Calls that need an answer get a :class:`CacheReply` carrying the statistics.
 
 from __future__ import annotations
 
+from fdcore.actors import faults
 from fdcore.actors.runtime import Actor
 from fdcore.core.kv_cache_manager import KVCacheManager
 from fdcore.protocol import (Allocate, CacheMessage, CacheReply, CacheReset, CacheStats, CacheStatsQuery,
@@ -18,10 +19,12 @@ from fdcore.protocol import (Allocate, CacheMessage, CacheReply, CacheReset, Cac
 
 class CacheActor(Actor):
     inbox_type = CacheMessage
+    suspects_to = "scheduler"  # it forwards the report to the engine
 
     def on_start(self) -> None:
         self.kv = self._fresh_manager()
         self.epoch: int | None = None  # nothing is served before the scheduler's first CacheReset
+        self.poison = faults.poison_for("cache")
 
     def _fresh_manager(self) -> KVCacheManager:
         c = self.config.cache
@@ -33,13 +36,17 @@ class CacheActor(Actor):
             return  # a call of a scheduler (or an epoch) that is gone
         match message:
             case Allocate(seq=seq, token_ids=token_ids, max_new_tokens=max_new):
+                self.handling = [seq]
+                faults.check(self.poison, seq, token_ids)
                 cached = self.kv.allocate(seq, token_ids, max_new)
                 blocks = self.kv.block_table(seq) if cached is not None else []
                 self._reply(seq, cached is not None, blocks, -1 if cached is None else cached)
             case Grow(seq=seq, num_tokens=num_tokens):
+                self.handling = [seq]
                 ok = self.kv.append_slots(seq, num_tokens)
                 self._reply(seq, ok, self.kv.block_table(seq), 0)
             case GrowMany(seqs=seqs, num_tokens=targets):
+                self.handling = list(seqs)
                 tables = []
                 for seq, num_tokens in zip(seqs, targets, strict=True):
                     if not self.kv.append_slots(seq, num_tokens):
