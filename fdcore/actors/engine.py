@@ -18,6 +18,13 @@
   A client whose inbox is full is not waited for: its updates queue up here.
 - Clients come and go: a slot whose owner died (its lock is free) has its
   requests aborted, so nothing runs for nobody.
+- Clients are not trusted: a message's sender is the link it came by (the
+  ``client`` fields in bodies are ignored), each link decodes only what its
+  producer may send, and a client that sends garbage, a message out of place,
+  or stops reading for ``engine.client_stall_timeout`` is disconnected alone.
+- One request costs only itself: an exception while admitting or rendering it
+  is its 500, and one that crashes the same kind of actor twice in a row is
+  quarantined (:mod:`fdcore.core.quarantine`) instead of re-submitted.
 """
 
 from __future__ import annotations
