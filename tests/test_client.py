@@ -282,3 +282,42 @@ def test_an_open_stream_raises_when_the_tree_is_killed(model_dir):
     finally:
         asyncio.run(client.shutdown())
         names.unlink_instance(client.instance)
+
+
+def test_an_unanswered_hello_is_sent_again(monkeypatch):
+    """A Hello written while the old engine died is lost with it: the client greets again."""
+    from fdcore import client as client_module
+    from fdcore.ipc import RingEmpty
+    from fdcore.protocol import Welcome
+
+    monkeypatch.setattr(client_module, "HELLO_RESEND", 0.05)
+    hellos = []
+
+    class Engine:  # answers only the second Hello; sends and receives stand in for the rings
+        def send(self, message, timeout=None):
+            hellos.append(message)
+
+        def recv(self, timeout=None):
+            if len(hellos) < 2:
+                time.sleep(timeout)
+                raise RingEmpty("nothing yet")
+            return Welcome(hellos[-1].session, 4096, 2048, "m", 1)
+
+    conn = object.__new__(client_module.Connection)
+    conn.slot, conn.tree, conn._send_lock = 0, None, threading.Lock()
+    conn.sender = conn.receiver = Engine()
+    assert conn.handshake(5.0).session == hellos[-1].session
+    assert len(hellos) == 2 and hellos[0].session == hellos[1].session
+
+    class Gone(Engine):  # no engine at all: the client stops greeting once the tree is gone
+        def recv(self, timeout=None):
+            time.sleep(timeout)
+            raise RingEmpty("never")
+
+    hellos.clear()
+    conn.receiver = Gone()
+    conn.tree = type("Tree", (), {"instance": "x"})()
+    started = time.monotonic()
+    with pytest.raises(client_module.EngineError, match="did not answer"):
+        conn.handshake(60.0, keep_waiting=lambda: len(hellos) < 3)
+    assert len(hellos) == 3 and time.monotonic() - started < 5.0
