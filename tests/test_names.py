@@ -112,3 +112,8 @@ def test_sweep_leaves_another_users_entries_alone():
         assert len(_left(instance)) == 4
     finally:
         names.unlink_instance(instance)
+
+
+def test_an_instance_is_claimed_only_for_a_running_owner():
+    with pytest.raises(ValueError, match="not a running process"):
+        names.claim_instance(names.new_instance_id(2 ** 22 + 5))

@@ -139,6 +139,31 @@ def test_sigkill_of_the_supervisor_leaves_no_actor_and_the_next_start_sweeps(tre
     assert second.exit_code() == 0
 
 
+@pytest.mark.skipif(os.getuid() != 0, reason="making another user's entry needs root")
+def test_another_users_stale_entries_do_not_stop_a_start(tree_factory):
+    """Another user's leftovers (owner gone, files not ours, record unreadable to them) are not
+    touched by the start's sweep, and the start does not fail on them."""
+    from fdcore.ipc import Ring
+
+    stale = names.new_instance_id(os.getpid())
+    record = os.path.join(names.SHM_DIR, names.object_name(stale, names.OWNER_LINK).lstrip("/"))
+    with open(record, "w") as f:  # our pid, but another start time: its owner is verifiably gone
+        f.write(f"{os.getpid()} 1 {names.pid_namespace()}\n")
+    Ring.create(4096, name=names.object_name(stale, "left")).close()
+    try:
+        for entry in [e for e in names.list_entries() if e.instance_id == stale]:
+            path = os.path.join(names.SHM_DIR, entry.filename)
+            os.chown(path, 65534, 65534)
+            os.chmod(path, 0)
+        tree = tree_factory()
+        _ready(tree)
+        assert len([e for e in names.list_entries() if e.instance_id == stale]) == 4
+        os.kill(tree.proc.pid, signal.SIGTERM)
+        assert tree.exit_code() == 0
+    finally:
+        names.unlink_instance(stale)
+
+
 def test_a_hung_actor_is_detected_killed_and_restarted(tree_factory):
     tree = tree_factory("heartbeat_interval = 0.1\nhang_timeout = 1.0")
     before = _ready(tree)

@@ -121,10 +121,13 @@ def claim_instance(instance_id: str, shm_dir: str = SHM_DIR) -> str:
     """Record the owner of an instance (the pid in its id, that process's start time, our pid
     namespace) beside its objects; :func:`sweep` trusts nothing else. Returns the record's path."""
     pid = int(instance_id.rsplit(".", 1)[1])
+    start = process_start_time(pid)
+    if start is None:
+        raise ValueError(f"instance {instance_id}: its owner {pid} is not a running process")
     path = os.path.join(shm_dir, object_name(instance_id, OWNER_LINK).lstrip("/"))
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w") as f:
-        f.write(f"{pid} {process_start_time(pid)} {pid_namespace()}\n")
+        f.write(f"{pid} {start} {pid_namespace()}\n")
     return path
 
 
