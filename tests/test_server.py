@@ -414,14 +414,14 @@ def test_the_api_heartbeat_ticks_from_the_event_loop():
             ticks.append(time.monotonic())
 
     class WedgingServer:
-        async def serve(self):
+        async def serve(self, sockets=None):
             await asyncio.sleep(0.2)
             time.sleep(0.6)  # noqa: ASYNC251 -- the blocking call on the loop this test is about
             await asyncio.sleep(0.2)
 
     config = parse_config("[supervisor]\nheartbeat_interval = 0.05\n", check_model=False)
     actor = ApiActor("api", "no-instance", config, Board(), 0)
-    actor.server = WedgingServer()
+    actor.server, actor.listener = WedgingServer(), None
     asyncio.run(actor._serve())
     gaps = [b - a for a, b in itertools.pairwise(ticks)]
     assert len(ticks) > 5 and max(gaps) > 0.55, "the heartbeat kept ticking while the loop was wedged"

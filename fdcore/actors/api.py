@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import socket
 import threading
 import time
 
@@ -39,6 +40,7 @@ class ApiActor(Actor):
         self.app = build_app(self.llm, settings, ModelTokenizer(welcome.model),
                              lambda: check_health(self.tree, self.config.supervisor.hang_timeout),
                              self._restarts)
+        self.listener = listening_socket(server.host, server.port)  # bound before we count as ready
 
     def _restarts(self) -> dict[str, int]:
         ids = topology.child_ids(self.config)
@@ -60,7 +62,7 @@ class ApiActor(Actor):
     async def _serve(self) -> None:
         beat = asyncio.ensure_future(self._heartbeat())
         try:
-            await self.server.serve()
+            await self.server.serve(sockets=[self.listener])
         finally:
             beat.cancel()
 
@@ -92,3 +94,11 @@ def chat_max_tokens(sampling_defaults: dict, server) -> int | None:
     ``server.default_max_tokens`` (0 or None: up to the context), so that an abandoned or endless
     chat does not hold a batch slot for the whole context."""
     return sampling_defaults.get("max_tokens") or server.default_max_tokens or None
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    """The server's socket, bound and listening while the actor starts: "ready" then means a client
+    can connect (its connection waits in the backlog until uvicorn accepts it), and a port in use
+    fails the start with the reason instead of a running tree without its server."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    return socket.create_server((host, port), family=family, backlog=2048)
