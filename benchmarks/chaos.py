@@ -6,8 +6,10 @@ scheduler, cache manager, engine) at random moments, all drawn from one seed.
 Each kill waits until tokens flow again, then a random pause, then the next.
 
 Reported: requests identical to the fault-free run / total, kills (= restarts)
-per actor, and the pause each crash caused: from the kill to the next token
-any stream receives (p50 and max, per actor kind and overall). After every
+per actor, and the pause each crash caused: the longest silence any stream open
+at the kill saw, from the kill through its next AFTER_KILL tokens (tokens already
+in flight arrive right after a kill; the stall comes after them), p50 and max per
+actor kind and overall. After every
 restart the tree must run exactly one process per actor title (checked: a
 restart that leaves a second engine, or none, fails the run).
 
@@ -50,16 +52,39 @@ def workload(streams: int, max_tokens: int, rng: random.Random):
     return prompts, params
 
 
+AFTER_KILL = 3  # tokens per stream the pause is measured over: more than the two steps in flight
+
+
 class Clock:
-    """When the latest token arrived, and an event per token so the chaos task can wait on it."""
+    """When each stream's tokens arrived, which streams ended, and an event per token so the chaos
+    task can wait on them."""
 
     def __init__(self):
-        self.last = 0.0
+        self.arrivals: dict[str, list[float]] = {}
+        self.done: set[str] = set()
         self.tick = asyncio.Event()
 
-    def token(self) -> None:
-        self.last = time.monotonic()
+    def token(self, request_id: str) -> None:
+        self.arrivals.setdefault(request_id, []).append(time.monotonic())
         self.tick.set()
+
+    def end(self, request_id: str) -> None:
+        self.done.add(request_id)
+        self.tick.set()
+
+    def open_streams(self) -> set[str]:
+        return set(self.arrivals) - self.done
+
+    def after(self, request_id: str, moment: float) -> list[float]:
+        return [t for t in self.arrivals[request_id] if t > moment][:AFTER_KILL]
+
+    def waiting(self, moment: float, streams: set[str]) -> set[str]:
+        """Of ``streams``, those that have not ended and have fewer than AFTER_KILL tokens since ``moment``."""
+        return {r for r in streams if r not in self.done and len(self.after(r, moment)) < AFTER_KILL}
+
+    def longest_silence(self, moment: float, streams: set[str]) -> float | None:
+        gaps = [max(b - a for a, b in zip([moment, *times], times)) for r in streams if (times := self.after(r, moment))]
+        return max(gaps, default=None)
 
 
 async def stream(client, prompt, params, request_id, clock: Clock | None):
@@ -69,7 +94,9 @@ async def stream(client, prompt, params, request_id, clock: Clock | None):
         text += out.outputs.text
         error = out.error_msg
         if clock is not None and out.outputs.token_ids:
-            clock.token()
+            clock.token(request_id)
+    if clock is not None:
+        clock.end(request_id)
     return tokens, text, error
 
 
@@ -92,13 +119,15 @@ async def chaos(client, clock: Clock, kills: int, rng: random.Random, kinds: lis
         if pid is None:
             log.append((kind, None))  # not running at that moment: reported, not silently skipped
             continue
+        streams = clock.open_streams()
         killed_at = time.monotonic()
         os.kill(pid, signal.SIGKILL)
         clock.tick.clear()
-        while clock.last <= killed_at:  # the next token any stream receives
+        while clock.waiting(killed_at, streams):  # until every open stream is flowing again (or ended)
             clock.tick.clear()
             await clock.tick.wait()
-        log.append((kind, clock.last - killed_at))
+        silence = clock.longest_silence(killed_at, streams)
+        log.append((kind, "idle" if silence is None else silence))  # idle: no stream had more to get
         census.append(await census_after_restart(client, child_ids))
 
 
@@ -130,17 +159,19 @@ async def main_async(args) -> int:
                   f"first difference at token {at}: {a[0][at:at + 4]} vs {b[0][at:at + 4]}; "
                   f"text equal: {a[1] == b[1]}; error: {b[2]!r}")
     skipped = [k for k, p in log if p is None]
+    idle = [k for k, p in log if p == "idle"]
     log = [(k, p) for k, p in log if p is not None]
     print(f"\nchaos ({args.strategy}): {args.streams} streams x {args.max_tokens} tokens, {len(log)} of "
           f"{args.kills} kills done in {elapsed:.1f} s (fault-free run: {clean_elapsed:.1f} s; seed {args.seed}); "
-          f"health after: {healthy}" + (f"\nkills skipped (no such process then): {skipped}" if skipped else ""))
+          f"health after: {healthy}" + (f"\nkills skipped (no such process then): {skipped}" if skipped else "")
+          + (f"\nkills after every stream had its last token (no pause to measure): {idle}" if idle else ""))
     print(f"identical to the fault-free run: {identical}/{args.streams}")
     wrong = [f"after kill {i + 1}: {w}" for i, w in enumerate(census) if w]
     print(f"one process per actor after each restart: {len(census) - len(wrong)}/{len(census)}"
           + "".join(f"\n  {w}" for w in wrong))
     print(f"{'actor':10s} {'kills':>5s} {'pause p50 s':>12s} {'pause max s':>12s}")
     for kind in [*CHILDREN, "all"]:
-        pauses = [p for k, p in log if kind in (k, "all")]
+        pauses = [p for k, p in log if kind in (k, "all") and p != "idle"]
         if pauses:
             print(f"{kind:10s} {len(pauses):5d} {statistics.median(pauses):12.3f} {max(pauses):12.3f}")
     if len(log) < args.kills and not skipped:

@@ -95,24 +95,32 @@ def conn_body():
                                                "sampling_params": {"max_tokens": 200, "ignore_eos": True}}))
 
 
+FUZZ_CASES = 1000
+
+
 def test_a_hostile_client_costs_only_itself(model_dir):
+    """Hostile records on every client link but the honest client's (7 attackers, in turn)."""
     rng = random.Random(12)
     prompts, params = requests(count=8, max_tokens=200)
-    cases = [rng.choice(HOSTILE) for _ in range(300)]
+    cases = [rng.choice(HOSTILE) for _ in range(FUZZ_CASES)]
 
     async def main():
         async with AsyncLLM(config(model_dir)) as client:
             clean = await stream_all(client, prompts, params)
             engine = actor_pid(client._tree.proc.pid, "engine")
-            attacker = Connection(client._tree)
+            attackers = [Connection(client._tree) for _ in range(7)]  # engine.max_clients = 8
+            assert len({a.slot for a in attackers} | {client._conn.slot}) == 8
             try:
                 streams = asyncio.ensure_future(stream_all(client, prompts, params))
                 for case, kind in enumerate(cases):
+                    attacker = attackers[case % len(attackers)]
                     await asyncio.to_thread(attack, attacker, client._conn.slot, case, kind, rng)
                 crashed = await streams
-                attacker.handshake(10.0)  # the engine still answers the attacker too
+                for attacker in attackers:
+                    attacker.handshake(10.0)  # the engine still answers every attacker too
             finally:
-                attacker.close()
+                for attacker in attackers:
+                    attacker.close()
             stats = await client.stats()
             return clean, crashed, engine, actor_pid(client._tree.proc.pid, "engine"), stats
 
