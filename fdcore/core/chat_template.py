@@ -31,7 +31,7 @@ from datetime import datetime
 from functools import lru_cache
 
 from fdcore.core.validation import RequestError
-from fdcore.models.loader import CheckpointError
+from fdcore.models.loader import CheckpointError, read_json_object
 
 CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "  # transformers' marker for the end of the continued message
 REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
@@ -96,7 +96,7 @@ def _template_files(path: str) -> dict[str, tuple[str, str]]:
     if os.path.isfile(jinja_file):
         found["default"] = (_read_text(jinja_file), jinja_file)
     elif os.path.isfile(json_file):
-        found.update(_from_setting(_read_json(json_file).get("chat_template"), json_file))
+        found.update(_from_setting(read_json_object(json_file).get("chat_template"), json_file))
     for file in sorted(glob.glob(os.path.join(path, "additional_chat_templates", "*.jinja"))):
         found[os.path.basename(file).removesuffix(".jinja")] = (_read_text(file), file)
     return found
@@ -120,16 +120,6 @@ def _read_text(file: str) -> str:
             return f.read()
     except (OSError, UnicodeDecodeError) as exc:
         raise CheckpointError(f"{file}: unreadable ({exc})") from None
-
-
-def _read_json(file: str) -> dict:
-    try:
-        data = json.loads(_read_text(file))
-    except ValueError as exc:
-        raise CheckpointError(f"{file}: not valid JSON ({exc})") from None
-    if not isinstance(data, dict):
-        raise CheckpointError(f"{file}: not a JSON object")
-    return data
 
 
 # --------------------------------------------------------------- compilation

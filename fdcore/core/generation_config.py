@@ -16,11 +16,10 @@ request that happens not to set them.
 
 from __future__ import annotations
 
-import json
 import os
 
 from fdcore.core.validation import ModelLimits, RequestError, check_sampling
-from fdcore.models.loader import CheckpointError
+from fdcore.models.loader import CheckpointError, read_json_object
 from fdcore.protocol import SamplingParams
 
 # generation_config.json key -> (SamplingParams field, type)
@@ -43,7 +42,7 @@ def read_sampling_defaults(path: str, mode: str = "auto") -> dict[str, int | flo
     file = generation_config_file(path)
     if not os.path.exists(file):
         return {}
-    data = _read(file)
+    data = read_json_object(file)
     return {field: _typed(data[key], kind, file, key)
             for key, (field, kind) in KEYS.items() if data.get(key) is not None}
 
@@ -67,17 +66,6 @@ def fit_to_model(defaults: dict, limits: ModelLimits, source: str) -> dict[str, 
     except RequestError as exc:
         raise CheckpointError(f"{source}: {exc}") from None
     return fitted
-
-
-def _read(file: str) -> dict:
-    try:
-        with open(file, encoding="utf-8") as f:
-            data = json.load(f)
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"{file}: not valid JSON ({exc})") from None
-    if not isinstance(data, dict):
-        raise CheckpointError(f"{file}: not a JSON object")
-    return data
 
 
 def _typed(value, kind: type, file: str, key: str) -> int | float:

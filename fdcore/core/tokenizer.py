@@ -18,14 +18,13 @@ stay exactly transformers'.
 
 from __future__ import annotations
 
-import json
 import os
 
 from tokenizers import Tokenizer
 
 from fdcore.core.chat_template import ChatOptions, ChatTemplates, prepare_messages, render
 from fdcore.core.validation import ModelLimits
-from fdcore.models.loader import CheckpointError, eos_ids, is_gguf, read_config
+from fdcore.models.loader import CheckpointError, eos_ids, is_gguf, read_config, read_json_object
 
 # transformers' SPECIAL_TOKENS_ATTRIBUTES: the named special tokens every template may use
 SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
@@ -108,8 +107,8 @@ def _tokenizer_files(path: str) -> tuple[Tokenizer, dict, dict]:
         tokenizer = Tokenizer.from_file(file)
     except Exception as exc:  # missing or not a tokenizer: the checkpoint's fault, named
         raise CheckpointError(f"{file}: cannot be read as a tokenizer ({exc})") from None
-    return (tokenizer, _read_optional_json(os.path.join(path, "tokenizer_config.json")),
-            _read_optional_json(os.path.join(path, "special_tokens_map.json")))
+    return (tokenizer, read_json_object(os.path.join(path, "tokenizer_config.json"), missing_ok=True),
+            read_json_object(os.path.join(path, "special_tokens_map.json"), missing_ok=True))
 
 
 def special_tokens(settings: dict, legacy_map: dict) -> dict[str, str]:
@@ -121,19 +120,6 @@ def special_tokens(settings: dict, legacy_map: dict) -> dict[str, str]:
         if value is not None:
             tokens[name] = value
     return tokens
-
-
-def _read_optional_json(file: str) -> dict:
-    if not os.path.exists(file):
-        return {}
-    try:
-        with open(file, encoding="utf-8") as f:
-            data = json.load(f)
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"{file}: not valid JSON ({exc})") from None
-    if not isinstance(data, dict):
-        raise CheckpointError(f"{file}: not a JSON object")
-    return data
 
 
 def _token_text(value) -> str | None:

@@ -318,7 +318,7 @@ def read_config(path: str) -> dict:
         from fdcore.models.gguf import read_gguf_config
 
         return read_gguf_config(path)[0]
-    return _read_json(os.path.join(path, "config.json"))
+    return read_json_object(os.path.join(path, "config.json"))
 
 
 def load_checkpoint(path: str, progress=None) -> Checkpoint:
@@ -329,7 +329,7 @@ def load_checkpoint(path: str, progress=None) -> Checkpoint:
     if not os.path.isdir(path):
         raise CheckpointError(f"{path}: checkpoint directory does not exist")
     config_file = os.path.join(path, "config.json")
-    config = _read_json(config_file)
+    config = read_json_object(config_file)
     args = ModelArgs.from_config(config, config_file)
     # A tied model's saved copy of the embedding as lm_head is the same matrix: not read.
     skip = {"lm_head.weight"} if args.tie_word_embeddings else set()
@@ -359,27 +359,34 @@ def eos_ids(path: str, config: dict) -> tuple[int, ...]:
 
         return read_gguf_config(path)[1]
     gen_file = os.path.join(path, "generation_config.json")
-    source = _read_json(gen_file) if os.path.exists(gen_file) else config
+    source = read_json_object(gen_file) if os.path.exists(gen_file) else config
     eos = source.get("eos_token_id", config.get("eos_token_id"))
     if eos is None:
         return ()
     return tuple(eos) if isinstance(eos, list) else (int(eos),)
 
 
-def _read_json(file: str) -> dict:
+def read_json_object(file: str, missing_ok: bool = False) -> dict:
+    """One of a checkpoint's JSON files as a dict; a CheckpointError naming the file when it is
+    missing (``missing_ok``: an empty dict instead), unreadable, not JSON or not an object."""
     try:
         with open(file, "rb") as f:
-            return json.load(f)
+            data = json.load(f)
     except FileNotFoundError:
+        if missing_ok:
+            return {}
         raise CheckpointError(f"{file}: missing") from None
-    except ValueError as exc:
+    except (OSError, ValueError) as exc:
         raise CheckpointError(f"{file}: not valid JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{file}: not a JSON object")
+    return data
 
 
 def _weight_files(path: str) -> list[str]:
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.exists(index):
-        weight_map = _read_json(index).get("weight_map")
+        weight_map = read_json_object(index).get("weight_map")
         if not isinstance(weight_map, dict):
             raise CheckpointError(f"{index}: no 'weight_map' object")
         files = sorted(set(weight_map.values()))
