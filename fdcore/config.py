@@ -222,30 +222,24 @@ def _check_ranges(config: Config, source: str) -> None:
     if config.workers.count != 1:
         raise ConfigError(f"{source}: key 'workers.count' is {config.workers.count}; this version "
                           "runs exactly 1 worker (tensor parallelism across workers is not built yet)")
-    _check_dtype(config.model.dtype, source)
-    _check_quantization(config.model.quantization, source)
+    _check_compute(config.model, source)
     if config.server.port > 65535:
         raise ConfigError(f"{source}: key 'server.port' is {config.server.port}, must be <= 65535")
 
 
-def _check_dtype(dtype: str, source: str) -> None:
-    """float32 anywhere; bfloat16 where the CPU multiplies it natively (AVX512-BF16)."""
-    from fdcore.models.kernels import cpu_flags
+def _check_compute(model: "ModelConfig", source: str) -> None:
+    """float32 anywhere; bfloat16 and wint8 where the CPU has the instructions their kernels use."""
+    from fdcore.models.kernels import NEEDED_CPU_FEATURE, missing_cpu_feature
 
-    if dtype == "float16":
+    if model.dtype == "float16":
         raise ConfigError(f"{source}: key 'model.dtype' is 'float16'; the CPU model computes in float32 or "
                           "bfloat16 (float16 checkpoints load and are widened)")
-    if dtype == "bfloat16" and "avx512_bf16" not in cpu_flags().split():
-        raise ConfigError(f"{source}: key 'model.dtype' is 'bfloat16', which needs a CPU with AVX512-BF16 "
-                          "(avx512_bf16 in /proc/cpuinfo); this one has none: use 'float32'")
-
-
-def _check_quantization(quantization: str, source: str) -> None:
-    from fdcore.models.kernels import cpu_flags
-
-    if quantization == "wint8" and "avx512_vnni" not in cpu_flags().split():
-        raise ConfigError(f"{source}: key 'model.quantization' is 'wint8', which needs a CPU with AVX512-VNNI "
-                          "(avx512_vnni in /proc/cpuinfo); this one has none: use 'none'")
+    for key, value, instead in (("dtype", model.dtype, "float32"), ("quantization", model.quantization, "none")):
+        missing = missing_cpu_feature(value)
+        if missing:
+            raise ConfigError(f"{source}: key 'model.{key}' is {value!r}, which needs a CPU with {missing} "
+                              f"({NEEDED_CPU_FEATURE[value][0]} in /proc/cpuinfo); this one has none: use "
+                              f"{instead!r}")
 
 
 def default_model_path() -> str:

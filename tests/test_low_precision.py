@@ -9,7 +9,7 @@ import os
 import numpy as np
 import pytest
 
-from fdcore.models.kernels import bf16_path, cpu_flags, linear_bf16
+from fdcore.models.kernels import cpu_flags, linear_bf16, missing_cpu_feature
 
 HAS_BF16 = "avx512_bf16" in cpu_flags().split()
 needs_bf16 = pytest.mark.skipif(not HAS_BF16, reason="bfloat16 compute is refused on CPUs without AVX512-BF16")
@@ -49,8 +49,10 @@ def test_paddle_rounds_to_bfloat16_as_the_kernel_does():
     assert np.array_equal(paddle.to_tensor(values).astype("bfloat16").astype("float32").numpy(), _bf16(values))
 
 
-def test_the_path_follows_the_cpu_flags():
-    assert bf16_path() == (1 if HAS_BF16 else 0)
+def test_the_needed_features_follow_the_cpu_flags():
+    assert missing_cpu_feature("bfloat16") == (None if HAS_BF16 else "AVX512-BF16")
+    assert missing_cpu_feature("wint8") == (None if "avx512_vnni" in cpu_flags().split() else "AVX512-VNNI")
+    assert missing_cpu_feature("float32") is None
 
 
 @pytest.mark.parametrize("setting, margin, spread", [

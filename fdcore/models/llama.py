@@ -120,6 +120,7 @@ class LlamaModel:
         del embed, head
         self.norm = _float32(t.pop("model.norm.weight"))
         self.layers = [self._layer(t, i) for i in range(args.num_layers)]
+        self.windows = tuple(sorted({layer["window"] for layer in self.layers}))  # the masks a step needs
         self.scale = args.head_dim ** -0.5
         from fdcore.models.kernels import fused_ops
 
@@ -174,7 +175,7 @@ class LlamaModel:
     def forward(self, batch: BatchInput, cache: PagedKVCache) -> np.ndarray:
         """Logits of each sequence's last new token, [num_seqs, vocab] float32, caller's order."""
         order = sorted(range(batch.num_seqs), key=lambda s: len(batch.token_ids[s]) != 1)
-        plan = _Plan(batch, order, cache, masks=self.fused is None, windows=self._windows())
+        plan = _Plan(batch, order, cache, masks=self.fused is None, windows=self.windows)
         hidden = paddle.index_select(self.embed, paddle.to_tensor(plan.token_ids))
         cos, sin = self.args.rope.tables(plan.positions, plan.rope_lengths(batch, order)
                                          if self.args.rope.is_dynamic else None)
@@ -211,9 +212,6 @@ class LlamaModel:
             gate_up = linear(x, layer["gate_up"], layer.get("gate_up_bias"))
             delta = linear(silu_mul(gate_up), layer["down"], layer.get("down_bias"))
         return add_rms_norm(hidden, delta, self.norm_t, eps)[1]
-
-    def _windows(self) -> tuple[int, ...]:
-        return tuple(sorted({layer["window"] for layer in self.layers}))
 
     def _layer_forward(self, hidden, layer, index, cos, sin, plan, cache):
         a = self.args
@@ -308,14 +306,11 @@ class _Plan:
         """Per row, the sequence length its rotary frequencies are for (dynamic scaling):
         max(position + 1, prompt length), or the end of the sequence's tokens in this step
         when the caller gave no prompt lengths (the same for a prompt prefilled whole)."""
-        ends = []
-        for s in order:
-            end = batch.start_positions[s] + len(batch.token_ids[s])
-            ends.extend([end] * len(batch.token_ids[s]))
+        counts = [len(batch.token_ids[s]) for s in order]
         if batch.prompt_lengths is None:
-            return np.asarray(ends, dtype=np.int64)
-        prompts = np.concatenate([np.full(len(batch.token_ids[s]), batch.prompt_lengths[s], dtype=np.int64)
-                                  for s in order])
+            ends = [batch.start_positions[s] + n for s, n in zip(order, counts, strict=True)]
+            return np.repeat(np.asarray(ends, dtype=np.int64), counts)
+        prompts = np.repeat(np.asarray([batch.prompt_lengths[s] for s in order], dtype=np.int64), counts)
         return np.maximum(self.positions + 1, prompts)
 
     def row_tables(self) -> tuple[paddle.Tensor, paddle.Tensor]:
@@ -342,15 +337,9 @@ class _Plan:
         for i, s in enumerate(decode):
             table = batch.block_tables[s][:width]
             blocks[i, :len(table)] = table
-        keys = np.arange(width * block_size)[None, :]
         self.decode_blocks = blocks.reshape(-1)
-        self.decode_bias = {}
-        for window in windows:
-            seen = keys < lengths[:, None]
-            if window:
-                seen &= keys >= lengths[:, None] - window
-            bias = np.where(seen, 0.0, -np.inf).astype(np.float32)
-            self.decode_bias[window] = paddle.to_tensor(bias.reshape(1, len(decode), 1, -1))
+        self.decode_bias = {window: paddle.to_tensor(_attention_bias(lengths - 1, width * block_size, window)
+                                                     .reshape(1, len(decode), 1, -1)) for window in windows}
 
 
 def _blocks_for(block_table: list[int], length: int, block_size: int) -> np.ndarray:
@@ -360,8 +349,14 @@ def _blocks_for(block_table: list[int], length: int, block_size: int) -> np.ndar
 def _causal_bias(start: int, end: int, width: int, window: int = 0) -> np.ndarray:
     """[n, width] additive mask: new token i (at position start + i) sees keys 0 .. start + i
     (only the last ``window`` of them when window > 0)."""
+    return _attention_bias(np.arange(start, end), width, window)
+
+
+def _attention_bias(positions: np.ndarray, width: int, window: int) -> np.ndarray:
+    """[len(positions), width] additive mask: a query at position p sees keys 0 .. p, or only
+    p - window + 1 .. p when window > 0 (the paged kernel's rule)."""
     keys = np.arange(width)[None, :]
-    queries = np.arange(start, end)[:, None]
+    queries = positions[:, None]
     seen = keys <= queries
     if window:
         seen &= keys > queries - window
@@ -447,18 +442,19 @@ def _matrix_kind(dtype: str, quantization: str) -> str:
     """How the projections' weights are kept: float32; bfloat16 where the CPU multiplies it natively
     (AVX512-BF16); wint8 where it has AVX512-VNNI (with either dtype: the weights are int8 then). The
     kernel must have been built."""
-    from fdcore.models.kernels import cpu_flags, linear_bf16, linear_int8
+    from fdcore.models.kernels import linear_bf16, linear_int8, missing_cpu_feature
 
     if quantization not in ("none", "wint8"):
         raise ValueError(f"quantization {quantization!r}: none or wint8")
     if dtype not in ("float32", "bfloat16"):
         raise ValueError(f"dtype {dtype!r}: the CPU model computes in float32 or bfloat16")
-    kind, flag, table, build = ((quantization, "avx512_vnni", _INT8_LINEAR, linear_int8) if quantization == "wint8"
-                                else (dtype, "avx512_bf16", _BF16_LINEAR, linear_bf16))
+    kind, table, build = ((quantization, _INT8_LINEAR, linear_int8) if quantization == "wint8"
+                          else (dtype, _BF16_LINEAR, linear_bf16))
     if kind == "float32":
         return kind
-    if flag not in cpu_flags().split():
-        raise ValueError(f"{kind} needs a CPU with {flag} in /proc/cpuinfo; this one has none")
+    missing = missing_cpu_feature(kind)
+    if missing:
+        raise ValueError(f"{kind} needs a CPU with {missing}; this one has none")
     table[0] = build()
     if table[0] is None:
         raise ValueError(f"{kind} needs fdcore's C++ operators, which could not be built here")
@@ -470,7 +466,7 @@ def _float32(array: np.ndarray) -> np.ndarray:
 
 
 def _rms_norm_np(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
-    """HF's RMSNorm over the last axis of a numpy array (Qwen3's per-head q / k norm)."""
+    """HF's RMSNorm over the last axis of a numpy array (hidden states, Qwen3's per-head q / k)."""
     variance = np.mean(x * x, axis=-1, keepdims=True)
     return x * (1.0 / np.sqrt(variance + np.float32(eps))) * weight
 
@@ -482,9 +478,7 @@ def _shared(array: np.ndarray) -> paddle.Tensor:
 
 def _rms_norm(x: paddle.Tensor, weight: np.ndarray, eps: float) -> paddle.Tensor:
     """HF's RMSNorm, in numpy (five tiny Paddle ops cost ~10x more than the arithmetic)."""
-    h = x.numpy()
-    variance = np.mean(h * h, axis=-1, keepdims=True)
-    return _shared(h * (1.0 / np.sqrt(variance + np.float32(eps))) * weight)
+    return _shared(_rms_norm_np(x.numpy(), weight, eps))
 
 
 def _apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:

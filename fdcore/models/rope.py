@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -61,13 +62,18 @@ class RopeSpec:
         """(inv_freq [head_dim / 2] float32, the factor cos / sin are multiplied by)."""
         return _INIT[self.rope_type](self, seq_len)
 
+    @cached_property
+    def _static_frequencies(self) -> tuple[np.ndarray, float]:
+        """The frequencies of every step but dynamic scaling's: computed once, not per step."""
+        return self.inverse_frequencies()
+
     def tables(self, positions: np.ndarray, seq_lens: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
         """cos and sin, each [len(positions), head_dim / 2] float32, for rotate-half rotary.
 
         ``seq_lens`` (per position) matters only for ``dynamic``: each position gets the
         frequencies of its sequence's length."""
         if not self.is_dynamic or seq_lens is None:
-            inv_freq, scale = self.inverse_frequencies()
+            inv_freq, scale = self._static_frequencies
             return _cos_sin(positions, inv_freq[None, :], scale)
         lengths = np.maximum(seq_lens, self.max_position_embeddings)
         unique, index = np.unique(lengths, return_inverse=True)

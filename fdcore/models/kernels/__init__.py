@@ -65,7 +65,7 @@ def fused_ops():
 
 def linear_bf16():
     """``linear(x, packed, rows)``: x [M, K] float32 times a bfloat16 weight of ``rows`` outputs packed
-    by fdcore.models.llama.Bf16Matrix, float32 out [M, rows]; AVX512-BF16 CPUs only (bf16_path).
+    by fdcore.models.llama.Bf16Matrix, float32 out [M, rows]; AVX512-BF16 CPUs only (missing_cpu_feature).
     None when not built here."""
     ops = _ops()
     return ops and ops[4]
@@ -79,9 +79,15 @@ def linear_int8():
     return ops and ops[5]
 
 
-def bf16_path() -> int:
-    """1 where the CPU has AVX512-BF16 (``vdpbf16ps``, what linear_bf16 runs on), else 0."""
-    return 1 if "avx512_bf16" in cpu_flags().split() else 0
+# The CPU feature each low-precision kernel is built on: (/proc/cpuinfo flag, its usual name).
+NEEDED_CPU_FEATURE = {"bfloat16": ("avx512_bf16", "AVX512-BF16"), "wint8": ("avx512_vnni", "AVX512-VNNI")}
+
+
+def missing_cpu_feature(kind: str) -> str | None:
+    """The feature (usual name) the kernel for ``kind`` needs and this CPU lacks; None when nothing
+    is missing (or ``kind`` needs no kernel of its own, e.g. float32)."""
+    needed = NEEDED_CPU_FEATURE.get(kind)
+    return needed[1] if needed and needed[0] not in cpu_flags().split() else None
 
 
 def _ops():
