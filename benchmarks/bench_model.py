@@ -30,8 +30,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from fdcore.models import cpu_env  # noqa: E402,F401  (math-library settings before paddle)
 import paddle  # noqa: E402
 
+from fdcore.core.batch import BatchInput  # noqa: E402
 from fdcore.models import tiny  # noqa: E402
-from fdcore.models.llama import BatchInput, LlamaModel, PagedKVCache, linear  # noqa: E402
+from fdcore.models.llama import LlamaModel, PagedKVCache, linear  # noqa: E402
 from fdcore.models.loader import load_checkpoint  # noqa: E402
 
 BLOCK = 16

@@ -52,7 +52,7 @@ import msgspec
 
 from fdcore.actors import health, topology
 from fdcore.actors.health import HealthBoard, State
-from fdcore.config import Config, ConfigError, load_config
+from fdcore.config import Config, ConfigError, load_config, render_config
 from fdcore.ipc import Inbox, Receiver, Ring, RingEmpty, RingFull, Sender, names
 from fdcore.protocol import (
     AbortRequest,
@@ -156,7 +156,7 @@ class _Tree:
     @classmethod
     def find(cls, instance: str | None) -> _Tree:
         running = sorted({e.instance_id for e in names.list_entries()
-                          if e.filename.endswith("-engine") and names.pid_alive(e.owner_pid)})
+                          if topology.is_engine_inbox(e) and names.pid_alive(e.owner_pid)})
         if instance is None:
             if len(running) != 1:
                 raise EngineError(f"connect(): {len(running)} running fdcore instances ({', '.join(running)}); "
@@ -186,8 +186,6 @@ class _Tree:
 def _config_file(config) -> tuple[str, bool]:
     if isinstance(config, (str, os.PathLike)):
         return os.fspath(config), False
-    from fdcore.supervisor import render_config
-
     if config is None:
         config = Config()
     if not isinstance(config, Config):
@@ -233,11 +231,10 @@ class Connection:
         self.tree = tree
         self.slot, self.lock_fd = self._claim(tree.instance)
         try:
-            client = f"client{self.slot}"
+            client = topology.client_id(self.slot)
             self.inbox = Inbox.attach(topology.inbox_name(tree.instance, client), ["engine"])
             self.receiver = Receiver(self.inbox, ClientMessage)
-            engine = topology.inbox_name(tree.instance, "engine")
-            self.sender = Sender(Ring.attach(f"{engine}.{client}"))
+            self.sender = Sender(Ring.attach(topology.link_name(tree.instance, "engine", client)))
             self._send_lock = threading.Lock()
             self.welcome = self.handshake(timeout)
         except BaseException:
@@ -248,9 +245,8 @@ class Connection:
     def _claim(instance: str) -> tuple[int, int]:
         slot = 0
         while True:
-            path = os.path.join(names.SHM_DIR, topology.inbox_name(instance, f"client{slot}").lstrip("/"))
             try:
-                fd = os.open(path, os.O_RDWR)
+                fd = os.open(topology.client_slot_path(instance, slot), os.O_RDWR)
             except FileNotFoundError:
                 raise EngineError(f"all {slot} client slots of instance {instance} are taken "
                                   "(engine.max_clients)", 503) from None

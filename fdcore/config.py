@@ -66,6 +66,7 @@ Example (every key shown with its default)::
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Literal
 
@@ -188,6 +189,21 @@ def parse_config(raw: bytes | str, *, source: str = "<config>", check_model: boo
     if check_model:
         check_model_path(config, source)
     return config
+
+
+def render_config(config: Config) -> str:
+    """The effective configuration as TOML (every section and key), which :func:`parse_config`
+    reads back: what ``--check`` prints, and the file an embedding client hands the supervisor."""
+    lines = []
+    for section in Config.__struct_fields__:
+        lines.append(f"[{section}]")
+        part = getattr(config, section)
+        for key in part.__struct_fields__:
+            value = getattr(part, key)
+            text = json.dumps(value) if not isinstance(value, bool) else str(value).lower()
+            lines.append(f"{key} = {text}")
+        lines.append("")
+    return "\n".join(lines)
 
 
 def _serve_when_a_port_is_given(config: Config, raw: bytes | str) -> None:

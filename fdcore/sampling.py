@@ -96,9 +96,9 @@ def _sample_plain(logits: np.ndarray, requests: list[SamplerRequest]) -> np.ndar
     inv_t = np.asarray([1.0 / r.params.temperature for r in requests], dtype=np.float32)
     kernel = _gumbel_kernel()
     if kernel is not None:
-        from fdcore.models.llama import _shared
+        from fdcore.models.tensors import as_paddle
 
-        picks = kernel(_shared(np.ascontiguousarray(logits)), _shared(keys.view(np.int64)), _shared(inv_t))
+        picks = kernel(as_paddle(np.ascontiguousarray(logits)), as_paddle(keys.view(np.int64)), as_paddle(inv_t))
         return picks.numpy()
     return np.asarray([int(np.argmax(row * t + gumbel_noise(int(k), row.size)))
                        for row, k, t in zip(logits, keys, inv_t, strict=True)])

@@ -34,7 +34,7 @@ import posix_ipc
 
 from fdcore.actors import health, topology
 from fdcore.actors.health import HealthBoard, State
-from fdcore.config import Config, ConfigError, load_config, model_path
+from fdcore.config import Config, ConfigError, load_config, model_path, render_config
 from fdcore.ipc import Inbox, Ring, Sender, names
 from fdcore.protocol import Restarted, Stop
 from fdcore.supervision import Backoff, ChildSpec, RestartIntensity, plan_restart, should_restart
@@ -490,20 +490,6 @@ def log(event: str, **fields) -> None:
 def _quote(value) -> str:
     text = str(value)
     return json.dumps(text) if (" " in text or not text) else text
-
-
-def render_config(config: Config) -> str:
-    """The effective configuration as TOML (every section and key)."""
-    lines = []
-    for section in Config.__struct_fields__:
-        lines.append(f"[{section}]")
-        part = getattr(config, section)
-        for key in part.__struct_fields__:
-            value = getattr(part, key)
-            text = json.dumps(value) if not isinstance(value, bool) else str(value).lower()
-            lines.append(f"{key} = {text}")
-        lines.append("")
-    return "\n".join(lines)
 
 
 def main(argv=None) -> int:

@@ -69,8 +69,9 @@ def test_low_precision_picks_float32s_token_wherever_float32_is_not_at_a_near_ti
     flag = "avx512_bf16" if setting[0] == "bfloat16" else "avx512_vnni"
     if flag not in cpu_flags().split():
         pytest.skip(f"{setting} is refused on CPUs without {flag}")
+    from fdcore.core.batch import BatchInput
     from fdcore.models.fetch import fetch_smollm2
-    from fdcore.models.llama import BatchInput, LlamaModel, PagedKVCache
+    from fdcore.models.llama import LlamaModel, PagedKVCache
     from fdcore.models.loader import load_checkpoint
 
     reference = json.load(open(os.path.join(os.path.dirname(__file__), "data", "gguf_reference.json")))

@@ -8,8 +8,9 @@ import os
 import numpy as np
 import pytest
 
+from fdcore.core.batch import BatchInput
 from fdcore.models import tiny
-from fdcore.models.llama import BatchInput, LlamaModel, PagedKVCache
+from fdcore.models.llama import LlamaModel, PagedKVCache
 from fdcore.models.loader import CheckpointError, load_checkpoint
 from fdcore.protocol import SamplingParams
 from fdcore.sampling import SamplerRequest, sample

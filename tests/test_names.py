@@ -6,6 +6,7 @@ import os
 
 import pytest
 
+from fdcore.actors import topology
 from fdcore.ipc import Inbox, Ring, names
 
 
@@ -117,3 +118,15 @@ def test_sweep_leaves_another_users_entries_alone():
 def test_an_instance_is_claimed_only_for_a_running_owner():
     with pytest.raises(ValueError, match="not a running process"):
         names.claim_instance(names.new_instance_id(2 ** 22 + 5))
+
+
+def test_topology_finds_an_instance_by_its_engine_inbox_and_a_client_slot_by_its_file():
+    """What a connecting client relies on: the engine inbox (segment and semaphore, not its links,
+    nor another child's inbox) marks an instance, and a slot's lock file is its inbox's segment."""
+    instance = names.new_instance_id()
+    engine, slot = topology.inbox_name(instance, "engine"), topology.inbox_name(instance, topology.client_id(3))
+    with Inbox.create(engine, [topology.client_id(3)], capacity=4096), Inbox.create(slot, ["engine"], capacity=4096):
+        found = {e.filename for e in names.list_entries() if e.instance_id == instance and topology.is_engine_inbox(e)}
+        assert found == {engine[1:], f"sem.{engine[1:]}"}
+        assert topology.client_slot_path(instance, 3) == os.path.join(names.SHM_DIR, slot[1:])
+        assert os.path.exists(topology.client_slot_path(instance, 3))

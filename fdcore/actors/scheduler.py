@@ -23,14 +23,13 @@ from __future__ import annotations
 
 from collections import deque
 
-from fdcore.actors import faults
+from fdcore.actors import faults, topology
 from fdcore.actors.runtime import Actor, Interrupted
 from fdcore.core.scheduler import Request, ScheduledRequest, Scheduler, SchedulerConfig
 from fdcore.protocol import (AddSeq, Allocate, CacheReply, CacheReset, CacheStats, CacheStatsQuery, Computed,
                              FinishSeq, Free, Grow, GrowMany, GrowReply, NewSeq, Resync, SchedulerMessage, SeqTokens,
                              ServingStats, StatsQuery, Step, StepItem, StepResult, Stop, Suspects, WorkerSync)
 
-WORKER = "worker0"
 PIPELINE_DEPTH = 2  # steps in flight: the one running and the next, queued
 
 
@@ -128,6 +127,7 @@ class SchedulerActor(Actor):
     def on_start(self) -> None:
         self.epoch: int | None = None  # nothing is scheduled before the engine's first Resync
         self.poison = faults.poison_for("scheduler")
+        self.worker = topology.step_worker(self.config)
         self._reset()
 
     def _reset(self) -> None:
@@ -176,7 +176,7 @@ class SchedulerActor(Actor):
         self._reset()
         self.epoch = epoch
         self.send("cache", CacheReset(epoch))
-        self.send(WORKER, WorkerSync(epoch))
+        self.send(self.worker, WorkerSync(epoch))
 
     def _add(self, m: AddSeq) -> None:
         self.handling = [m.seq]
@@ -248,6 +248,6 @@ class SchedulerActor(Actor):
         self.policy.launch(scheduled)
         self.step_number += 1
         self.in_flight.append((self.step_number, scheduled))
-        self.send(WORKER, Step(self.step_number, self.epoch, new, items, self.forget))
+        self.send(self.worker, Step(self.step_number, self.epoch, new, items, self.forget))
         self.forget = []
         return True

@@ -8,6 +8,8 @@ may send to it gets its own link (a single-producer ring) in that inbox.
 
 from __future__ import annotations
 
+import os
+
 from fdcore.config import Config
 from fdcore.ipc import names
 from fdcore.supervision import ChildSpec
@@ -35,6 +37,12 @@ KINDS = {
 
 def worker_ids(config: Config) -> list[str]:
     return [f"worker{i}" for i in range(config.workers.count)]
+
+
+def step_worker(config: Config) -> str:
+    """The worker the scheduler sends its steps to: the first (and, while ``workers.count`` must
+    be 1, the only) one; named here so the scheduler never spells a child id by hand."""
+    return worker_ids(config)[0]
 
 
 def child_ids(config: Config) -> list[str]:
@@ -71,6 +79,12 @@ def client_id(index: int) -> str:
     return f"client{index}"
 
 
+def client_slot_path(instance_id: str, slot: int) -> str:
+    """The file a client locks to claim a slot: the slot inbox's segment in /dev/shm. A lock on
+    it is dropped by the kernel the moment its holder dies, which is what frees the slot."""
+    return os.path.join(names.SHM_DIR, inbox_name(instance_id, client_id(slot)).lstrip("/"))
+
+
 def client_index(link: str) -> int | None:
     """The slot number of a client link ("client3" -> 3); None for an actor's link."""
     number = link.removeprefix("client")
@@ -100,6 +114,12 @@ def inbox_name(instance_id: str, child_id: str) -> str:
 def link_name(instance_id: str, to: str, producer: str) -> str:
     """The ring ``producer`` sends to ``to`` by (one single-producer ring per link)."""
     return f"{inbox_name(instance_id, to)}.{producer}"
+
+
+def is_engine_inbox(entry: names.ShmEntry) -> bool:
+    """Whether a /dev/shm entry is an instance's engine inbox (its segment or its semaphore): the
+    object whose presence tells a client that an instance is there to connect to."""
+    return entry.posix_name == inbox_name(entry.instance_id, "engine")
 
 
 def health_name(instance_id: str) -> str:

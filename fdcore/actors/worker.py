@@ -23,6 +23,7 @@ import numpy as np
 from fdcore.actors import faults, health
 from fdcore.actors.runtime import Actor
 from fdcore.config import model_path
+from fdcore.core.batch import BatchInput
 from fdcore.protocol import SamplingParams, Step, StepResult, WorkerMessage, WorkerSync
 
 
@@ -84,7 +85,6 @@ class WorkerActor(Actor):
             super().handle(message)
 
     def run_step(self, step: Step) -> StepResult:
-        from fdcore.models.llama import BatchInput
         from fdcore.sampling import SamplerRequest, sample
 
         started = time.perf_counter()

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from fdcore.core.batch import BatchInput
 from fdcore.core.scheduler import Request, ScheduledRequest, Scheduler
-from fdcore.models.llama import BatchInput
 from fdcore.sampling import SamplerRequest, sample
 
 

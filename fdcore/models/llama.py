@@ -23,27 +23,14 @@ q/k/v (Qwen2, ``attention_bias``), on o (``attention_bias``) and on the MLP
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 
 from fdcore.models import cpu_env  # noqa: F401  (before paddle: math-library settings)
 import paddle  # noqa: E402
 
+from fdcore.core.batch import BatchInput
 from fdcore.models.loader import Checkpoint, ModelArgs
-
-@dataclass
-class BatchInput:
-    """One step's work, per sequence (the scheduler fills it)."""
-
-    token_ids: list[list[int]]   # the new tokens of each sequence this step
-    start_positions: list[int]   # position of each sequence's first new token
-    block_tables: list[list[int]]
-    prompt_lengths: list[int] | None = None  # for dynamic rotary scaling (see fdcore.models.rope)
-
-    @property
-    def num_seqs(self) -> int:
-        return len(self.token_ids)
+from fdcore.models.tensors import as_paddle
 
 
 class PagedKVCache:
@@ -60,7 +47,7 @@ class PagedKVCache:
     def tensors(self, layer: int) -> tuple[paddle.Tensor, paddle.Tensor]:
         """Paddle views (no copy) of one layer's K and V arrays, for the paged attention op."""
         if self._tensors is None:
-            self._tensors = [(_shared(k), _shared(v)) for k, v in zip(self.k, self.v, strict=True)]
+            self._tensors = [(as_paddle(k), as_paddle(v)) for k, v in zip(self.k, self.v, strict=True)]
         return self._tensors[layer]
 
     def slots(self, block_table: list[int], start: int, end: int) -> np.ndarray:
@@ -134,7 +121,7 @@ class LlamaModel:
 
     def _tensor(self, array: np.ndarray) -> paddle.Tensor:
         """A Paddle tensor sharing the float32 array's memory (no second copy of the weights)."""
-        return _shared(_float32(array))
+        return as_paddle(_float32(array))
 
     def _matrix(self, array: np.ndarray):
         """A projection's weight [out, in] as the model multiplies it (bfloat16 and wint8: packed for
@@ -227,7 +214,7 @@ class LlamaModel:
         qk = _apply_rope(qk, cos[:, None, :], sin[:, None, :])
         q = qk[:, :a.num_heads] * np.float32(self.scale)
         cache.write(index, plan.write_slots, qk[:, a.num_heads:], heads[:, a.num_heads + a.num_kv_heads:])
-        attn = _shared(self._attention(q, index, cache, plan, layer["window"]))
+        attn = as_paddle(self._attention(q, index, cache, plan, layer["window"]))
         hidden = hidden + linear(attn, layer["o"], layer.get("o_bias"))
         x = _rms_norm(hidden, layer["post_norm"], a.rms_norm_eps)
         gate, up = paddle.split(linear(x, layer["gate_up"], layer.get("gate_up_bias")), 2, axis=-1)
@@ -246,9 +233,9 @@ class LlamaModel:
     def _decode_attention(self, q, layer, cache, plan, window):
         a = self.args
         b, groups = plan.num_decode, a.num_heads // a.num_kv_heads
-        k, v = (_shared(x).reshape([a.num_kv_heads, b, -1, a.head_dim])
+        k, v = (as_paddle(x).reshape([a.num_kv_heads, b, -1, a.head_dim])
                 for x in cache.gather(layer, plan.decode_blocks))
-        q = _shared(np.ascontiguousarray(q.reshape(b, a.num_kv_heads, groups, a.head_dim).transpose(1, 0, 2, 3)))
+        q = as_paddle(np.ascontiguousarray(q.reshape(b, a.num_kv_heads, groups, a.head_dim).transpose(1, 0, 2, 3)))
         scores = paddle.matmul(q, k, transpose_y=True)  # [kv, b, g, L]
         probs = paddle.nn.functional.softmax(scores + plan.decode_bias[window], axis=-1)
         out = paddle.matmul(probs, v).numpy()  # [kv, b, g, D]
@@ -257,9 +244,9 @@ class LlamaModel:
     def _prefill_attention(self, q, layer, cache, blocks, bias):
         a = self.args
         n, groups = q.shape[0], a.num_heads // a.num_kv_heads
-        k, v = (_shared(x) for x in cache.gather(layer, blocks))  # [kv, L, D]
+        k, v = (as_paddle(x) for x in cache.gather(layer, blocks))  # [kv, L, D]
         q = np.ascontiguousarray(q.reshape(n, a.num_kv_heads, groups, a.head_dim).transpose(1, 2, 0, 3))
-        scores = paddle.matmul(_shared(q.reshape(a.num_kv_heads, groups * n, a.head_dim)), k,
+        scores = paddle.matmul(as_paddle(q.reshape(a.num_kv_heads, groups * n, a.head_dim)), k,
                                transpose_y=True)  # [kv, g*n, L]
         scores = scores.reshape([a.num_kv_heads, groups, n, -1]) + bias
         probs = paddle.nn.functional.softmax(scores, axis=-1).reshape([a.num_kv_heads, groups * n, -1])
@@ -471,14 +458,9 @@ def _rms_norm_np(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     return x * (1.0 / np.sqrt(variance + np.float32(eps))) * weight
 
 
-def _shared(array: np.ndarray) -> paddle.Tensor:
-    """A Paddle view of a numpy array (DLPack, no copy: to_tensor would copy megabytes)."""
-    return paddle.utils.dlpack.from_dlpack(array)
-
-
 def _rms_norm(x: paddle.Tensor, weight: np.ndarray, eps: float) -> paddle.Tensor:
     """HF's RMSNorm, in numpy (five tiny Paddle ops cost ~10x more than the arithmetic)."""
-    return _shared(_rms_norm_np(x.numpy(), weight, eps))
+    return as_paddle(_rms_norm_np(x.numpy(), weight, eps))
 
 
 def _apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
