@@ -25,7 +25,7 @@ import sys
 import time
 import traceback
 
-from fdcore.actors import health, topology
+from fdcore.actors import faults, health, topology
 from fdcore.actors.health import HealthBoard, State
 from fdcore.config import Config, load_config
 from fdcore.ipc import Inbox, Receiver, Ring, RingEmpty, Sender
@@ -39,8 +39,15 @@ class Interrupted(Exception):
     """A wait for a reply ended by a message that changes everything (see Actor.call)."""
 
 
-class StopRequested(BaseException):
-    """Raised by the SIGTERM handler so a blocking wait ends at once."""
+class StopRequested(KeyboardInterrupt):
+    """Raised by the SIGTERM handler so a blocking wait ends at once.
+
+    NOTE: it derives from KeyboardInterrupt because that is the one exception posix_ipc lets a
+    signal handler raise out of a semaphore wait: when the signal interrupts the wait itself
+    (EINTR), posix_ipc runs the handler and replaces any other exception it raised with
+    SignalError, which the doorbell treats as a spurious wake-up. A plain BaseException was lost
+    that way whenever the kernel delivered SIGTERM to the waiting main thread, and the actor was
+    SIGKILLed a shutdown_timeout later without its on_stop."""
 
 
 class Actor:
@@ -208,6 +215,7 @@ def main(actor_cls, argv=None) -> int:
         board.write(args.slot, health.STATE, State.STARTING)
     actor = actor_cls(args.id, args.instance, config, board, args.slot)
     actor.standby = standby
+    faults.install(actor)
     inbox = None
     try:
         actor.on_start()

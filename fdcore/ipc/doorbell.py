@@ -62,7 +62,8 @@ def sleep_until(mm: mmap.mmap, offset: int, semaphore: posix_ipc.Semaphore, read
             try:
                 semaphore.acquire(nap if remaining is None else min(nap, remaining))
             except (posix_ipc.BusyError, posix_ipc.SignalError):
-                pass  # timed out, or a signal: its Python handler runs next and may raise
+                pass  # timed out, or a signal whose handler returned (posix_ipc ran it; only a
+                # KeyboardInterrupt it raised comes through, every other exception is lost)
             nap = MAX_NAP if nap == SETTLE else nap
             if ready():
                 return True
