@@ -188,3 +188,29 @@ def test_metrics_count_what_happened(start_tree):
     assert grown == {"length": 3, "error": 1}, grown
     os.kill(tree.proc.pid, signal.SIGTERM)
     assert tree.exit_code() == 0
+
+
+def test_actors_talk_only_through_shared_memory(start_tree):
+    """README: actors talk only through msgspec messages over shared-memory rings: no actor process
+    holds a socket of any kind (inet or unix), and no fdcore module imports pickle,
+    multiprocessing or a socket library (the API actor's HTTP socket faces users, not actors)."""
+    import pathlib
+    import re
+
+    import psutil
+
+    tree = start_tree("[workers]\nstandby = false\n")
+    tree.wait("ready")
+    with LLM.connect(tree.instance) as llm:  # traffic on every link first
+        from fdcore import SamplingParams
+
+        llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+        sockets = {cid: psutil.Process(pid).net_connections(kind="all") for cid, pid in tree.pids.items()}
+    assert sockets == {cid: [] for cid in tree.pids}, sockets
+    package = pathlib.Path(__file__).resolve().parent.parent / "fdcore"
+    forbidden = re.compile(r"^\s*(?:import|from)\s+(pickle|multiprocessing|socket|zmq)\b", re.M)
+    offenders = {str(path.relative_to(package)): forbidden.findall(path.read_text())
+                 for path in package.rglob("*.py") if forbidden.search(path.read_text())}
+    assert offenders == {"actors/api.py": ["socket"]}, offenders
+    os.kill(tree.proc.pid, signal.SIGTERM)
+    assert tree.exit_code() == 0
