@@ -1,0 +1,134 @@
+"""What each compute dtype and weight quantization costs in quality, against float32, on SmolLM2.
+
+Two measures, every setting the CPU accepts (float32, bfloat16, wint8, wint4), one run:
+
+- **perplexity** on a fixed English text shipped with the repository
+  (``benchmarks/data/quality_text.txt``: sections of the Python documentation — the execution
+  model, exceptions, class definitions, truth values, boolean operations — taken from CPython's
+  ``pydoc_data.topics``, PSF License). The text is cut into ``--chunk``-token pieces read in
+  parallel, one token per step, teacher-forced: every token after a chunk's first is predicted.
+- **greedy agreement**: free-running greedy decoding of the golden chat prompts
+  (``tests/data/gguf_reference.json``): how many of the first ``--tokens`` tokens equal float32's,
+  per prompt (the issue's bar: every prompt's first 16).
+
+Usage: OMP_NUM_THREADS=1 python benchmarks/bench_quality.py [--chunk 256] [--tokens 16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import numpy as np
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, ".."))
+
+TEXT = os.path.join(HERE, "data", "quality_text.txt")
+GOLDEN = os.path.join(HERE, "..", "tests", "data", "gguf_reference.json")
+SETTINGS = [("float32", "none"), ("bfloat16", "none"), ("float32", "wint8"), ("float32", "wint4")]
+BLOCK = 16
+
+
+def usable(dtype: str, quantization: str) -> str | None:
+    """None when this CPU and this fdcore accept the setting, else why not."""
+    from fdcore.config import ConfigError, parse_config
+
+    try:
+        parse_config(f'[model]\ndtype = "{dtype}"\nquantization = "{quantization}"\n')
+    except (ConfigError, ValueError) as exc:
+        return str(exc).splitlines()[0]
+    return None
+
+
+def perplexity(model, chunks: list[list[int]]) -> float:
+    """exp(mean negative log-likelihood) of every token after each chunk's first, all chunks read
+    side by side one token per step (a decode batch), float64 softmax."""
+    from fdcore.core.batch import BatchInput
+    from fdcore.models.llama import PagedKVCache
+
+    length = len(chunks[0])
+    blocks = -(-length // BLOCK)
+    cache = PagedKVCache(model.args, blocks * len(chunks), BLOCK)
+    tables = [list(range(i * blocks, (i + 1) * blocks)) for i in range(len(chunks))]
+    nll, count = 0.0, 0
+    for pos in range(length - 1):
+        batch = BatchInput([[c[pos]] for c in chunks], [pos] * len(chunks), tables, [1] * len(chunks))
+        logits = model.forward(batch, cache).astype(np.float64)
+        top = logits.max(axis=1, keepdims=True)
+        log_z = np.log(np.exp(logits - top).sum(axis=1)) + top[:, 0]
+        nll += float(np.sum(log_z - logits[np.arange(len(chunks)), [c[pos + 1] for c in chunks]]))
+        count += len(chunks)
+    return float(np.exp(nll / count))
+
+
+def greedy(model, prompt: list[int], tokens: int) -> tuple[list[int], list[float]]:
+    """The first ``tokens`` greedy tokens and, per step, the gap between the two best logits."""
+    from fdcore.core.batch import BatchInput
+    from fdcore.models.llama import PagedKVCache
+
+    blocks = -(-(len(prompt) + tokens) // BLOCK)
+    cache = PagedKVCache(model.args, blocks, BLOCK)
+    out, gaps, ids, start = [], [], prompt, 0
+    for _ in range(tokens):
+        logits = model.forward(BatchInput([ids], [start], [list(range(blocks))], [len(prompt)]), cache)[0]
+        best, second = np.sort(logits)[-2:][::-1]
+        start, ids = start + len(ids), [int(np.argmax(logits))]
+        out += ids
+        gaps.append(float(best - second))
+    return out, gaps
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--chunk", type=int, default=256, help="tokens per teacher-forced piece")
+    parser.add_argument("--tokens", type=int, default=16, help="greedy tokens compared per golden prompt")
+    args = parser.parse_args()
+
+    from fdcore.core.tokenizer import ModelTokenizer
+    from fdcore.models.fetch import fetch_smollm2
+    from fdcore.models.llama import LlamaModel
+    from fdcore.models.loader import load_checkpoint
+
+    path = fetch_smollm2()
+    ids = ModelTokenizer(path).encode(open(TEXT).read())
+    chunks = [ids[i:i + args.chunk] for i in range(0, len(ids) - args.chunk + 1, args.chunk)]
+    prompts = [chat["prompt"] for chat in json.load(open(GOLDEN))["chats"]]
+    rows, reference = [], None
+    for dtype, quantization in SETTINGS:
+        name = dtype if quantization == "none" else quantization
+        why = usable(dtype, quantization)
+        if why:
+            rows.append((name, None, None, why))
+            continue
+        model = LlamaModel(load_checkpoint(path, progress=lambda *_: None), dtype, quantization)
+        ppl = perplexity(model, chunks)
+        outputs = [greedy(model, p, args.tokens) for p in prompts]
+        reference = reference or outputs
+        agree = [next((i for i, (a, b) in enumerate(zip(o[0], r[0])) if a != b), args.tokens)
+                 for o, r in zip(outputs, reference, strict=True)]
+        # where one differs: float32's own gap between its two best logits at that step
+        agree = [(a, reference[i][1][a] if a < args.tokens else None) for i, a in enumerate(agree)]
+        rows.append((name, ppl, agree, ""))
+        print(f"{name}: perplexity {ppl:.4f}", file=sys.stderr, flush=True)
+    base = rows[0][1]
+    print(f"\nSmolLM2-135M-Instruct (Q4_1 GGUF weights), {len(chunks)} x {args.chunk} tokens of "
+          f"{os.path.relpath(TEXT)}; greedy: first {args.tokens} tokens of {len(prompts)} golden chat prompts")
+    print(f"{'setting':10s} {'perplexity':>11s} {'vs float32':>11s}  greedy tokens equal to float32's, per prompt")
+    for name, ppl, agree, why in rows:
+        if ppl is None:
+            print(f"{name:10s} {'-':>11s} {'-':>11s}  not run: {why}")
+            continue
+        full = sum(a == args.tokens for a, _ in agree)
+        where = ", ".join(f"prompt {i} token {a} (float32's top-two gap {gap:.3f})"
+                          for i, (a, gap) in enumerate(agree) if gap is not None)
+        print(f"{name:10s} {ppl:11.4f} {100 * (ppl / base - 1):+10.2f}%  {full}/{len(agree)} prompts all {args.tokens}"
+              + (f"; first differences: {where}" if where else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
