@@ -15,6 +15,7 @@ restart that leaves a second engine, or none, fails the run).
 
 Usage: python benchmarks/chaos.py [--streams 32] [--kills 10] [--seed 0] [--max-tokens 300]
                                   [--strategy one_for_one|one_for_all|rest_for_one]
+                                  [--model tiny|smollm2|PATH] [--dtype float32|bfloat16] [--quantization none|wint8|wint4]
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from fdcore import AsyncLLM, SamplingParams  # noqa: E402
 from fdcore.config import default_model_path, parse_config  # noqa: E402
+from fdcore.models.fetch import fetch_smollm2  # noqa: E402
 from fdcore.models.tiny import ensure_tiny_model  # noqa: E402
 from fdcore.actors import topology  # noqa: E402
 from fdcore.supervisor import actor_census  # noqa: E402
@@ -134,9 +136,10 @@ async def chaos(client, clock: Clock, kills: int, rng: random.Random, kinds: lis
 async def main_async(args) -> int:
     rng = random.Random(args.seed)
     prompts, params = workload(args.streams, args.max_tokens, rng)
-    model = ensure_tiny_model(default_model_path())
-    config = parse_config(f'[model]\npath = "{model}"\n[supervisor]\nmax_restarts = {args.kills + 5}\n'
-                          f'period = 600.0\nstrategy = "{args.strategy}"\n')
+    model = ensure_tiny_model(default_model_path()) if args.model == "tiny" else \
+        fetch_smollm2() if args.model == "smollm2" else args.model
+    config = parse_config(f'[model]\npath = "{model}"\ndtype = "{args.dtype}"\nquantization = "{args.quantization}"\n'
+                          f'[supervisor]\nmax_restarts = {args.kills + 5}\nperiod = 600.0\nstrategy = "{args.strategy}"\n')
     async with AsyncLLM(config) as client:
         clean_started = time.monotonic()
         clean = await asyncio.gather(*(stream(client, p, s, f"clean-{i}", None)
@@ -161,7 +164,7 @@ async def main_async(args) -> int:
     skipped = [k for k, p in log if p is None]
     idle = [k for k, p in log if p == "idle"]
     log = [(k, p) for k, p in log if p is not None]
-    print(f"\nchaos ({args.strategy}): {args.streams} streams x {args.max_tokens} tokens, {len(log)} of "
+    print(f"\nchaos ({args.strategy}; {os.path.basename(model)} {args.dtype}, quantization {args.quantization}): {args.streams} streams x {args.max_tokens} tokens, {len(log)} of "
           f"{args.kills} kills done in {elapsed:.1f} s (fault-free run: {clean_elapsed:.1f} s; seed {args.seed}); "
           f"health after: {healthy}" + (f"\nkills skipped (no such process then): {skipped}" if skipped else "")
           + (f"\nkills after every stream had its last token (no pause to measure): {idle}" if idle else ""))
@@ -187,6 +190,9 @@ def main(argv=None) -> int:
     parser.add_argument("--max-tokens", type=int, default=300)
     parser.add_argument("--actors", default="worker,scheduler,cache,engine")
     parser.add_argument("--strategy", default="one_for_one", choices=["one_for_one", "one_for_all", "rest_for_one"])
+    parser.add_argument("--model", default="tiny", help="tiny (the bundled model), smollm2 (fetched once) or a path")
+    parser.add_argument("--dtype", default="float32", help="model.dtype")
+    parser.add_argument("--quantization", default="none", help="model.quantization")
     return asyncio.run(main_async(parser.parse_args(argv)))
 
 
