@@ -16,6 +16,7 @@ vocabulary 4096; ~5 M parameters, 21 MB in float32).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
@@ -117,16 +118,26 @@ def make_tiny_model(path: str, seed: int = SEED, *, arch: str = "llama", shards:
     files with their index, as large checkpoints are published.
     """
     config = QWEN2_CONFIG if arch == "qwen2" else CONFIG
-    parent = os.path.dirname(os.path.abspath(path)) or "."
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".tiny-", dir=parent)
-    try:
+    with atomic_directory(path, prefix=".tiny-") as tmp:
         _write_json(os.path.join(tmp, "config.json"), config)
         _write_json(os.path.join(tmp, "generation_config.json"),
                     {"bos_token_id": 1, "eos_token_id": 2, "do_sample": False})
         _write_json(os.path.join(tmp, "tokenizer_config.json"), TOKENIZER_CONFIG)
         shutil.copyfile(TOKENIZER, os.path.join(tmp, "tokenizer.json"))
         save_weights(tmp, weights(seed, config), shards)
+    return path
+
+
+@contextlib.contextmanager
+def atomic_directory(path: str, prefix: str = ".partial-"):
+    """Yield a fresh sibling directory of ``path`` to write a checkpoint into; when the block ends
+    it becomes ``path`` (replacing any directory there; files 0644), or on an error is removed: a
+    reader sees a complete directory or none."""
+    parent = os.path.dirname(os.path.abspath(path)) or "."
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=prefix, dir=parent)
+    try:
+        yield tmp
         for name in os.listdir(tmp):
             os.chmod(os.path.join(tmp, name), 0o644)
         os.chmod(tmp, 0o755)
@@ -136,7 +147,6 @@ def make_tiny_model(path: str, seed: int = SEED, *, arch: str = "llama", shards:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return path
 
 
 def save_weights(directory: str, tensors: dict[str, np.ndarray], shards: int, dtype: str = "float32") -> None:
