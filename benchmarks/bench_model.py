@@ -108,7 +108,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", help="checkpoint directory, GGUF file or smollm2 (default: the tiny model)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    parser.add_argument("--quantization", default="none", choices=["none", "wint8"])
+    parser.add_argument("--quantization", default="none", choices=["none", "wint8", "wint4"])
     parser.add_argument("--steps", type=int, default=20, help="timed steps per figure")
     parser.add_argument("--batches", default="1,8,32,64,128")
     opts = parser.parse_args(argv)

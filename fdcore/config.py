@@ -12,7 +12,9 @@ Example (every key shown with its default)::
     dtype = "auto"            # auto (= float32) | float32 | bfloat16 (projection weights in bf16, float32
                               # accumulation: CPUs with AVX512-BF16 only; refused elsewhere)
     quantization = "none"     # none | wint8 (weights int8 per row and block of 32, quantized at load; activations
-                              # int8 per block of 32; AVX512-VNNI CPUs only)
+                              # int8 per block of 32; AVX512-VNNI CPUs only) | wint4 (the layers' weights 4-bit per
+                              # row and block of 32 with a float16 scale and minimum, llama.cpp's Q4_1; the LM head
+                              # int8 as wint8; activations as wint8; AVX512-VNNI CPUs only)
     backend = "paddle"        # paddle | null (answers without computing: measures fdcore's own cost)
     generation_config = "auto"  # auto: the checkpoint's generation_config.json sampling values are the
                               # defaults of requests that leave them unset (as vLLM's "auto");
@@ -85,7 +87,7 @@ class ModelConfig(_Section):
     path: str = ""
     backend: Literal["paddle", "null"] = "paddle"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    quantization: Literal["none", "wint8"] = "none"
+    quantization: Literal["none", "wint8", "wint4"] = "none"
     generation_config: Literal["auto", "none"] = "auto"
 
 
@@ -244,7 +246,7 @@ def _check_ranges(config: Config, source: str) -> None:
 
 
 def _check_compute(model: "ModelConfig", source: str) -> None:
-    """float32 anywhere; bfloat16 and wint8 where the CPU has the instructions their kernels use."""
+    """float32 anywhere; bfloat16, wint8 and wint4 where the CPU has the instructions their kernels use."""
     from fdcore.models.kernels import NEEDED_CPU_FEATURE, missing_cpu_feature
 
     if model.dtype == "float16":

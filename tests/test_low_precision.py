@@ -1,5 +1,5 @@
-"""bfloat16 and int8 (wint8) projection weights: fdcore's kernels against float64 references, and
-the model in each against float32 on the real SmolLM2."""
+"""bfloat16, int8 (wint8) and 4-bit (wint4) projection weights: fdcore's kernels against float64
+references, and the model in each against float32 on the real SmolLM2."""
 
 from __future__ import annotations
 
@@ -52,20 +52,25 @@ def test_paddle_rounds_to_bfloat16_as_the_kernel_does():
 def test_the_needed_features_follow_the_cpu_flags():
     assert missing_cpu_feature("bfloat16") == (None if HAS_BF16 else "AVX512-BF16")
     assert missing_cpu_feature("wint8") == (None if "avx512_vnni" in cpu_flags().split() else "AVX512-VNNI")
+    assert missing_cpu_feature("wint4") == missing_cpu_feature("wint8")
     assert missing_cpu_feature("float32") is None
 
 
 @pytest.mark.parametrize("setting, margin, spread", [
     (("bfloat16", "none"), 0.1, 1.0),
     (("float32", "wint8"), 0.3, 3.0),
+    (("float32", "wint4"), 0.2, 2.5),
 ])
 def test_low_precision_picks_float32s_token_wherever_float32_is_not_at_a_near_tie(setting, margin, spread):
     """On the real SmolLM2, teacher-forced along float32's greedy path (16 tokens of each golden
     chat prompt): the logits stay within ``spread`` of float32's, and the top token is float32's at
     every step where float32's two best are more than ``margin`` apart. Rounding can flip a true
     near-tie; measured: bf16 1 step in 144 (top-two margin 0.007), wint8 5 in 144 (margins 0.007 to
-    0.24, activations quantized per block of 32 as llama.cpp's Q8_0 does) — free-running greedy then
-    follows another, about as likely continuation."""
+    0.24, activations quantized per block of 32 as llama.cpp's Q8_0 does), wint4 3 in 144 (margins
+    0.018 to 0.082, logits within 1.6) — free-running greedy then follows another, about as likely
+    continuation. (This SmolLM2 is a Q4_1 file: its layers come back exact in wint4, whose error here
+    is the activations' and the int8 head's; a 4-bit head measured 14 flips, margins up to 0.66, and
+    the minimum's share on the float sum of x instead of the quantized one 8, up to 0.72.)"""
     flag = "avx512_bf16" if setting[0] == "bfloat16" else "avx512_vnni"
     if flag not in cpu_flags().split():
         pytest.skip(f"{setting} is refused on CPUs without {flag}")
@@ -103,8 +108,12 @@ def test_bf16_is_refused_without_avx512_bf16(tmp_path):
         parse_config('[model]\ndtype = "bfloat16"\n')
 
 
-@pytest.mark.parametrize("setting, flag", [('quantization = "wint8"', "avx512_vnni")])  # (bf16: the same plumbing)
+@pytest.mark.parametrize("setting, flag", [('quantization = "wint8"', "avx512_vnni"),  # (bf16: the same plumbing)
+                                           ('quantization = "wint4"', "avx512_vnni")])
 def test_the_tree_serves_the_real_model_in_low_precision(setting, flag):
+    """The setting reaches the worker's model. The prompt asks for a sentence: float32's greedy answer
+    to the bare question starts at a near-tie ('The' 0.08 above 'L', then "L'Étoile, la Marseillaise"),
+    which a low-precision model may take either way (wint4 does)."""
     if flag not in cpu_flags().split():
         pytest.skip(f"{setting} is refused on CPUs without {flag}")
     from fdcore import LLM, SamplingParams
@@ -113,7 +122,7 @@ def test_the_tree_serves_the_real_model_in_low_precision(setting, flag):
 
     config = parse_config(f'[model]\npath = "{fetch_smollm2()}"\n{setting}\n[workers]\nstandby = false\n')
     with LLM(config) as llm:
-        out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+        out = llm.chat([{"role": "user", "content": "What is the capital of France? Answer in one sentence."}],
                        SamplingParams(temperature=0.0, max_tokens=16), use_tqdm=False)[0]
     assert out.error_code == 0 and "Paris" in out.outputs.text, out.outputs.text
 
@@ -157,3 +166,132 @@ def test_the_int8_kernel_equals_its_float64_reference(m, k, n):
     np.testing.assert_allclose(got, _int8_reference(x, q, scale), rtol=1e-4, atol=1e-4)
     exact = x.astype(np.float64) @ w.T.astype(np.float64)
     assert np.abs(got - exact).max() < 0.05 * np.abs(exact).max() + 0.05  # close to float32's too
+
+
+def _int4_reference(x: np.ndarray, q: np.ndarray, scale: np.ndarray, minimum: np.ndarray) -> np.ndarray:
+    """What the 4-bit kernel computes, in float64 past the rounding it does in float32: x quantized per
+    row and block of 32 as for wint8, integer dot products with the nibbles per block, times both
+    scales, plus the block's minimum times the sum of the quantized x (scale * its integer sum)."""
+    m, k = x.shape
+    total = np.zeros((m, q.shape[0]))
+    for block_index, start in enumerate(range(0, k, 32)):
+        block = x[:, start:start + 32]
+        top = np.abs(block).max(axis=1, keepdims=True)
+        inverse = np.divide(np.float32(127), top, out=np.zeros_like(top), where=top > 0)
+        xq = np.rint(block * inverse).astype(np.float64)  # float32 product, as the kernel's
+        x_scale = (top / np.float32(127)).astype(np.float64)
+        weights = q[:, start:start + block.shape[1]].T.astype(np.float64)
+        total += (xq @ weights) * x_scale * scale[None, :, block_index]
+        total += x_scale * xq.sum(axis=1, keepdims=True) * minimum[None, :, block_index]
+    return total
+
+
+@needs_vnni
+@pytest.mark.parametrize("m, k, n", [(1, 576, 1536), (1, 33, 9), (1, 1536, 576), (5, 100, 37), (5, 576, 33),
+                                     (2, 64, 64), (3, 1, 3), (32, 96, 130), (70, 64, 47)])
+def test_the_int4_kernel_equals_its_float64_reference(m, k, n):
+    """Batch 1 and several rows (4 at a time, then the rest; over 64: a second chunk), inner dimensions
+    that are not a multiple of 32, output counts that are not a multiple of the 32-row groups or of 16.
+    The reference has the same quantized weights, so the kernel matches it to float32's rounding."""
+    import paddle
+
+    from fdcore.models.kernels import linear_int4
+    from fdcore.models.llama import Int4Matrix
+
+    rng = np.random.default_rng(m * 7 + k + n)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    w = rng.standard_normal((n, k)).astype(np.float32) + rng.standard_normal((n, 1)).astype(np.float32)
+    matrix = Int4Matrix.pack(w)
+    q, scale, minimum = Int4Matrix.quantize(w)
+    got = linear_int4()(paddle.to_tensor(x), matrix.packed, matrix.rows).numpy()
+    expected = _int4_reference(x, q, scale, minimum)
+    size = _int4_reference(np.abs(x), q, np.abs(scale), np.abs(minimum))  # the sum of the terms' sizes
+    assert got.shape == (m, n)
+    assert np.all(np.abs(got - expected) <= 1e-6 * size + 1e-6)
+    exact = x.astype(np.float64) @ w.T.astype(np.float64)
+    assert np.sqrt(np.mean((got - exact) ** 2)) < 0.15 * np.sqrt(np.mean(exact ** 2))  # near float32's too
+
+
+def test_the_int4_format_is_off_by_at_most_half_a_step():
+    """Per row and block of 32: q in [0, 15], scale and minimum float16 values, and every weight within
+    scale / 2 of scale * q + minimum, on blocks of every kind: centred, offset far from 0, tiny,
+    constant, zero, and a partial last block."""
+    from fdcore.models.llama import Int4Matrix
+
+    rng = np.random.default_rng(4)
+    w = rng.standard_normal((96, 200)).astype(np.float32) * 0.05
+    w[1] += 3.0  # the whole row far from 0: the minimum carries it
+    w[2] *= 1e-4  # float16's subnormal range
+    w[3] = 0.7  # constant
+    w[4] = 0.0
+    w[5, :32] = np.linspace(-1, 1, 32)  # exactly 16 levels' worth of range
+    q, scale, minimum = Int4Matrix.quantize(w)
+    assert q.shape == (96, 224) and q.max() <= 15 and scale.shape == minimum.shape == (96, 7)
+    for values in (scale, minimum):
+        assert np.array_equal(values.astype(np.float16).astype(np.float32), values)
+    restored = (q.reshape(96, -1, 32) * scale[:, :, None] + minimum[:, :, None]).reshape(96, -1)[:, :200]
+    step = np.repeat(scale, 32, axis=1)[:, :200]
+    assert np.all(np.abs(restored - w) <= step / 2 * (1 + 1e-5) + 1e-7 * np.abs(w))
+    assert np.abs(restored[3] - 0.7).max() < 1e-3 and not restored[4].any()
+    typical = w[np.r_[0, 6:96]]  # Gaussian weights: a step is about 1/4 of their spread
+    error = restored[np.r_[0, 6:96]] - typical
+    assert np.sqrt(np.mean(error ** 2)) < 0.1 * np.sqrt(np.mean(typical ** 2))
+
+
+def test_wint4_is_refused_without_avx512_vnni(monkeypatch):
+    """Whatever this CPU has: with its flags lacking avx512_vnni, the config check and the model refuse
+    wint4 and name the field and the flag."""
+    from fdcore.config import ConfigError, parse_config
+    from fdcore.models import kernels
+    from fdcore.models.llama import _matrix_kind
+
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: "avx512f avx512bw avx512_bf16 fpu sse2")
+    with pytest.raises(ConfigError, match=r"key 'model.quantization' is 'wint4', which needs a CPU with "
+                                          r"AVX512-VNNI \(avx512_vnni in /proc/cpuinfo\).*use 'none'"):
+        parse_config('[model]\nquantization = "wint4"\n')
+    with pytest.raises(ValueError, match="wint4 needs a CPU with AVX512-VNNI"):
+        _matrix_kind("float32", "wint4")
+
+
+_THREADED = """
+import sys
+import numpy as np
+import paddle
+from fdcore.models.llama import Int4Matrix, Int8Matrix, _matrix_kind, linear
+_matrix_kind("float32", "wint4")  # loads both kernels
+data = np.load(sys.argv[1])
+out = {}
+for kind, cls in (("int8", Int8Matrix), ("int4", Int4Matrix)):
+    matrix = cls.pack(data["w"])
+    for m in (1, 70):
+        out[f"{kind}-{m}"] = linear(paddle.to_tensor(data["x"][:m]), matrix).numpy()
+np.savez(sys.argv[2], **out)
+"""
+
+
+@needs_vnni
+def test_the_int_kernels_give_the_same_result_on_two_threads(tmp_path):
+    """OMP_NUM_THREADS=2 (the shapes take the parallel path: groups of output rows shared out, for
+    wint4 also chunks of 64 rows of x) gives one thread's results to the bit. The int8 kernel once
+    read its thread_local activations inside the parallel loop, i.e. each helper thread's empty copy:
+    a SIGSEGV whenever more than one thread ran."""
+    import subprocess
+    import sys
+
+    import paddle
+
+    from fdcore.models.llama import Int4Matrix, Int8Matrix, _matrix_kind, linear
+
+    rng = np.random.default_rng(2)
+    x, w = rng.standard_normal((70, 576)).astype(np.float32), rng.standard_normal((960, 576)).astype(np.float32)
+    np.savez(tmp_path / "in.npz", x=x, w=w)
+    env = {**os.environ, "OMP_NUM_THREADS": "2"}
+    done = subprocess.run([sys.executable, "-c", _THREADED, str(tmp_path / "in.npz"), str(tmp_path / "out.npz")],
+                          env=env, capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    threaded = np.load(tmp_path / "out.npz")
+    _matrix_kind("float32", "wint4")
+    for kind, cls in (("int8", Int8Matrix), ("int4", Int4Matrix)):
+        matrix = cls.pack(w)
+        for m in (1, 70):
+            assert np.array_equal(threaded[f"{kind}-{m}"], linear(paddle.to_tensor(x[:m]), matrix).numpy())

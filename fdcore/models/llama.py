@@ -95,7 +95,7 @@ class LlamaModel:
     def __init__(self, checkpoint: Checkpoint, dtype: str = "float32", quantization: str = "none"):
         self.args = args = checkpoint.args
         self.dtype = paddle.float32
-        self.matrix_dtype = _matrix_kind(dtype, quantization)  # the projections' weights: float32, bfloat16, wint8
+        self.matrix_dtype = _matrix_kind(dtype, quantization)  # projections: float32, bfloat16, wint8, wint4
         # NOTE: the checkpoint's arrays are taken (popped) as they become the model's tensors, so
         # loading peaks at the weights plus one layer, not two copies of everything.
         t = checkpoint.tensors
@@ -103,7 +103,11 @@ class LlamaModel:
         self.embed = self._tensor(embed)
         head = embed if args.tie_word_embeddings else t.pop("lm_head.weight")
         tied_and_same = args.tie_word_embeddings and self.matrix_dtype == "float32"
-        self.lm_head = self.embed if tied_and_same else self._matrix(head)
+        # NOTE: wint4 keeps the LM head in int8, as llama.cpp's 4-bit files keep output.weight at 6-8 bits
+        # and GPTQ / AWQ leave it unquantized: on SmolLM2 a 4-bit head moved the logits by up to 4.6
+        # (int8: 1.6) and changed float32's greedy token at 14 steps of 144 (int8: 3).
+        head_kind = "wint8" if self.matrix_dtype == "wint4" else self.matrix_dtype
+        self.lm_head = self.embed if tied_and_same else self._matrix(head, head_kind)
         del embed, head
         self.norm = _float32(t.pop("model.norm.weight"))
         self.layers = [self._layer(t, i) for i in range(args.num_layers)]
@@ -123,12 +127,14 @@ class LlamaModel:
         """A Paddle tensor sharing the float32 array's memory (no second copy of the weights)."""
         return as_paddle(_float32(array))
 
-    def _matrix(self, array: np.ndarray):
-        """A projection's weight [out, in] as the model multiplies it (bfloat16 and wint8: packed for
-        fdcore's kernels, see Bf16Matrix and Int8Matrix)."""
-        if self.matrix_dtype == "float32":
+    def _matrix(self, array: np.ndarray, kind: str | None = None):
+        """A projection's weight [out, in] as the model multiplies it, in ``kind`` (default: the model's
+        matrix dtype; bfloat16, wint8 and wint4 packed for fdcore's kernels, see Bf16Matrix, Int8Matrix
+        and Int4Matrix)."""
+        kind = kind or self.matrix_dtype
+        if kind == "float32":
             return self._tensor(array)
-        return (Bf16Matrix if self.matrix_dtype == "bfloat16" else Int8Matrix).pack(array)
+        return _PACKED[kind].pack(array)
 
     def _layer(self, t: dict, i: int) -> dict:
         p = f"model.layers.{i}."
@@ -389,7 +395,7 @@ class Int8Matrix:
         padded = np.zeros((rows, -(-cols // 32) * 32), dtype=np.float32)
         padded[:, :cols] = weight
         blocks = padded.reshape(rows, -1, 32)
-        top = np.abs(blocks).max(axis=2)
+        top = _per_block(np.maximum, np.abs(blocks))
         inverse = np.divide(127.0, top, out=np.zeros_like(top), where=top > 0)
         q = np.clip(np.rint(blocks * inverse[:, :, None]), -127, 127).astype(np.int8)
         return q.reshape(rows, -1), (top / 127.0).astype(np.float32)
@@ -409,6 +415,87 @@ class Int8Matrix:
                    rows)
 
 
+class Int4Matrix:
+    """A weight ``[out, in]`` quantized to 4 bits per output row and block of 32 inputs (wint4, llama.cpp's
+    Q4_1: ``w ~= scale[row, block] * q + minimum[row, block]``, q in [0, 15], scale and minimum in
+    float16: 5 bits a weight), packed for fdcore's kernel (linear_int4.cc) as one uint8 tensor
+    ``[groups, in / 32, 640]``: groups of 32 output rows (zero-padded), and per group and block of 32
+    inputs one contiguous record of 512 bytes of nibbles ``[4, 2, 16, 4]`` (16 rows x 8 inputs per
+    64-byte load: the low nibble holds input ``8 v + j``, the high one ``8 v + 4 + j``) followed by
+    the 32 rows' float16 scales and then their 32 float16 minimums; the inner dimension is
+    zero-padded to a multiple of 32."""
+
+    __slots__ = ("packed", "rows")
+
+    def __init__(self, packed: paddle.Tensor, rows: int):
+        self.packed, self.rows = packed, rows
+
+    @staticmethod
+    def quantize(weight: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(q uint8 [out, in'] in [0, 15], scale and minimum float32 [out, in' / 32], each a float16
+        value) with weight ~= scale * q + minimum block by block (in' = in rounded up to 32, padded
+        with zeros). The minimum is rounded down and the scale up to float16, so that every weight
+        lies within [minimum, minimum + 15 scale] and is off by at most scale / 2."""
+        rows, cols = weight.shape
+        padded = np.zeros((rows, -(-cols // 32) * 32), dtype=np.float32)
+        padded[:, :cols] = weight
+        blocks = padded.reshape(rows, -1, 32)
+        minimum = _float16_toward(_per_block(np.minimum, blocks), -np.inf)
+        scale = _float16_toward((_per_block(np.maximum, blocks) - minimum) / np.float32(15), np.inf)
+        if not (np.isfinite(minimum).all() and np.isfinite(scale).all()):
+            raise ValueError("wint4: a weight block is beyond float16's range")
+        inverse = np.divide(np.float32(1), scale, out=np.zeros_like(scale), where=scale > 0)
+        levels = blocks - minimum[:, :, None]
+        levels *= inverse[:, :, None]
+        np.rint(levels, out=levels)
+        np.clip(levels, 0, 15, out=levels)
+        return levels.astype(np.uint8).reshape(rows, -1), scale, minimum
+
+    @classmethod
+    def pack(cls, weight: np.ndarray) -> "Int4Matrix":
+        rows = weight.shape[0]
+        groups = -(-rows // 32)
+        # NOTE: in slices of rows, so the temporaries stay small (and in cache) for the 49152-row head
+        records = [cls._records(weight[start:start + 2048]) for start in range(0, rows, 2048)]
+        packed = records[0] if len(records) == 1 else np.concatenate(records)
+        assert packed.shape[0] == groups
+        return cls(paddle.to_tensor(packed), rows)
+
+    @classmethod
+    def _records(cls, weight: np.ndarray) -> np.ndarray:
+        """The packed records [groups, in' / 32, 640] of a slice of rows (a multiple of 32 but the last)."""
+        q, scale, minimum = cls.quantize(weight)
+        rows, cols = q.shape
+        groups, blocks = -(-rows // 32), cols // 32
+        if rows % 32:
+            q = np.concatenate([q, np.zeros((groups * 32 - rows, cols), dtype=np.uint8)])
+            scale, minimum = (np.concatenate([a, np.zeros((groups * 32 - rows, blocks), dtype=np.float32)])
+                              for a in (scale, minimum))
+        halves = q.reshape(groups, 2, 16, blocks, 4, 2, 4)  # [g, b, lane, block, v, half, j]
+        nibbles = (halves[:, :, :, :, :, 0] | (halves[:, :, :, :, :, 1] << 4)).transpose(0, 3, 4, 1, 2, 5)
+        per_block = [nibbles.reshape(groups, blocks, 512)]
+        for values in (scale, minimum):
+            halfs = values.astype(np.float16).reshape(groups, 32, blocks).transpose(0, 2, 1)
+            per_block.append(np.ascontiguousarray(halfs).view(np.uint8))
+        return np.concatenate(per_block, axis=2)
+
+
+def _per_block(ufunc, blocks: np.ndarray) -> np.ndarray:
+    """``ufunc`` reduced over the last axis of a contiguous ``[rows, blocks, 32]`` (reduceat: twice as
+    fast as ``.max(axis=2)`` on rows this short, which matters for loading a model)."""
+    flat = blocks.reshape(-1)
+    return ufunc.reduceat(flat, np.arange(0, flat.size, blocks.shape[2])).reshape(blocks.shape[:2])
+
+
+def _float16_toward(values: np.ndarray, direction: float) -> np.ndarray:
+    """``values`` (float32) rounded to float16 and moved one step toward ``direction`` where that rounding
+    went the other way; returned widened to float32."""
+    rounded = values.astype(np.float16)
+    wrong = rounded > values if direction < 0 else rounded < values
+    rounded[wrong] = np.nextafter(rounded[wrong], np.float16(direction))
+    return rounded.astype(np.float32)
+
+
 def linear(x: paddle.Tensor, weight, bias: paddle.Tensor | None = None) -> paddle.Tensor:
     """``x @ weight.T (+ bias)`` for a weight stored ``[out, in]`` (a Bf16Matrix through fdcore's
     kernel: Paddle's CPU build has no bfloat16 matmul)."""
@@ -416,6 +503,8 @@ def linear(x: paddle.Tensor, weight, bias: paddle.Tensor | None = None) -> paddl
         out = _BF16_LINEAR[0](x, weight.packed, weight.rows)
     elif isinstance(weight, Int8Matrix):
         out = _INT8_LINEAR[0](x, weight.packed, weight.scales, weight.rows)
+    elif isinstance(weight, Int4Matrix):
+        out = _INT4_LINEAR[0](x, weight.packed, weight.rows)
     else:
         out = paddle.matmul(x, weight, transpose_y=True)
     return out if bias is None else out + bias
@@ -423,26 +512,31 @@ def linear(x: paddle.Tensor, weight, bias: paddle.Tensor | None = None) -> paddl
 
 _BF16_LINEAR: list = [None]  # the compiled kernels, loaded by the first model that needs them
 _INT8_LINEAR: list = [None]
+_INT4_LINEAR: list = [None]
+_PACKED = {"bfloat16": Bf16Matrix, "wint8": Int8Matrix, "wint4": Int4Matrix}  # a matrix kind's packed form
 
 
 def _matrix_kind(dtype: str, quantization: str) -> str:
     """How the projections' weights are kept: float32; bfloat16 where the CPU multiplies it natively
-    (AVX512-BF16); wint8 where it has AVX512-VNNI (with either dtype: the weights are int8 then). The
-    kernel must have been built."""
-    from fdcore.models.kernels import linear_bf16, linear_int8, missing_cpu_feature
+    (AVX512-BF16); wint8 or wint4 where it has AVX512-VNNI (with either dtype: the weights are int8 or
+    4-bit then). The kernel must have been built."""
+    from fdcore.models.kernels import linear_bf16, linear_int4, linear_int8, missing_cpu_feature
 
-    if quantization not in ("none", "wint8"):
-        raise ValueError(f"quantization {quantization!r}: none or wint8")
+    if quantization not in ("none", "wint8", "wint4"):
+        raise ValueError(f"quantization {quantization!r}: none, wint8 or wint4")
     if dtype not in ("float32", "bfloat16"):
         raise ValueError(f"dtype {dtype!r}: the CPU model computes in float32 or bfloat16")
-    kind, table, build = ((quantization, _INT8_LINEAR, linear_int8) if quantization == "wint8"
-                          else (dtype, _BF16_LINEAR, linear_bf16))
+    kind = dtype if quantization == "none" else quantization
     if kind == "float32":
         return kind
+    table, build = {"bfloat16": (_BF16_LINEAR, linear_bf16), "wint8": (_INT8_LINEAR, linear_int8),
+                    "wint4": (_INT4_LINEAR, linear_int4)}[kind]
     missing = missing_cpu_feature(kind)
     if missing:
         raise ValueError(f"{kind} needs a CPU with {missing}; this one has none")
     table[0] = build()
+    if kind == "wint4":
+        _INT8_LINEAR[0] = linear_int8()  # for the LM head (see LlamaModel.__init__); the same library
     if table[0] is None:
         raise ValueError(f"{kind} needs fdcore's C++ operators, which could not be built here")
     return kind

@@ -21,7 +21,8 @@ import os
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-SOURCES = [os.path.join(HERE, name) for name in ("paged_attention.cc", "linear_bf16.cc", "linear_int8.cc")]
+SOURCES = [os.path.join(HERE, name)
+           for name in ("paged_attention.cc", "linear_bf16.cc", "linear_int8.cc", "linear_int4.cc")]
 _loaded: dict[str, object] = {}
 
 
@@ -79,8 +80,17 @@ def linear_int8():
     return ops and ops[5]
 
 
+def linear_int4():
+    """``linear(x, packed, rows)``: x [M, K] float32 times a 4-bit weight of ``rows`` outputs packed by
+    fdcore.models.llama.Int4Matrix (per row and block of 32: float16 scale and minimum, as llama.cpp's
+    Q4_1), float32 out [M, rows]; AVX512-VNNI CPUs only. None when not built here."""
+    ops = _ops()
+    return ops and ops[6]
+
+
 # The CPU feature each low-precision kernel is built on: (/proc/cpuinfo flag, its usual name).
-NEEDED_CPU_FEATURE = {"bfloat16": ("avx512_bf16", "AVX512-BF16"), "wint8": ("avx512_vnni", "AVX512-VNNI")}
+NEEDED_CPU_FEATURE = {"bfloat16": ("avx512_bf16", "AVX512-BF16"), "wint8": ("avx512_vnni", "AVX512-VNNI"),
+                      "wint4": ("avx512_vnni", "AVX512-VNNI")}
 
 
 def missing_cpu_feature(kind: str) -> str | None:
@@ -158,7 +168,10 @@ def _build():
         def linear_q8(x, packed, scales, rows):
             return _C_ops._run_custom_op("fdcore_linear_int8", x, packed, scales, int(rows))[0]
 
-        return gumbel, add_rms_norm, silu_mul, attention_block, linear, linear_q8
+        def linear_q4(x, packed, rows):
+            return _C_ops._run_custom_op("fdcore_linear_int4", x, packed, int(rows))[0]
+
+        return gumbel, add_rms_norm, silu_mul, attention_block, linear, linear_q8, linear_q4
     except Exception as exc:  # a missing compiler must not stop serving
         sys.stderr.write(f"fdcore: C++ operators unavailable ({type(exc).__name__}: {exc}); "
                          "using the slower Python path\n")

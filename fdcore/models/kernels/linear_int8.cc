@@ -101,6 +101,11 @@ FDCORE_VNNI_TARGET void Linear(const float* X, int64_t M, int64_t K, const uint8
   thread_local std::vector<float> scales;
   thread_local std::vector<int32_t> offsets;
   QuantizeRows(X, M, K, Kp, q, scales, offsets);
+  // NOTE: taken here, on the calling thread: inside the parallel loop `q` would name each OpenMP
+  // thread's own (empty) thread_local vector (a null pointer: SIGSEGV whenever OMP_NUM_THREADS > 1).
+  const int8_t* xq = q.data();
+  const float* xs = scales.data();
+  const int32_t* xo = offsets.data();
   const int64_t group_size = Kp * kGroup;
   const bool parallel = G > 1 && M * N * K >= (1 << 18);
 #pragma omp parallel for schedule(static) if (parallel)
@@ -108,8 +113,8 @@ FDCORE_VNNI_TARGET void Linear(const float* X, int64_t M, int64_t K, const uint8
     const uint8_t* Wg = Wp + g * group_size;
     const float* wsg = ws + g * (Kp / kQuant) * kGroup;
     int64_t m0 = 0;
-    for (; m0 + 2 <= M; m0 += 2) GroupRows<2>(q.data(), scales.data(), offsets.data(), Kp, Wg, wsg, N, g, m0, Y);
-    for (; m0 < M; ++m0) GroupRows<1>(q.data(), scales.data(), offsets.data(), Kp, Wg, wsg, N, g, m0, Y);
+    for (; m0 + 2 <= M; m0 += 2) GroupRows<2>(xq, xs, xo, Kp, Wg, wsg, N, g, m0, Y);
+    for (; m0 < M; ++m0) GroupRows<1>(xq, xs, xo, Kp, Wg, wsg, N, g, m0, Y);
   }
 }
 
