@@ -73,7 +73,7 @@ class Server:
             self.proc.wait()
 
 
-def start_fdcore(model: str, max_num_seqs: int, omp_threads: int = 1) -> Server:
+def start_fdcore(model: str, max_num_seqs: int, omp_threads: int = 0) -> Server:
     port = free_port()
     config = tempfile.NamedTemporaryFile("w", suffix=".toml", delete=False, prefix="fdcore-bench-")
     config.write(f'[model]\npath = "{model}"\n[server]\nenabled = true\nport = {port}\nmodel_name = "bench"\n'
@@ -139,7 +139,7 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--peer-dir", default="/tmp/vllm-peer")
     parser.add_argument("--no-peer", action="store_true")
-    parser.add_argument("--omp-threads", type=int, default=1, help="fdcore's workers.omp_threads")
+    parser.add_argument("--omp-threads", type=int, default=0, help="fdcore's workers.omp_threads (0: its default, every core)")
     args = parser.parse_args(argv)
 
     from fdcore.config import default_model_path

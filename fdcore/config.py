@@ -37,7 +37,7 @@ Example (every key shown with its default)::
 
     [workers]
     count = 1
-    omp_threads = 1
+    omp_threads = 0           # a worker's math threads; 0: $OMP_NUM_THREADS when set, else every core it may run on
     standby = true            # keep a loaded spare per worker: a crashed worker is replaced in ~0.1 s
                               # instead of a fresh start (import + weights); costs its memory
 
@@ -111,8 +111,21 @@ class EngineConfig(_Section):
 
 class WorkersConfig(_Section):
     count: int = 1
-    omp_threads: int = 1
+    omp_threads: int = 0  # 0: see worker_threads()
     standby: bool = True
+
+
+def worker_threads(workers: WorkersConfig, environ=os.environ) -> int:
+    """The math threads each worker runs (its OpenMP / MKL threads): ``workers.omp_threads`` when
+    set; else ``OMP_NUM_THREADS`` when the environment sets it (the tests pin 1); else the cores
+    this process may run on, shared among the workers. The other actors need little CPU beside a
+    worker's matrix products, and those products are most of the work at every batch size."""
+    if workers.omp_threads > 0:
+        return workers.omp_threads
+    pinned = environ.get("OMP_NUM_THREADS", "")
+    if pinned.isdigit() and int(pinned) > 0:
+        return int(pinned)
+    return max(1, len(os.sched_getaffinity(0)) // workers.count)
 
 
 class SupervisorConfig(_Section):
@@ -158,7 +171,7 @@ _MINIMA = [
     ("scheduler", "max_num_seqs", 1), ("scheduler", "max_num_batched_tokens", 1),
     ("scheduler", "max_model_len", 1), ("engine", "max_clients", 1),
     ("engine", "max_pending_requests", 1), ("engine", "client_stall_timeout", 0.001),
-    ("workers", "count", 1), ("workers", "omp_threads", 1),
+    ("workers", "count", 1), ("workers", "omp_threads", 0),
     ("supervisor", "max_restarts", 0), ("supervisor", "period", 0.001),
     ("supervisor", "start_timeout", 0.001), ("supervisor", "shutdown_timeout", 0.0),
     ("supervisor", "heartbeat_interval", 0.001), ("supervisor", "hang_timeout", 0.001),

@@ -34,7 +34,7 @@ import posix_ipc
 
 from fdcore.actors import health, topology
 from fdcore.actors.health import HealthBoard, State
-from fdcore.config import Config, ConfigError, load_config, model_path, render_config
+from fdcore.config import Config, ConfigError, load_config, model_path, render_config, worker_threads
 from fdcore.ipc import Inbox, Ring, Sender, names
 from fdcore.protocol import Restarted, Stop
 from fdcore.supervision import Backoff, ChildSpec, RestartIntensity, plan_restart, should_restart
@@ -324,7 +324,7 @@ class Supervisor:
 
     def _child_env(self) -> dict[str, str]:
         env = dict(os.environ)
-        env["OMP_NUM_THREADS"] = str(self.config.workers.omp_threads)
+        env["OMP_NUM_THREADS"] = str(worker_threads(self.config.workers))
         package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
         return env

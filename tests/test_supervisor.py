@@ -256,6 +256,7 @@ def _check(tmp_path, text: str) -> subprocess.CompletedProcess:
     ('[model]\npath = "/nonexistent/model"\n', "key 'model.path': directory '/nonexistent/model' does not exist"),
     ('[supervisor]\nstrategy = "one_for_none"\n', "key 'supervisor.strategy': Invalid enum value 'one_for_none'"),
     ('[cache]\nblock_size = 0\n', "key 'cache.block_size' is 0, must be >= 1"),
+    ('[workers]\nomp_threads = -1\n', "key 'workers.omp_threads' is -1, must be >= 0"),
     ('[workers]\ncount = 2\n', "key 'workers.count' is 2; this version runs exactly 1 worker"),
     ('[model]\ndtype = "float16"\n', "key 'model.dtype' is 'float16'; the CPU model computes in float32 or bfloat16"),
     ('[model]\nbackend = "onnx"\n', "key 'model.backend': Invalid enum value 'onnx'"),
@@ -264,6 +265,31 @@ def test_bad_configs_are_rejected_naming_the_key_and_file(tmp_path, text, messag
     result = _check(tmp_path, text)
     assert result.returncode == 2
     assert message in result.stderr and "c.toml" in result.stderr
+
+
+def test_a_workers_threads_are_the_configured_ones_else_the_pinned_ones_else_every_core():
+    from fdcore.config import WorkersConfig, worker_threads
+
+    cores = len(os.sched_getaffinity(0))
+    assert worker_threads(WorkersConfig(omp_threads=3), {"OMP_NUM_THREADS": "1"}) == 3
+    assert worker_threads(WorkersConfig(), {"OMP_NUM_THREADS": "2"}) == 2
+    assert worker_threads(WorkersConfig(), {}) == cores
+    assert worker_threads(WorkersConfig(), {"OMP_NUM_THREADS": "many"}) == cores
+
+
+def test_the_children_get_the_workers_thread_count_in_their_environment(monkeypatch):
+    """OMP_NUM_THREADS in a child's environment is what Paddle's MKL and fdcore's OpenMP kernels
+    follow (a child's /proc environ cannot show it: setproctitle reuses that memory)."""
+    from fdcore.config import parse_config
+    from fdcore.supervisor import Supervisor
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    assert Supervisor(parse_config("[workers]\nomp_threads = 2\n", check_model=False), "x.toml")._child_env()[
+        "OMP_NUM_THREADS"] == "2"
+    assert Supervisor(parse_config("", check_model=False), "x.toml")._child_env()["OMP_NUM_THREADS"] == "1"
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    assert Supervisor(parse_config("", check_model=False), "x.toml")._child_env()["OMP_NUM_THREADS"] == str(
+        len(os.sched_getaffinity(0)))
 
 
 def test_check_prints_the_effective_configuration(tmp_path):
