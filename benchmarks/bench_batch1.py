@@ -172,8 +172,9 @@ def mean_sd(values: list[float] | None) -> str:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1,
-                        help="fdcore's workers.omp_threads and llama-bench's -t (default: all cores)")
+    parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
+                        help="fdcore's workers.omp_threads and llama-bench's -t (default: every core this "
+                             "process may run on)")
     parser.add_argument("--repeat", type=int, default=5, help="timed requests / llama-bench repetitions")
     parser.add_argument("--settings", default=",".join(SETTINGS),
                         help=f"comma-separated subset of {','.join(SETTINGS)}")
@@ -229,7 +230,7 @@ def main(argv=None) -> int:
 
     print(f"\nSmolLM2-135M-Instruct, batch 1, {INPUT_LEN} tokens in / {OUTPUT_LEN} out, {args.threads} threads "
           f"each, mean ± sd of {args.repeat}; load average {load:.2f} before, {os.getloadavg()[0]:.2f} after "
-          f"({os.cpu_count()} cores)")
+          f"({len(os.sched_getaffinity(0))} cores)")
     if runtime := " ".join(f"{k}={os.environ[k]}" for k in THREAD_ENV if k in os.environ):
         print(f"threading environment (fdcore's worker inherits it): {runtime}")
     header = (f"{'setting':10s} {'fdcore tok/s':>15s} {'llama.cpp tg64 tok/s':>22s} {'ratio':>6s} "
