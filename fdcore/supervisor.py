@@ -57,8 +57,7 @@ class Child:
         self.spec = spec
         self.slot = slot
         self.proc = proc
-        self.last_progress = 0
-        self.progress_since = time.monotonic_ns()
+        self.stall = health.StallWatch(time.monotonic_ns())
 
 
 class Supervisor:
@@ -202,14 +201,9 @@ class Supervisor:
         board, slot = self.board, child.slot
         if board.read(slot, health.STATE) != State.READY:
             return None
-        now = time.monotonic_ns()
-        progress = board.read(slot, health.PROGRESS)
-        if progress != child.last_progress:
-            child.last_progress, child.progress_since = progress, now
-        return health.stall_reason(board.read(slot, health.HEARTBEAT), progress,
-                                   bool(board.read(slot, health.BUSY)), child.last_progress,
-                                   child.progress_since, now,
-                                   int(self.config.supervisor.hang_timeout * 1e9))
+        return child.stall.look(board.read(slot, health.HEARTBEAT), board.read(slot, health.PROGRESS),
+                                bool(board.read(slot, health.BUSY)), time.monotonic_ns(),
+                                int(self.config.supervisor.hang_timeout * 1e9))
 
     # ------------------------------------------------------------- starting
     def _start_all(self) -> None:

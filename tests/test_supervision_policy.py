@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from fdcore.actors.health import stall_reason
+from fdcore.actors.health import StallWatch
 from fdcore.supervision import Backoff, RestartIntensity, RestartPlan, plan_restart, should_restart, to_restart
 
 ORDER = ["cache", "worker0", "scheduler", "engine"]
@@ -81,13 +81,25 @@ def test_intensity_forgets_restarts_older_than_the_period():
 S = 1_000_000_000
 
 
-def test_stall_reason_sees_a_stopped_heartbeat_and_busy_without_progress():
-    assert stall_reason(heartbeat_ns=100 * S, progress=5, busy=False, last_progress=5,
-                        progress_since_ns=0, now_ns=105 * S, hang_timeout_ns=10 * S) is None
-    assert "no heartbeat for 11.0 s" == stall_reason(100 * S, 5, False, 5, 0, 111 * S, 10 * S)
-    assert "busy without progress for 12.0 s" == stall_reason(110 * S, 5, True, 5, 98 * S, 110 * S, 10 * S)
-    assert stall_reason(110 * S, 5, False, 5, 98 * S, 110 * S, 10 * S) is None  # idle: no progress owed
-    assert stall_reason(0, 0, False, 0, 0, 110 * S, 10 * S) is None  # not ticking yet
+def test_the_stall_watch_sees_a_stopped_heartbeat_and_busy_without_progress():
+    watch = StallWatch(now_ns=0)
+    assert watch.look(heartbeat_ns=100 * S, progress=5, busy=False, now_ns=105 * S, hang_timeout_ns=10 * S) is None
+    assert watch.look(100 * S, 5, False, 111 * S, 10 * S) == "no heartbeat for 11.0 s"
+    assert watch.look(0, 5, False, 200 * S, 10 * S) is None  # not ticking yet; idle: no progress owed
+    watch = StallWatch(now_ns=0)
+    assert watch.look(98 * S, 5, True, 98 * S, 10 * S) is None  # progressed: owes from now
+    assert watch.look(107 * S, 5, True, 107 * S, 10 * S) is None
+    assert watch.look(110 * S, 5, True, 110 * S, 10 * S) == "busy without progress for 12.0 s"
+    assert watch.look(111 * S, 6, True, 111 * S, 10 * S) is None  # it moved
+
+
+def test_an_actor_idle_for_long_owes_no_progress_the_moment_it_gets_work():
+    """Counting from the last progress called a cache manager hung at the first message after a
+    long model load (idle for 50 s, then busy for one look)."""
+    watch = StallWatch(now_ns=0)
+    assert watch.look(49 * S, 0, False, 50 * S, 10 * S) is None
+    assert watch.look(50 * S, 0, True, 50 * S + S // 10, 10 * S) is None
+    assert watch.look(61 * S, 0, True, 61 * S, 10 * S) == "busy without progress for 11.0 s"
 
 
 def test_backoff_doubles_up_to_its_cap_and_waits_that_long():

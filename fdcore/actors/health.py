@@ -11,7 +11,7 @@ first)::
 ``heartbeat`` moves whenever the actor's loop turns (at least every
 ``heartbeat_interval`` when idle); ``progress`` moves whenever it finishes a
 unit of work. The supervisor calls an actor hung when the heartbeat stops, or
-when it is busy and progress stops (:func:`stall_reason`).
+when it is busy and progress stops (:class:`StallWatch`).
 """
 
 from __future__ import annotations
@@ -72,11 +72,23 @@ class HealthBoard:
         unlink_quietly(posix_ipc.unlink_shared_memory, self.name)
 
 
-def stall_reason(heartbeat_ns: int, progress: int, busy: bool, last_progress: int,
-                 progress_since_ns: int, now_ns: int, hang_timeout_ns: int) -> str | None:
-    """Why an actor counts as hung, or None. Pure: the supervisor passes what it saw."""
-    if heartbeat_ns and now_ns - heartbeat_ns > hang_timeout_ns:
-        return f"no heartbeat for {(now_ns - heartbeat_ns) / 1e9:.1f} s"
-    if busy and progress == last_progress and now_ns - progress_since_ns > hang_timeout_ns:
-        return f"busy without progress for {(now_ns - progress_since_ns) / 1e9:.1f} s"
-    return None
+class StallWatch:
+    """Hang detection's memory of one actor between looks (pure: the supervisor passes what it
+    reads and the time). Busy-without-progress is counted from the last look that saw progress *or
+    saw the actor idle*: an actor idle for a minute that has just taken a message owes nothing yet
+    (counting from its last progress called a cache manager hung the moment its first message
+    arrived after a long model load)."""
+
+    def __init__(self, now_ns: int):
+        self.progress = 0
+        self.owed_since = now_ns
+
+    def look(self, heartbeat_ns: int, progress: int, busy: bool, now_ns: int, hang_timeout_ns: int) -> str | None:
+        """Why the actor counts as hung now, or None."""
+        if progress != self.progress or not busy:
+            self.progress, self.owed_since = progress, now_ns
+        if heartbeat_ns and now_ns - heartbeat_ns > hang_timeout_ns:
+            return f"no heartbeat for {(now_ns - heartbeat_ns) / 1e9:.1f} s"
+        if busy and now_ns - self.owed_since > hang_timeout_ns:
+            return f"busy without progress for {(now_ns - self.owed_since) / 1e9:.1f} s"
+        return None
