@@ -26,15 +26,25 @@ SOURCES = [os.path.join(HERE, name)
 _loaded: dict[str, object] = {}
 
 
-def kernel_dir() -> str:
+def kernel_dir(sources: dict[str, bytes] | None = None) -> str:
+    """The build directory of these sources (default: as they are now) on this CPU and Paddle."""
     root = os.environ.get("FDCORE_KERNEL_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "fdcore-kernels")
     import paddle
 
     digest = hashlib.sha256(paddle.__version__.encode() + cpu_flags().encode())
-    for source in SOURCES:
-        with open(source, "rb") as f:
-            digest.update(f.read())
+    for text in (sources or read_sources()).values():
+        digest.update(text)
     return os.path.join(root, digest.hexdigest()[:16])
+
+
+def read_sources() -> dict[str, bytes]:
+    """The operators' sources, read once: the build compiles this snapshot, never the files again,
+    so an edit made while it builds cannot end up in a directory named after other sources."""
+    sources = {}
+    for path in SOURCES:
+        with open(path, "rb") as f:
+            sources[os.path.basename(path)] = f.read()
+    return sources
 
 
 def cpu_flags() -> str:
@@ -106,6 +116,17 @@ def _ops():
     return _loaded["ops"]
 
 
+def _snapshot(sources: dict[str, bytes], directory: str) -> list[str]:
+    """Write the sources read for the directory's name into it; their paths, to compile."""
+    os.makedirs(os.path.join(directory, "src"), exist_ok=True)
+    paths = []
+    for name, text in sources.items():
+        paths.append(os.path.join(directory, "src", name))
+        with open(paths[-1], "wb") as f:
+            f.write(text)
+    return paths
+
+
 @contextlib.contextmanager
 def _stdout_to_stderr():
     """Paddle's builder prints progress on stdout (and its compiler subprocess inherits fd 1):
@@ -125,7 +146,8 @@ def _build():
     if os.environ.get("FDCORE_NO_KERNELS"):
         return None
     try:
-        directory = kernel_dir()
+        sources = read_sources()
+        directory = kernel_dir(sources)
         os.makedirs(directory, exist_ok=True)
         with open(os.path.join(directory, ".lock"), "w") as lock, _stdout_to_stderr():
             fcntl.flock(lock, fcntl.LOCK_EX)
@@ -134,7 +156,7 @@ def _build():
             if not os.path.exists(ready):
                 from paddle.utils.cpp_extension import load
 
-                load(name="fdcore_kernels", sources=SOURCES, build_directory=directory,
+                load(name="fdcore_kernels", sources=_snapshot(sources, directory), build_directory=directory,
                      extra_cxx_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno",
                                        "-fno-trapping-math"], extra_ldflags=["-fopenmp"], verbose=False)
                 open(ready, "w").close()
