@@ -6,15 +6,19 @@ N prompts of random token ids (seeded), fixed input and output lengths,
 ``--repeat`` runs after a warm-up, for:
 
 - fdcore: ``LLM`` over the whole actor tree (engine, scheduler, cache manager,
-  worker), float32;
+  worker), in each ``--settings`` entry (float32, bfloat16, wint8, wint4: model.dtype or
+  model.quantization; default float32), the worker on every core (fdcore's default);
 - fdcore with the null model (``--null``): the worker answers without
   computing, so what is left is fdcore's own cost per step (scheduling, IPC,
   detokenizing, streaming); reported per step at the given batch;
 - vLLM CPU (``../shared/peers/vllm-cpu``, set up with its ``setup.sh``), float32
-  and, with ``--bf16``, bfloat16.
+  and bfloat16 (its best CPU setting where the CPU has AVX512-BF16; ``--bf16`` forces it elsewhere).
+
+Ratios are against vLLM's best dtype in the same run.
 
 Usage: python benchmarks/bench_throughput.py [--prompts 64] [--input-len 32] [--output-len 64]
            [--null] [--peer-dir /tmp/vllm-peer] [--no-peer] [--bf16] [--model DIR]
+           [--settings float32,bfloat16,wint8,wint4]
 """
 
 from __future__ import annotations
@@ -43,11 +47,14 @@ def make_prompts(count: int, length: int, vocab: int, seed: int = 0) -> list[lis
     return [[rng.randrange(3, vocab) for _ in range(length)] for _ in range(count)]
 
 
-def fdcore_config(model: str, args, backend: str) -> Config:
+def fdcore_config(model: str, args, backend: str, setting: str = "float32") -> Config:
+    dtype, quantization = (setting, "none") if setting in ("float32", "bfloat16") else ("float32", setting)
     return parse_config(f"""
 [model]
 path = "{model}"
 backend = "{backend}"
+dtype = "{dtype}"
+quantization = "{quantization}"
 [scheduler]
 max_num_seqs = {max(args.prompts, 1)}
 max_num_batched_tokens = {max(2048, args.input_len)}
@@ -57,12 +64,12 @@ num_blocks = {max(1024, args.prompts * (-(-(args.input_len + args.output_len) //
 """)
 
 
-def run_fdcore(model: str, args, backend: str = "paddle") -> dict:
+def run_fdcore(model: str, args, backend: str = "paddle", setting: str = "float32") -> dict:
     vocab = json.load(open(os.path.join(model, "config.json")))["vocab_size"]
     prompts = make_prompts(args.prompts, args.input_len, vocab)
     params = SamplingParams(temperature=1.0, seed=0, max_tokens=args.output_len, ignore_eos=True)
     t0 = time.perf_counter()
-    with LLM(fdcore_config(model, args, backend)) as llm:
+    with LLM(fdcore_config(model, args, backend, setting)) as llm:
         init_s = time.perf_counter() - t0
         llm.generate(prompts[:4], SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
         rates, per_step = [], []
@@ -78,6 +85,12 @@ def run_fdcore(model: str, args, backend: str = "paddle") -> dict:
             per_step.append(elapsed / steps * 1e3)
     return {"gen_tok_per_s": statistics.median(rates), "all": rates, "ms_per_step": statistics.median(per_step),
             "init_s": init_s}
+
+
+def has_avx512_bf16() -> bool:
+    from fdcore.models.kernels import cpu_flags
+
+    return "avx512_bf16" in cpu_flags().split()
 
 
 def run_vllm(model: str, args, dtype: str) -> dict | None:
@@ -112,11 +125,13 @@ def main(argv=None) -> int:
     parser.add_argument("--no-peer", action="store_true", help="skip vLLM")
     parser.add_argument("--bf16", action="store_true", help="also run vLLM in bfloat16 (the stretch goal)")
     parser.add_argument("--peer-dir", default="/tmp/vllm-peer")
+    parser.add_argument("--settings", default="float32", help="fdcore settings, comma-separated")
     args = parser.parse_args(argv)
     model = args.model or ensure_tiny_model(default_model_path())
     rows = []
-    fd = run_fdcore(model, args)
-    rows.append(("fdcore (paddle, float32)", fd["gen_tok_per_s"], f"{fd['ms_per_step']:.2f} ms/step"))
+    for setting in args.settings.split(","):
+        fd = run_fdcore(model, args, setting=setting)
+        rows.append((f"fdcore ({setting})", fd["gen_tok_per_s"], f"{fd['ms_per_step']:.2f} ms/step"))
     if args.null:
         null_args = argparse.Namespace(**{**vars(args), "output_len": args.null_output_len})
         null = run_fdcore(model, null_args, backend="null")
@@ -124,17 +139,18 @@ def main(argv=None) -> int:
                      f"{null['ms_per_step']:.3f} ms/step engine overhead"))
     peers = {}
     if not args.no_peer:
-        for dtype in ["float32"] + (["bfloat16"] if args.bf16 else []):
+        for dtype in ["float32"] + (["bfloat16"] if args.bf16 or has_avx512_bf16() else []):
             result = run_vllm(model, args, dtype)
             if result:
                 peers[dtype] = result["gen_tok_per_s"]
                 rows.append((f"vLLM CPU ({dtype})", result["gen_tok_per_s"], ""))
     print(f"\n{args.prompts} prompts x {args.input_len} tokens in, {args.output_len} out (ignore_eos, "
           f"temperature 1, seed 0), median of {args.repeat}; model {model}")
-    print(f"{'system':42s} {'gen tok/s':>10s}  {'vs vLLM fp32':>12s}  note")
+    best = max(peers, key=peers.get) if peers else None
+    print(f"{'system':42s} {'gen tok/s':>10s}  {'vs vLLM ' + (best or '-'):>16s}  note")
     for name, rate, note in rows:
-        ratio = f"{rate / peers['float32']:.2f}x" if "float32" in peers and not name.startswith("fdcore (null") else ""
-        print(f"{name:42s} {rate:10.0f}  {ratio:>12s}  {note}")
+        ratio = f"{rate / peers[best]:.2f}x" if best and not name.startswith("fdcore (null") else ""
+        print(f"{name:42s} {rate:10.0f}  {ratio:>16s}  {note}")
     return 0
 
 
