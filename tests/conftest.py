@@ -9,6 +9,8 @@
   module-scoped tree that leaked is caught here).
 - ``spawn``: starts child processes (fork) in their own process group and
   SIGKILLs the group at teardown, even when the test failed.
+- ``on_threads``: runs a script in a fresh python with another OMP_NUM_THREADS (OpenMP reads it
+  once, at start), for "T threads give one thread's results to the bit" tests.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ import multiprocessing as mp
 import os
 import secrets
 import signal
+import subprocess
+import sys
 
 import pytest
 
@@ -72,6 +76,24 @@ def spawn():
     spawner = Spawner()
     yield spawner
     spawner.kill_all()
+
+
+@pytest.fixture
+def on_threads(tmp_path):
+    """``run(script, arrays, threads)``: runs ``python -c script IN OUT`` with OMP_NUM_THREADS=threads,
+    IN an .npz of ``arrays``; the script writes its results to OUT (np.savez), returned as a dict."""
+    import numpy as np
+
+    def run(script: str, arrays: dict, threads: int = 2) -> dict:
+        inputs, outputs = tmp_path / "threads-in.npz", tmp_path / "threads-out.npz"
+        np.savez(inputs, **arrays)
+        done = subprocess.run([sys.executable, "-c", script, str(inputs), str(outputs)],
+                              env={**os.environ, "OMP_NUM_THREADS": str(threads)}, capture_output=True,
+                              text=True, timeout=300, check=False)
+        assert done.returncode == 0, done.stderr[-2000:]
+        return dict(np.load(outputs))
+
+    return run
 
 
 @pytest.fixture(scope="session", autouse=True)

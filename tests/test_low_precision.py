@@ -270,26 +270,18 @@ np.savez(sys.argv[2], **out)
 
 
 @needs_vnni
-def test_the_int_kernels_give_the_same_result_on_two_threads(tmp_path):
+def test_the_int_kernels_give_the_same_result_on_two_threads(on_threads):
     """OMP_NUM_THREADS=2 (the shapes take the parallel path: groups of output rows shared out, for
     wint4 also chunks of 64 rows of x) gives one thread's results to the bit. The int8 kernel once
     read its thread_local activations inside the parallel loop, i.e. each helper thread's empty copy:
     a SIGSEGV whenever more than one thread ran."""
-    import subprocess
-    import sys
-
     import paddle
 
     from fdcore.models.llama import Int4Matrix, Int8Matrix, _matrix_kind, linear
 
     rng = np.random.default_rng(2)
     x, w = rng.standard_normal((70, 576)).astype(np.float32), rng.standard_normal((960, 576)).astype(np.float32)
-    np.savez(tmp_path / "in.npz", x=x, w=w)
-    env = {**os.environ, "OMP_NUM_THREADS": "2"}
-    done = subprocess.run([sys.executable, "-c", _THREADED, str(tmp_path / "in.npz"), str(tmp_path / "out.npz")],
-                          env=env, capture_output=True, text=True, timeout=300, check=False)
-    assert done.returncode == 0, done.stderr[-2000:]
-    threaded = np.load(tmp_path / "out.npz")
+    threaded = on_threads(_THREADED, {"x": x, "w": w})
     _matrix_kind("float32", "wint4")
     for kind, cls in (("int8", Int8Matrix), ("int4", Int4Matrix)):
         matrix = cls.pack(w)

@@ -86,7 +86,9 @@ class PagedKVCache:
 class LlamaModel:
     """The weights (as Paddle tensors) and the forward pass.
 
-    Projections keep Hugging Face's ``[out, in]`` layout and are applied with
+    Projections are packed for fdcore's kernels (F32Matrix, Bf16Matrix, Int8Matrix,
+    Int4Matrix; see ``linear``). Where float32 has no kernel (no AVX-512F) they keep
+    Hugging Face's ``[out, in]`` layout and are applied with
     ``matmul(x, w, transpose_y=True)``: with MKL that is 1.4-1.7x faster than
     the same product on an ``[in, out]`` copy (0.61 vs 0.86 ms, 1.8 vs 3.1 ms
     for the 4096-wide head at batch 64).
@@ -96,19 +98,22 @@ class LlamaModel:
         self.args = args = checkpoint.args
         self.dtype = paddle.float32
         self.matrix_dtype = _matrix_kind(dtype, quantization)  # projections: float32, bfloat16, wint8, wint4
+        self.f32_kernel = self.matrix_dtype == "float32" and _f32_kernel()  # float32 as F32Matrix
         # NOTE: the checkpoint's arrays are taken (popped) as they become the model's tensors, so
         # loading peaks at the weights plus one layer, not two copies of everything.
         t = checkpoint.tensors
         embed = t.pop("model.embed_tokens.weight")
-        self.embed = self._tensor(embed)
-        head = embed if args.tie_word_embeddings else t.pop("lm_head.weight")
-        tied_and_same = args.tie_word_embeddings and self.matrix_dtype == "float32"
         # NOTE: wint4 keeps the LM head in int8, as llama.cpp's 4-bit files keep output.weight at 6-8 bits
         # and GPTQ / AWQ leave it unquantized: on SmolLM2 a 4-bit head moved the logits by up to 4.6
         # (int8: 1.6) and changed float32's greedy token at 14 steps of 144 (int8: 3).
         head_kind = "wint8" if self.matrix_dtype == "wint4" else self.matrix_dtype
-        self.lm_head = self.embed if tied_and_same else self._matrix(head, head_kind)
-        del embed, head
+        if args.tie_word_embeddings and head_kind == "float32":
+            # one copy for both: a plain tensor, or an F32Matrix whose rows the embedding reads (``_embed``)
+            self.embed = self.lm_head = self._matrix(embed)
+        else:
+            self.embed = self._tensor(embed)
+            self.lm_head = self._matrix(embed if args.tie_word_embeddings else t.pop("lm_head.weight"), head_kind)
+        del embed
         self.norm = _float32(t.pop("model.norm.weight"))
         self.layers = [self._layer(t, i) for i in range(args.num_layers)]
         self.windows = tuple(sorted({layer["window"] for layer in self.layers}))  # the masks a step needs
@@ -130,11 +135,17 @@ class LlamaModel:
     def _matrix(self, array: np.ndarray, kind: str | None = None):
         """A projection's weight [out, in] as the model multiplies it, in ``kind`` (default: the model's
         matrix dtype; bfloat16, wint8 and wint4 packed for fdcore's kernels, see Bf16Matrix, Int8Matrix
-        and Int4Matrix)."""
+        and Int4Matrix; float32 too (F32Matrix) where its kernel runs, else a plain tensor for MKL)."""
         kind = kind or self.matrix_dtype
         if kind == "float32":
-            return self._tensor(array)
+            return F32Matrix.pack(array) if self.f32_kernel else self._tensor(array)
         return _PACKED[kind].pack(array)
+
+    def _embed(self, token_ids: np.ndarray) -> paddle.Tensor:
+        """The embedding's rows for these tokens, [tokens, hidden]."""
+        if isinstance(self.embed, F32Matrix):
+            return as_paddle(self.embed.take_rows(token_ids))
+        return paddle.index_select(self.embed, paddle.to_tensor(token_ids))
 
     def _layer(self, t: dict, i: int) -> dict:
         p = f"model.layers.{i}."
@@ -169,7 +180,7 @@ class LlamaModel:
         """Logits of each sequence's last new token, [num_seqs, vocab] float32, caller's order."""
         order = sorted(range(batch.num_seqs), key=lambda s: len(batch.token_ids[s]) != 1)
         plan = _Plan(batch, order, cache, masks=self.fused is None, windows=self.windows)
-        hidden = paddle.index_select(self.embed, paddle.to_tensor(plan.token_ids))
+        hidden = self._embed(plan.token_ids)
         cos, sin = self.args.rope.tables(plan.positions, plan.rope_lengths(batch, order)
                                          if self.args.rope.is_dynamic else None)
         if self.fused is not None:
@@ -356,6 +367,55 @@ def _attention_bias(positions: np.ndarray, width: int, window: int) -> np.ndarra
     return np.where(seen, 0.0, -np.inf).astype(np.float32)
 
 
+class F32Matrix:
+    """A float32 weight ``[out, in]`` packed for fdcore's kernel (linear_f32.cc): panels of 32 output rows,
+    ``[panels, in, 32]`` (``packed[p, k, lane] = weight[32 p + lane, k]``; 16 rows per 64-byte load),
+    the last panel zero-padded. The same values as the weight, in another order: a tied model's
+    embedding reads its rows from here (``take_rows``) instead of keeping a second copy.
+
+    NOTE: used for every float32 projection and the LM head at every batch size, where the CPU has
+    AVX-512F: no row count was found where MKL's matmul is faster, so there is no threshold to
+    dispatch on (and a fallback would need the unpacked copy too: twice the memory). Measured
+    (benchmarks/bench_linear_f32.py: SmolLM2-135M's 30 layers' products and its 49152-row head, 538 MB,
+    ms per token step, MKL / kernel; EPYC Zen 4, 2 cores):
+
+        rows of x        1      4      8     16     32     64    512
+        1 thread     37/19  63/21  72/25  91/45 126/84 210/166 1352/1292  (kernel faster 1.9-3.0x to 1.05x)
+        2 threads    37/16  47/17  53/17  63/29  81/53 119/87   682/654   (2.2-3.1x to 1.04x)
+
+    At 2048 rows (a step's most, max_num_batched_tokens) each shape alone is within 4% either way
+    (both near the core's peak, ~100 GFLOP/s); the head only ever sees a step's last rows."""
+
+    __slots__ = ("array", "packed", "rows")
+
+    def __init__(self, array: np.ndarray, rows: int):
+        self.array, self.rows = array, rows
+        self.packed = as_paddle(array)  # shares the array's memory
+
+    @classmethod
+    def pack(cls, weight: np.ndarray) -> "F32Matrix":
+        rows, cols = weight.shape
+        full, panels = rows // 32, -(-rows // 32)
+        array = np.empty((panels, cols, 32), dtype=np.float32)
+        # NOTE: in slices of 64 panels, so the transposed copy's source stays in cache
+        for start in range(0, full, 64):
+            end = min(full, start + 64)
+            array[start:end] = weight[start * 32:end * 32].reshape(end - start, 32, cols).transpose(0, 2, 1)
+        if full < panels:
+            tail = np.zeros((32, cols), dtype=np.float32)
+            tail[:rows - full * 32] = weight[full * 32:]
+            array[full] = tail.T
+        return cls(array, rows)
+
+    def take_rows(self, ids: np.ndarray) -> np.ndarray:
+        """``weight[ids]``, [len(ids), in] (a new array)."""
+        return np.ascontiguousarray(self.array[ids // 32, :, ids % 32])
+
+    def numel(self) -> int:
+        """The float32 values held (padding included), as a tensor's ``numel``: memory accounting."""
+        return self.array.size
+
+
 class Bf16Matrix:
     """A weight ``[out, in]`` in bfloat16, packed for fdcore's kernel (linear_bf16.cc): groups of 64
     output rows, each ``[in / 2, 4, 16, 2]`` (16 rows x 2 inputs per 64-byte load), zero-padded."""
@@ -497,9 +557,12 @@ def _float16_toward(values: np.ndarray, direction: float) -> np.ndarray:
 
 
 def linear(x: paddle.Tensor, weight, bias: paddle.Tensor | None = None) -> paddle.Tensor:
-    """``x @ weight.T (+ bias)`` for a weight stored ``[out, in]`` (a Bf16Matrix through fdcore's
-    kernel: Paddle's CPU build has no bfloat16 matmul)."""
-    if isinstance(weight, Bf16Matrix):
+    """``x @ weight.T (+ bias)`` for a weight stored ``[out, in]``: a plain tensor through Paddle's (MKL's)
+    matmul, the packed kinds through fdcore's kernels (Paddle's CPU build has no bfloat16 matmul, and
+    its float32 one is slower than F32Matrix's kernel at every batch size measured: F32Matrix)."""
+    if isinstance(weight, F32Matrix):
+        out = _F32_LINEAR[0](x, weight.packed, weight.rows)
+    elif isinstance(weight, Bf16Matrix):
         out = _BF16_LINEAR[0](x, weight.packed, weight.rows)
     elif isinstance(weight, Int8Matrix):
         out = _INT8_LINEAR[0](x, weight.packed, weight.scales, weight.rows)
@@ -510,7 +573,8 @@ def linear(x: paddle.Tensor, weight, bias: paddle.Tensor | None = None) -> paddl
     return out if bias is None else out + bias
 
 
-_BF16_LINEAR: list = [None]  # the compiled kernels, loaded by the first model that needs them
+_F32_LINEAR: list = [None]  # the compiled kernels, loaded by the first model that needs them
+_BF16_LINEAR: list = [None]
 _INT8_LINEAR: list = [None]
 _INT4_LINEAR: list = [None]
 _PACKED = {"bfloat16": Bf16Matrix, "wint8": Int8Matrix, "wint4": Int4Matrix}  # a matrix kind's packed form
@@ -540,6 +604,17 @@ def _matrix_kind(dtype: str, quantization: str) -> str:
     if table[0] is None:
         raise ValueError(f"{kind} needs fdcore's C++ operators, which could not be built here")
     return kind
+
+
+def _f32_kernel() -> bool:
+    """Whether float32 weights go to fdcore's kernel (as F32Matrix): on CPUs with AVX-512F, when it was
+    built (loaded here). Otherwise they stay plain tensors for MKL's matmul; float32 is never refused."""
+    from fdcore.models.kernels import linear_f32
+
+    op = linear_f32()
+    if op is not None:
+        _F32_LINEAR[0] = op
+    return op is not None
 
 
 def _float32(array: np.ndarray) -> np.ndarray:

@@ -21,8 +21,8 @@ import os
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-SOURCES = [os.path.join(HERE, name)
-           for name in ("paged_attention.cc", "linear_bf16.cc", "linear_int8.cc", "linear_int4.cc")]
+SOURCES = [os.path.join(HERE, name) for name in ("paged_attention.cc", "linear_bf16.cc", "linear_int8.cc",
+                                                  "linear_int4.cc", "linear_f32.cc")]
 _loaded: dict[str, object] = {}
 
 
@@ -96,6 +96,19 @@ def linear_int4():
     Q4_1), float32 out [M, rows]; AVX512-VNNI CPUs only. None when not built here."""
     ops = _ops()
     return ops and ops[6]
+
+
+F32_KERNEL_FEATURE = "avx512f"  # the /proc/cpuinfo flag linear_f32 needs (without it: MKL, no refusal)
+
+
+def linear_f32():
+    """``linear(x, packed, rows)``: x [M, K] float32 times a float32 weight of ``rows`` outputs packed by
+    fdcore.models.llama.F32Matrix, float32 out [M, rows]. None when not built here or on a CPU without
+    AVX-512F: float32 is never refused, its projections then stay Paddle tensors (MKL's matmul)."""
+    if F32_KERNEL_FEATURE not in cpu_flags().split():
+        return None
+    ops = _ops()
+    return ops and ops[7]
 
 
 # The CPU feature each low-precision kernel is built on: (/proc/cpuinfo flag, its usual name).
@@ -193,7 +206,10 @@ def _build():
         def linear_q4(x, packed, rows):
             return _C_ops._run_custom_op("fdcore_linear_int4", x, packed, int(rows))[0]
 
-        return gumbel, add_rms_norm, silu_mul, attention_block, linear, linear_q8, linear_q4
+        def linear_f32(x, packed, rows):
+            return _C_ops._run_custom_op("fdcore_linear_f32", x, packed, int(rows))[0]
+
+        return gumbel, add_rms_norm, silu_mul, attention_block, linear, linear_q8, linear_q4, linear_f32
     except Exception as exc:  # a missing compiler must not stop serving
         sys.stderr.write(f"fdcore: C++ operators unavailable ({type(exc).__name__}: {exc}); "
                          "using the slower Python path\n")

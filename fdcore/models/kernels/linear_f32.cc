@@ -1,0 +1,118 @@
+// fdcore's float32 linear layer: Y[M, N] = X[M, K] . W[N, K]^T, all float32, on CPUs with AVX-512F.
+//
+// Why: decoding one sequence reads every weight once, so its speed is the memory's. Paddle's MKL
+// (on AMD, its AVX2 path: see fdcore.models.cpu_env) streamed SmolLM2's 538 MB of float32 weights at
+// ~14.5 GB/s at batch 1, on 1 thread or 2; this kernel streams them at the memory's speed (28 GB/s on
+// one core of this EPYC, 33 GB/s on two), and in batches it keeps the FMA unit busy (~100 GFLOP/s on
+// one core from 32 rows of X up; MKL 68 at 32 rows, as fast only from ~1000 rows). It is used at every
+// batch size: the figures are in fdcore.models.llama.F32Matrix.
+//
+// NOTE: the weight is packed once, at load (fdcore.models.llama.F32Matrix), in panels of 32 output
+// rows: packed[p][k][lane] = W[32 p + lane][k] (rows zero-padded to a multiple of 32). A panel is one
+// contiguous stream (what the hardware prefetcher follows best; a software prefetch 128 to 1024
+// floats ahead measured no gain on one thread), and one k step of it is two 64-byte loads of 16
+// outputs each, multiplied against a broadcast x[m][k]: the accumulators are the outputs themselves
+// (no horizontal sums). 32 rows, not 64, so that SmolLM2's 576-wide projections are 18 panels and
+// split evenly on 2 or 3 threads. Up to 8 rows of X share each loaded pair of weight vectors (16
+// accumulators: measured best of 3x64, 4x64, 6x64, 8x32, 10x32, 12x32 and 14x32 rows x outputs); a
+// panel stays in cache while every row of X passes over it, so a weight is read from memory once per
+// call.
+//
+// Determinism (crash-resume replays a sequence in other batches): every output is one chain of
+// FMAs over k = 0, 1, ..., K - 1 from zero, computed by one thread, whatever the tile it is in, the
+// number of rows of X or the thread count. So a row's result is the same to the bit alone, in any
+// batch, and on any number of threads.
+//
+// The caller checks the CPU's flags (/proc/cpuinfo) before using this; the functions carry their own
+// target attribute, so the library builds on any x86-64 compiler and CPU.
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "paddle/extension.h"
+
+namespace {
+
+constexpr int kPanel = 32;            // output rows per packed panel
+constexpr int kVectors = kPanel / 16;  // 16-lane vectors per panel
+constexpr int kRowsPerPass = 8;        // rows of X per pass over a panel
+
+#define FDCORE_F32_TARGET __attribute__((target("avx512f")))
+
+// MB rows of X (X at the first, row stride K) against one panel (W: its [K][32] floats); `outputs` of
+// its 32 rows are real; Y at the first row's first output of the panel (row stride N).
+template <int MB>
+FDCORE_F32_TARGET inline void PanelRows(const float* X, int64_t K, const float* W, int64_t outputs, int64_t N,
+                                        float* Y) {
+  __m512 acc[MB][kVectors];
+  for (int j = 0; j < MB; ++j)
+    for (int v = 0; v < kVectors; ++v) acc[j][v] = _mm512_setzero_ps();
+#pragma GCC unroll 4
+  for (int64_t k = 0; k < K; ++k) {
+    __m512 w[kVectors];
+    for (int v = 0; v < kVectors; ++v) w[v] = _mm512_loadu_ps(W + k * kPanel + v * 16);
+    for (int j = 0; j < MB; ++j) {
+      const __m512 x = _mm512_set1_ps(X[j * K + k]);
+      for (int v = 0; v < kVectors; ++v) acc[j][v] = _mm512_fmadd_ps(w[v], x, acc[j][v]);
+    }
+  }
+  for (int v = 0; v < kVectors && v * 16 < outputs; ++v) {
+    const int64_t here = outputs - v * 16;
+    const __mmask16 mask = here >= 16 ? 0xffff : static_cast<__mmask16>((1u << here) - 1);
+    for (int j = 0; j < MB; ++j) _mm512_mask_storeu_ps(Y + j * N + v * 16, mask, acc[j][v]);
+  }
+}
+
+// The last R (< kRowsPerPass) rows of X against a panel.
+template <int R>
+FDCORE_F32_TARGET inline void PanelRest(const float* X, int64_t rest, int64_t K, const float* W, int64_t outputs,
+                                        int64_t N, float* Y) {
+  if constexpr (R > 0) {
+    if (rest == R) {
+      PanelRows<R>(X, K, W, outputs, N, Y);
+    } else {
+      PanelRest<R - 1>(X, rest, K, W, outputs, N, Y);
+    }
+  }
+}
+
+FDCORE_F32_TARGET void Linear(const float* X, int64_t M, int64_t K, const float* W, int64_t P, int64_t N, float* Y) {
+  // Panels are split across the OpenMP threads (OMP_NUM_THREADS) in contiguous, equal shares: each
+  // thread streams its own part of W (the LM head's 1536 panels: 768 each on 2 threads), which is
+  // what lets one sequence's decoding use more than one core's bandwidth.
+  const bool parallel = P > 1 && M * N * K >= (1 << 18);
+#pragma omp parallel for schedule(static) if (parallel)
+  for (int64_t p = 0; p < P; ++p) {
+    const float* Wp = W + p * K * kPanel;
+    const int64_t outputs = std::min<int64_t>(kPanel, N - p * kPanel);
+    int64_t m = 0;
+    for (; m + kRowsPerPass <= M; m += kRowsPerPass)
+      PanelRows<kRowsPerPass>(X + m * K, K, Wp, outputs, N, Y + m * N + p * kPanel);
+    PanelRest<kRowsPerPass - 1>(X + m * K, M - m, K, Wp, outputs, N, Y + m * N + p * kPanel);
+  }
+}
+
+}  // namespace
+
+// x [M, K] float32; w [P, K, 32] float32 (the packed weight); rows = N, the real output count.
+std::vector<paddle::Tensor> LinearF32(const paddle::Tensor& x, const paddle::Tensor& w, int64_t rows) {
+  const auto& s = w.shape();
+  PD_CHECK(x.dtype() == paddle::DataType::FLOAT32, "linear_f32: x must be float32");
+  PD_CHECK(w.dtype() == paddle::DataType::FLOAT32, "linear_f32: w must be float32");
+  PD_CHECK(s.size() == 3 && s[2] == kPanel, "linear_f32: w is not packed");
+  PD_CHECK(x.shape().size() == 2, "linear_f32: x must be [M, K]");
+  const int64_t M = x.shape()[0], K = x.shape()[1], P = s[0];
+  PD_CHECK(s[1] == K, "linear_f32: x and w disagree on the inner dimension");
+  PD_CHECK(rows > P * kPanel - kPanel && rows <= P * kPanel, "linear_f32: rows does not fit the packed panels");
+  auto y = paddle::empty({M, rows}, paddle::DataType::FLOAT32, paddle::CPUPlace());
+  if (M > 0) Linear(x.data<float>(), M, K, w.data<float>(), P, rows, y.data<float>());
+  return {y};
+}
+
+PD_BUILD_OP(fdcore_linear_f32)
+    .Inputs({"X", "W"})
+    .Outputs({"Y"})
+    .Attrs({"rows: int64_t"})
+    .SetKernelFn(PD_KERNEL(LinearF32));
