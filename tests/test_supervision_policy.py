@@ -102,6 +102,14 @@ def test_an_actor_idle_for_long_owes_no_progress_the_moment_it_gets_work():
     assert watch.look(61 * S, 0, True, 61 * S, 10 * S) == "busy without progress for 11.0 s"
 
 
+def test_the_first_look_only_sets_the_baseline():
+    """A tree that took 13.6 s to load: the cache manager, spawned first, was busy with its first
+    message at the supervisor's first look after ready, and was called hung for its start-up."""
+    watch = StallWatch(now_ns=0)
+    assert watch.look(13 * S, 0, True, 13 * S + S // 2, 10 * S) is None
+    assert watch.look(24 * S, 0, True, 24 * S, 10 * S) == "busy without progress for 10.5 s"
+
+
 def test_backoff_doubles_up_to_its_cap_and_waits_that_long():
     clock = FakeClock()
     backoff = Backoff(base=0.1, cap=0.5, reset_after=60.0, clock=clock)

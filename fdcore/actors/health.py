@@ -77,15 +77,17 @@ class StallWatch:
     reads and the time). Busy-without-progress is counted from the last look that saw progress *or
     saw the actor idle*: an actor idle for a minute that has just taken a message owes nothing yet
     (counting from its last progress called a cache manager hung the moment its first message
-    arrived after a long model load)."""
+    arrived after a long model load). The first look only sets the baseline: an actor's start-up
+    (the supervisor does not look before it is ready, and a tree may take a minute to load) owes
+    nothing either."""
 
     def __init__(self, now_ns: int):
-        self.progress = 0
+        self.progress: int | None = None  # not looked at yet
         self.owed_since = now_ns
 
     def look(self, heartbeat_ns: int, progress: int, busy: bool, now_ns: int, hang_timeout_ns: int) -> str | None:
         """Why the actor counts as hung now, or None."""
-        if progress != self.progress or not busy:
+        if progress != self.progress or not busy:  # (None, the first look, differs from any count)
             self.progress, self.owed_since = progress, now_ns
         if heartbeat_ns and now_ns - heartbeat_ns > hang_timeout_ns:
             return f"no heartbeat for {(now_ns - heartbeat_ns) / 1e9:.1f} s"
