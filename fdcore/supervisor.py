@@ -535,14 +535,18 @@ def describe_model(config: Config) -> str:
     """The model as the engine will serve it, as TOML comments (templates compiled, defaults checked)."""
     from fdcore.core.generation_config import generation_config_file, sampling_defaults
     from fdcore.core.tokenizer import ModelTokenizer
+    from fdcore.models.loader import inspect_checkpoint
 
     path, mode = model_path(config), config.model.generation_config
+    args = inspect_checkpoint(path)
     tokenizer = ModelTokenizer(path)
     limits = tokenizer.limits(config.scheduler.max_model_len, config.cache.num_blocks * config.cache.block_size)
     defaults = sampling_defaults(path, mode, limits)
     templates = ", ".join(f"{t.name} ({t.source})" for t in tokenizer.chat_templates.templates.values())
     source = f'model.generation_config = "{mode}"' + (f", {generation_config_file(path)}" if mode == "auto" else "")
-    lines = [f"# model {path}", f"# chat templates: {templates or 'none'}",
+    shape = (f"# {args.architecture}: {args.num_layers} layers, hidden {args.hidden_size}, {args.num_heads} heads "
+             f"({args.num_kv_heads} kv), vocab {args.vocab_size}; config and tensor headers checked")
+    lines = [f"# model {path}", shape, f"# chat templates: {templates or 'none'}",
              f"# sampling defaults for requests that leave them unset ({source}):" + ("" if defaults else " none")]
     return "\n".join(lines + [f"#   {name} = {json.dumps(value)}" for name, value in defaults.items()])
 

@@ -243,6 +243,22 @@ def test_a_bad_checkpoint_is_reported_not_retried(tree_factory, tmp_path, damage
     assert not any("event=restarted" in line for line in tree.log)
 
 
+@pytest.mark.parametrize("damage, named", [
+    ("truncated", "model-00002-of-00002.safetensors: unreadable safetensors"),
+    ("unsupported_value", "config.json: key 'rope_scaling.rope_type' = 'longrope' is not implemented"),
+    ("wrong_shape", "config.json implies (512, 256)"),
+    ("missing_tensor", "' is missing"),
+])
+def test_check_refuses_the_checkpoints_the_worker_would_refuse(tmp_path, damage, named):
+    """``--check`` runs the worker's checks that need no tensor data (config keys, tensor headers),
+    so a checkpoint that would stop the tree's start is named before it starts."""
+    broken = tiny.make_tiny_model(str(tmp_path / "broken-model"), shards=2)
+    _damage(broken, damage)
+    result = _check(tmp_path, f'[model]\npath = "{broken}"\n')
+    assert result.returncode == 2, result.stdout
+    assert "fdcore: checkpoint error: " in result.stderr and named in result.stderr, result.stderr
+
+
 def _check(tmp_path, text: str) -> subprocess.CompletedProcess:
     path = tmp_path / "c.toml"
     path.write_text(text)
@@ -297,6 +313,7 @@ def test_check_prints_the_effective_configuration(tmp_path):
     result = _check(tmp_path, f'[model]\npath = "{model}"\n[engine]\nmax_clients = 3\n')
     assert result.returncode == 0, result.stderr
     assert "[engine]\nmax_clients = 3" in result.stdout and "[server]\nenabled = false" in result.stdout
+    assert "# LlamaForCausalLM: 4 layers, hidden 256" in result.stdout  # the checkpoint was inspected
 
 
 def test_the_readme_example_config_starts_the_tree_and_ctrl_c_stops_it(tmp_path):

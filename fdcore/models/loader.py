@@ -331,11 +331,29 @@ def load_checkpoint(path: str, progress=None) -> Checkpoint:
     config_file = os.path.join(path, "config.json")
     config = read_json_object(config_file)
     args = ModelArgs.from_config(config, config_file)
-    # A tied model's saved copy of the embedding as lm_head is the same matrix: not read.
-    skip = {"lm_head.weight"} if args.tie_word_embeddings else set()
-    tensors = _read_weights(path, set(args.expected_shapes()), skip, progress)
-    _check_tensors(args, tensors, path)
+    tensors = _read_weights(path, args, progress)
+    _check_shapes(args, {name: array.shape for name, array in tensors.items()}, path)
     return Checkpoint(path, args, eos_ids(path, config), tensors)
+
+
+def inspect_checkpoint(path: str) -> ModelArgs:
+    """Every check ``load_checkpoint`` makes that needs no tensor data (config keys and values; each
+    file's tensor names, dtypes and shapes from its header), without reading the weights: what
+    ``--check`` runs, so a checkpoint the worker would refuse is refused before the tree starts
+    (a GGUF file: its metadata; its tensors are checked as they are read)."""
+    if is_gguf(path):
+        from fdcore.models.gguf import read_gguf_config
+
+        return ModelArgs.from_config(read_gguf_config(path)[0], path)
+    if not os.path.isdir(path):
+        raise CheckpointError(f"{path}: checkpoint directory does not exist")
+    config_file = os.path.join(path, "config.json")
+    args = ModelArgs.from_config(read_json_object(config_file), config_file)
+    shapes = {}
+    for file in _weight_files(path):
+        shapes.update({name: shape for name, (_, shape) in _checked_headers(file, args).items()})
+    _check_shapes(args, shapes, path)
+    return args
 
 
 def _load_gguf(path: str, progress) -> Checkpoint:
@@ -347,7 +365,7 @@ def _load_gguf(path: str, progress) -> Checkpoint:
 
     config, tensors, eos = read_gguf(path, tenths)
     args = ModelArgs.from_config(config, path)
-    _check_tensors(args, tensors, path)
+    _check_shapes(args, {name: array.shape for name, array in tensors.items()}, path)
     return Checkpoint(path, args, eos, tensors)
 
 
@@ -404,38 +422,54 @@ def _weight_files(path: str) -> list[str]:
 UNUSED_TENSOR_SUFFIXES = (".rotary_emb.inv_freq",)
 
 
-def _read_weights(path: str, wanted: set[str], skip: set[str], progress) -> dict[str, np.ndarray]:
+def _read_weights(path: str, args: ModelArgs, progress) -> dict[str, np.ndarray]:
     """Every wanted tensor as float32, converted one tensor at a time; any other tensor is an
     error (weights fdcore would not use mean a model it does not run), except known leftovers."""
-    from safetensors import SafetensorError
-
     files = _weight_files(path)
     tensors: dict[str, np.ndarray] = {}
     for done, file in enumerate(files, 1):
-        try:
-            _read_file(file, wanted, skip, tensors)
-        except (SafetensorError, OSError) as exc:
-            raise CheckpointError(f"{file}: unreadable safetensors ({exc})") from None
+        _read_file(file, args, tensors)
         (progress or _stderr_progress)(done, len(files))
     return tensors
 
 
-def _read_file(file: str, wanted: set[str], skip: set[str], out: dict[str, np.ndarray]) -> None:
-    from safetensors import safe_open
+def _checked_headers(file: str, args: ModelArgs) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """The tensors of one safetensors file the model reads, ``name -> (dtype, shape)`` from its
+    header, each checked to be one the architecture uses and of a float dtype. A tied model's saved
+    copy of the embedding as lm_head is the same matrix: left out (not read)."""
+    from safetensors import SafetensorError, safe_open
 
-    with safe_open(file, framework="numpy") as f:
-        dtypes = {name: f.get_slice(name).get_dtype() for name in f.keys()
-                  if not name.endswith(UNUSED_TENSOR_SUFFIXES) and name not in skip}
-        for name, dtype in dtypes.items():
-            if name not in wanted:
-                raise CheckpointError(f"{file}: tensor {name!r} is not used by this architecture "
-                                      "(config.json does not ask for it)")
-            if dtype not in FLOAT_DTYPES:
-                raise CheckpointError(f"{file}: tensor {name!r} has dtype {dtype}; fdcore reads "
-                                      f"{', '.join(FLOAT_DTYPES)}")
-            if dtype != "BF16":
-                out[name] = _float32(f.get_tensor(name))
-    bfloat16 = [name for name, dtype in dtypes.items() if dtype == "BF16"]
+    wanted = set(args.expected_shapes())
+    skip = {"lm_head.weight"} if args.tie_word_embeddings else set()
+    try:
+        with safe_open(file, framework="numpy") as f:
+            slices = {name: f.get_slice(name) for name in f.keys()
+                      if not name.endswith(UNUSED_TENSOR_SUFFIXES) and name not in skip}
+            headers = {name: (part.get_dtype(), tuple(part.get_shape())) for name, part in slices.items()}
+    except (SafetensorError, OSError) as exc:
+        raise CheckpointError(f"{file}: unreadable safetensors ({exc})") from None
+    for name, (dtype, _) in headers.items():
+        if name not in wanted:
+            raise CheckpointError(f"{file}: tensor {name!r} is not used by this architecture "
+                                  "(config.json does not ask for it)")
+        if dtype not in FLOAT_DTYPES:
+            raise CheckpointError(f"{file}: tensor {name!r} has dtype {dtype}; fdcore reads "
+                                  f"{', '.join(FLOAT_DTYPES)}")
+    return headers
+
+
+def _read_file(file: str, args: ModelArgs, out: dict[str, np.ndarray]) -> None:
+    from safetensors import SafetensorError, safe_open
+
+    headers = _checked_headers(file, args)
+    try:
+        with safe_open(file, framework="numpy") as f:
+            for name, (dtype, _) in headers.items():
+                if dtype != "BF16":
+                    out[name] = _float32(f.get_tensor(name))
+    except (SafetensorError, OSError) as exc:
+        raise CheckpointError(f"{file}: unreadable safetensors ({exc})") from None
+    bfloat16 = [name for name, (dtype, _) in headers.items() if dtype == "BF16"]
     if bfloat16:
         out.update(_read_bfloat16(file, bfloat16))
 
@@ -473,12 +507,12 @@ def _float32(array: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(array, dtype=np.float32)
 
 
-def _check_tensors(args: ModelArgs, tensors: dict[str, np.ndarray], path: str) -> None:
+def _check_shapes(args: ModelArgs, shapes: dict[str, tuple[int, ...]], path: str) -> None:
     for name, shape in args.expected_shapes().items():
-        if name not in tensors:
+        if name not in shapes:
             raise CheckpointError(f"{path}: tensor {name!r} is missing")
-        if tuple(tensors[name].shape) != shape:
-            raise CheckpointError(f"{path}: tensor {name!r} has shape {tuple(tensors[name].shape)}, "
+        if tuple(shapes[name]) != shape:
+            raise CheckpointError(f"{path}: tensor {name!r} has shape {tuple(shapes[name])}, "
                                   f"config.json implies {shape}")
 
 
