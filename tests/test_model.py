@@ -170,3 +170,37 @@ def test_the_kernels_equal_the_python_path(models):
     finally:
         model.fused = kernels
     np.testing.assert_allclose(fast, slow, rtol=1e-4, atol=1e-4)
+
+
+_FORWARD_ON_THREADS = """
+import sys
+import numpy as np
+from fdcore.core.batch import BatchInput
+from fdcore.models.llama import LlamaModel, PagedKVCache
+from fdcore.models.loader import load_checkpoint
+
+given = np.load(sys.argv[1])
+model = LlamaModel(load_checkpoint(str(given["path"]), progress=lambda *_: None))
+assert model.fused is not None
+prompts = [row[row >= 0].tolist() for row in given["prompts"]]
+tables = [list(range(i, 64, len(prompts)))[:12] for i in range(len(prompts))]
+cache = PagedKVCache(model.args, 64, 16)
+prefill = model.forward(BatchInput(prompts, [0] * len(prompts), tables), cache)
+decode = model.forward(BatchInput([[7] for _ in prompts], [len(p) for p in prompts], tables), cache)
+np.savez(sys.argv[2], prefill=prefill, decode=decode)
+"""
+
+
+def test_a_forward_pass_gives_the_same_bits_on_one_and_two_threads(checkpoints, on_threads):
+    """The fused operators share rows (attention: rows x KV heads; SwiGLU: rows) out over OpenMP's
+    threads, each computed whole by one thread: a crash recompute on another thread count, or a
+    worker restarted with other settings, gets the same logits to the bit."""
+    rng = np.random.default_rng(5)
+    lengths = (150, 3, 77, 1, 120)
+    prompts = np.full((len(lengths), max(lengths)), -1)
+    for row, n in enumerate(lengths):
+        prompts[row, :n] = rng.integers(5, 4000, size=n)
+    given = {"path": np.array(checkpoints["llama-gqa"]), "prompts": prompts}
+    one, two = on_threads(_FORWARD_ON_THREADS, given, threads=1), on_threads(_FORWARD_ON_THREADS, given, threads=2)
+    for name in ("prefill", "decode"):
+        assert np.array_equal(one[name], two[name]), name

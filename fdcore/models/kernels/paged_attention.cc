@@ -9,27 +9,195 @@
 //
 // Grouped-query attention: head h reads KV head h / (H / KVH). Softmax in float32
 // with the running maximum subtracted, as the reference does.
+#include <algorithm>
 #include <cmath>
+#include <utility>
 #include <vector>
 
 #include "paddle/extension.h"
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+// e^x for 16 floats (Cephes' expf: x = n ln2 + r with ln2 split in two, a degree-6 polynomial for e^r,
+// then 2^n by vscalefps; within 2 ulp of libm's expf, 0 below -103, +inf above 88.7). A lane's result
+// depends on that lane only, so a row gets the same bits wherever it sits in a batch; libm's expf was
+// scalar here (~12 cycles an element) and the softmax and SwiGLU spent most of their time in it.
+static inline __m512 Exp16(__m512 x) {
+  x = _mm512_min_ps(x, _mm512_set1_ps(89.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  // below e^-87 (2^-126, the smallest normal float) the result is 0: a denormal weight would make
+  // every product it enters (p v in attention) a microcode assist, ~100 cycles each
+  return _mm512_maskz_scalef_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.f), _CMP_GE_OQ), p, n);
+}
+
+static inline __mmask16 Tail(int64_t left) {
+  return left >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << left) - 1);
+}
+
+// One row's attention for the G query heads sharing KV head kvh: scores (q . k per key, 16-wide FMAs
+// over D), softmax with the row's maximum subtracted (exp 16 keys at a time), then o = sum p v with o
+// in registers. Every key's work is the same instructions whatever the row's neighbours, so the result
+// is a function of the row's q, keys and values alone (crash recompute and chunking give the same bits).
+// The sums of 16 vectors, as one vector (lane i: the sum of v[i]): a tree of shuffles and adds, ~3
+// instructions a vector where a reduction of each alone takes ~10 and leaves its result in one lane.
+static inline __m512 Sum16(const __m512* v) {
+  __m512 t[8], r[4];
+  for (int i = 0; i < 8; ++i)  // blocks [a0 + a2, a1 + a3, b0 + b2, b1 + b3] (a block: 4 lanes)
+    t[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                         _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+  for (int j = 0; j < 4; ++j)  // block k: vector 4 j + k's 4 partial sums
+    r[j] = _mm512_add_ps(_mm512_shuffle_f32x4(t[2 * j], t[2 * j + 1], 0x88),
+                         _mm512_shuffle_f32x4(t[2 * j], t[2 * j + 1], 0xDD));
+  const __m512 h0 = _mm512_add_ps(_mm512_unpacklo_ps(r[0], r[1]), _mm512_unpackhi_ps(r[0], r[1]));
+  const __m512 h1 = _mm512_add_ps(_mm512_unpacklo_ps(r[2], r[3]), _mm512_unpackhi_ps(r[2], r[3]));
+  const __m512d a = _mm512_castps_pd(h0), b = _mm512_castps_pd(h1);
+  // lane 4 k + m holds vector 4 m + k's sum
+  const __m512 z = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), z);
+}
+
+// HB query heads (of the G sharing one KV head) against the row's keys: each key's and value's row is
+// loaded once for the HB heads (the keys of a 512-token prompt do not stay in L1, and reading them once
+// per head made prefill attention L2-bound). C = ceil(D / 16) and HB are compile-time constants so that
+// q and o live in registers. Each head's arithmetic is its own, in key order, whatever HB is.
+template <int C, int HB>
+static void AttendHeads(const float* qg, int64_t D, const float* K, const float* V, int64_t kv_base, int64_t BS,
+                        const int64_t* table, int64_t first, int64_t L, float* scores, float* out) {
+  __mmask16 masks[C];
+  for (int c = 0; c < C; ++c) masks[c] = Tail(D - 16 * c);
+  // Keys block by block (a division per block, not per key: BS is not a constant here).
+  auto each_key = [&](const float* base, auto&& visit) {
+    for (int64_t key = first, l = 0; key < first + L;) {
+      const int64_t offset = key % BS, run = std::min(BS - offset, first + L - key);
+      const float* row = base + (kv_base + table[key / BS] * BS + offset) * D;
+      for (int64_t j = 0; j < run; ++j, ++key, ++l) visit(l, row + j * D);
+    }
+  };
+  __m512 q[HB][C];
+  for (int h = 0; h < HB; ++h)
+    for (int c = 0; c < C; ++c) q[h][c] = _mm512_maskz_loadu_ps(masks[c], qg + h * D + 16 * c);
+  __m512 dots[HB][16];  // 16 keys' q . k as vectors, summed together (Sum16)
+  each_key(K, [&](int64_t l, const float* kr) {
+    __m512 k[C];
+    for (int c = 0; c < C; ++c) k[c] = _mm512_maskz_loadu_ps(masks[c], kr + 16 * c);
+    for (int h = 0; h < HB; ++h) {
+      __m512 acc = _mm512_mul_ps(q[h][0], k[0]);
+      for (int c = 1; c < C; ++c) acc = _mm512_fmadd_ps(q[h][c], k[c], acc);
+      dots[h][l % 16] = acc;
+    }
+    if (l % 16 == 15)
+      for (int h = 0; h < HB; ++h) _mm512_storeu_ps(scores + h * L + l - 15, Sum16(dots[h]));
+  });
+  if (L % 16) {
+    for (int h = 0; h < HB; ++h) {
+      for (int64_t i = L % 16; i < 16; ++i) dots[h][i] = _mm512_setzero_ps();
+      _mm512_mask_storeu_ps(scores + h * L + L - L % 16, Tail(L % 16), Sum16(dots[h]));
+    }
+  }
+  __m512 inverse[HB];
+  for (int h = 0; h < HB; ++h) {
+    float* row = scores + h * L;
+    __m512 top = _mm512_set1_ps(-INFINITY);
+    for (int64_t l = 0; l < L; l += 16)
+      top = _mm512_mask_max_ps(top, Tail(L - l), top, _mm512_maskz_loadu_ps(Tail(L - l), row + l));
+    const __m512 most = _mm512_set1_ps(_mm512_reduce_max_ps(top));
+    __m512 total = _mm512_setzero_ps();
+    for (int64_t l = 0; l < L; l += 16) {
+      const __mmask16 m = Tail(L - l);
+      const __m512 e = Exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, row + l), most));
+      _mm512_mask_storeu_ps(row + l, m, e);
+      total = _mm512_add_ps(total, _mm512_maskz_mov_ps(m, e));
+    }
+    inverse[h] = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(total));
+  }
+  __m512 o[HB][C];
+  for (int h = 0; h < HB; ++h)
+    for (int c = 0; c < C; ++c) o[h][c] = _mm512_setzero_ps();
+  each_key(V, [&](int64_t l, const float* vr) {
+    __m512 v[C];
+    for (int c = 0; c < C; ++c) v[c] = _mm512_maskz_loadu_ps(masks[c], vr + 16 * c);
+    for (int h = 0; h < HB; ++h) {
+      const __m512 p = _mm512_set1_ps(scores[h * L + l]);
+      for (int c = 0; c < C; ++c) o[h][c] = _mm512_fmadd_ps(p, v[c], o[h][c]);
+    }
+  });
+  for (int h = 0; h < HB; ++h)
+    for (int c = 0; c < C; ++c) _mm512_mask_storeu_ps(out + h * D + 16 * c, masks[c], _mm512_mul_ps(o[h][c], inverse[h]));
+}
+
+using AttendFn = void (*)(const float*, int64_t, const float*, const float*, int64_t, int64_t, const int64_t*,
+                          int64_t, int64_t, float*, float*);
+
+// AttendHeads for D, by heads per pass (1 to 4; 1 only past D = 128, where q and o fill the registers).
+template <int... C>
+static AttendFn AttendFor(int64_t D, int heads, std::integer_sequence<int, C...>) {
+  static constexpr AttendFn table[][4] = {
+      {AttendHeads<C + 1, 1>, AttendHeads<C + 1, (C < 8 ? 2 : 1)>, AttendHeads<C + 1, (C < 8 ? 3 : 1)>,
+       AttendHeads<C + 1, (C < 8 ? 4 : 1)>}...};
+  return table[(D + 15) / 16 - 1][heads - 1];
+}
+
+// One row's attention for the G query heads sharing KV head kvh, in passes of up to 4 heads (at most 1
+// past D = 128): the same passes for every row of a model, so a row's bits do not depend on its batch.
+static void AttendOne(const float* qg, int64_t G, int64_t D, const float* K, const float* V, int64_t kv_base,
+                      int64_t BS, const int64_t* table, int64_t first, int64_t L, float* scores, float* out) {
+  const int most = D > 128 ? 1 : 4;
+  for (int64_t g = 0; g < G;) {
+    const int heads = static_cast<int>(std::min<int64_t>(most, G - g));
+    AttendFor(D, heads, std::make_integer_sequence<int, 16>())(qg + g * D, D, K, V, kv_base, BS, table, first, L,
+                                                              scores, out + g * D);
+    g += heads;
+  }
+}
+#endif
+
 // The attention of B rows over their own prefixes in the paged cache (the shared core of the ops).
 // window > 0: a row at position p sees only keys p - window + 1 .. p (sliding-window attention).
+// Rows and KV heads are shared out over OpenMP's threads; each (row, KV head) is computed whole by
+// one thread, so the result does not depend on the thread count.
 static void AttendRows(const float* Q, int64_t B, int64_t H, int64_t D, const float* K, const float* V,
                        int64_t KVH, int64_t NB, int64_t BS, const int64_t* T, int64_t W, const int64_t* LEN,
                        int64_t window, float* O) {
   const int64_t G = H / KVH;
-  std::vector<float> scores;
+  int64_t work = 0;
   for (int64_t b = 0; b < B; ++b) {
     const int64_t end = LEN[b];
     PD_CHECK(end >= 1 && end <= W * BS, "attention: length out of range of the block table");
     const int64_t first = (window > 0 && end > window) ? end - window : 0;
+    for (int64_t i = first / BS; i < (end + BS - 1) / BS; ++i) {
+      PD_CHECK(T[b * W + i] >= 0 && T[b * W + i] < NB, "attention: block id out of range");
+    }
+    work += end - first;
+  }
+#if defined(__AVX512F__)
+  PD_CHECK(D <= 256, "attention: head_dim above 256");
+#pragma omp parallel for schedule(static, 1) if (work * H * D >= (1 << 16))  // interleaved: a prompt's later rows see more keys (contiguous shares gave one thread 3/4 of the work)
+  for (int64_t task = 0; task < B * KVH; ++task) {
+    const int64_t b = task / KVH, kvh = task % KVH, end = LEN[b];
+    const int64_t first = (window > 0 && end > window) ? end - window : 0;
+    thread_local std::vector<float> scores;
+    scores.resize(4 * (end - first));
+    AttendOne(Q + (b * H + kvh * G) * D, G, D, K, V, kvh * NB * BS, BS, T + b * W, first, end - first,
+              scores.data(), O + (b * H + kvh * G) * D);
+  }
+#else
+  std::vector<float> scores;
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t end = LEN[b];
+    const int64_t first = (window > 0 && end > window) ? end - window : 0;
     const int64_t L = end - first;  // keys this row sees: positions first .. end - 1
     const int64_t* table = T + b * W;
-    for (int64_t i = first / BS; i < (end + BS - 1) / BS; ++i) {
-      PD_CHECK(table[i] >= 0 && table[i] < NB, "attention: block id out of range");
-    }
     scores.resize(G * L);
     for (int64_t kvh = 0; kvh < KVH; ++kvh) {
       const float* qg = Q + (b * H + kvh * G) * D;
@@ -72,6 +240,7 @@ static void AttendRows(const float* Q, int64_t B, int64_t H, int64_t D, const fl
       }
     }
   }
+#endif
 }
 
 // Everything between the QKV projection and the output projection, for every row at once:
@@ -247,12 +416,22 @@ std::vector<paddle::Tensor> SiluMul(const paddle::Tensor& gate_up) {
   auto out = paddle::empty({T, I}, paddle::DataType::FLOAT32, paddle::CPUPlace());
   const float* __restrict__ G = gate_up.data<float>();
   float* __restrict__ O = out.data<float>();
+#pragma omp parallel for schedule(static) if (T * I >= (1 << 16))
   for (int64_t t = 0; t < T; ++t) {
     const float* g = G + t * 2 * I;
     const float* u = g + I;
     float* o = O + t * I;
+#if defined(__AVX512F__)
+    for (int64_t i = 0; i < I; i += 16) {
+      const __mmask16 m = Tail(I - i);
+      const __m512 x = _mm512_maskz_loadu_ps(m, g + i);
+      const __m512 sig = _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.f), Exp16(_mm512_sub_ps(_mm512_setzero_ps(), x))));
+      _mm512_mask_storeu_ps(o + i, m, _mm512_mul_ps(sig, _mm512_maskz_loadu_ps(m, u + i)));
+    }
+#else
 #pragma omp simd
     for (int64_t i = 0; i < I; ++i) o[i] = g[i] / (1.f + expf(-g[i])) * u[i];
+#endif
   }
   return {out};
 }
