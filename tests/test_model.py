@@ -204,3 +204,31 @@ def test_a_forward_pass_gives_the_same_bits_on_one_and_two_threads(checkpoints, 
     one, two = on_threads(_FORWARD_ON_THREADS, given, threads=1), on_threads(_FORWARD_ON_THREADS, given, threads=2)
     for name in ("prefill", "decode"):
         assert np.array_equal(one[name], two[name]), name
+
+
+@pytest.mark.parametrize("quantization", ["none", "wint8", "wint4"])
+def test_the_one_call_decoder_equals_the_per_layer_calls_to_the_bit(checkpoints, quantization):
+    """kernels/decoder.cc runs every layer in one operator call with the kernels the per-layer path
+    calls from Python, in the same order: the same logits to the bit, prefill and decode, biases and
+    GQA included (the Qwen2 variant has q/k/v biases)."""
+    from fdcore.models.kernels import cpu_flags
+
+    if quantization != "none" and "avx512_vnni" not in cpu_flags().split():
+        pytest.skip(f"{quantization} is refused on CPUs without AVX512-VNNI")
+    for name in ("llama-gqa", "qwen2-bias-tied"):
+        model = LlamaModel(load_checkpoint(checkpoints[name], progress=lambda *_: None), "float32", quantization)
+        if model.decoder is None:
+            pytest.skip("the one-call decoder needs packed projections (AVX-512F) and the C++ operators")
+        rng = np.random.default_rng(11)
+        prompts = [rng.integers(5, 4000, size=n).tolist() for n in (40, 1, 23)]
+        tables = [list(range(i, 48, len(prompts)))[:8] for i in range(len(prompts))]
+        results = []
+        for decoder in (model.decoder, None):
+            model.decoder = decoder
+            cache = PagedKVCache(model.args, 48, BLOCK)
+            prefill = model.forward(BatchInput(prompts, [0] * len(prompts), tables), cache)
+            decode = model.forward(BatchInput([[9] for _ in prompts], [len(p) for p in prompts], tables), cache)
+            results.append((prefill, decode))
+        (one_prefill, one_decode), (per_layer_prefill, per_layer_decode) = results
+        assert np.array_equal(one_prefill, per_layer_prefill), name
+        assert np.array_equal(one_decode, per_layer_decode), name

@@ -50,6 +50,11 @@ class PagedKVCache:
             self._tensors = [(as_paddle(k), as_paddle(v)) for k, v in zip(self.k, self.v, strict=True)]
         return self._tensors[layer]
 
+    def all_tensors(self) -> tuple[list[paddle.Tensor], list[paddle.Tensor]]:
+        """Every layer's K views, and V views (for the one-call decoder)."""
+        self.tensors(0)
+        return [k for k, _ in self._tensors], [v for _, v in self._tensors]
+
     def slots(self, block_table: list[int], start: int, end: int) -> np.ndarray:
         """Slot index (block * block_size + offset) of each position in [start, end)."""
         positions = np.arange(start, end)
@@ -127,6 +132,31 @@ class LlamaModel:
             for layer in self.layers:
                 layer["in_norm_t"] = self._tensor(layer["in_norm"])
                 layer["post_norm_t"] = self._tensor(layer["post_norm"])
+        self.decoder = self._decoder_plan() if self.fused is not None else None
+
+    def _decoder_plan(self):
+        """``(op, weights, meta, kind)`` for the one-call decoder (kernels/decoder.cc: every layer of a step
+        in one operator, the same kernels in the same order, so the same bits as ``_fused_layers``'s
+        per-layer calls, without their ~8 dispatches a layer); None when it is not built or the layers'
+        projections are not all of one packed kind (float32 left to MKL on CPUs without AVX-512F)."""
+        from fdcore.models.kernels import decoder_layers
+
+        op = decoder_layers()
+        kinds = {type(layer[name]) for layer in self.layers for name in _PROJECTIONS}
+        if op is None or len(kinds) != 1 or next(iter(kinds)) not in _KIND_CODES:
+            return None
+        none = self.no_tensor
+        weights, meta = [], []
+        for layer in self.layers:  # decoder.cc's Slot order
+            weights.append(layer["in_norm_t"])
+            for name in _PROJECTIONS:
+                matrix = layer[name]
+                weights += [matrix.packed, getattr(matrix, "scales", none), layer.get(f"{name}_bias", none)]
+                if name == "o":
+                    weights.append(layer["post_norm_t"])
+            weights += [layer.get("q_norm_t", none), layer.get("k_norm_t", none)]
+            meta += [layer[name].rows for name in _PROJECTIONS] + [layer["window"]]
+        return op, weights, meta, _KIND_CODES[kinds.pop()]
 
     def _tensor(self, array: np.ndarray) -> paddle.Tensor:
         """A Paddle tensor sharing the float32 array's memory (no second copy of the weights)."""
@@ -205,6 +235,10 @@ class LlamaModel:
         cos_t, sin_t = paddle.to_tensor(cos), paddle.to_tensor(sin)
         slots = paddle.to_tensor(plan.write_slots)
         tables, lengths = plan.row_tables()
+        if self.decoder is not None:
+            op, weights, meta, kind = self.decoder
+            return op(hidden, cos_t, sin_t, slots, tables, lengths, *cache.all_tensors(), weights, self.norm_t, meta,
+                      kind, a.num_heads, self.scale, eps)
         delta, none = self.no_tensor, self.no_tensor
         for index, layer in enumerate(self.layers):
             hidden, x = add_rms_norm(hidden, delta, layer["in_norm_t"], eps)
@@ -578,6 +612,8 @@ _BF16_LINEAR: list = [None]
 _INT8_LINEAR: list = [None]
 _INT4_LINEAR: list = [None]
 _PACKED = {"bfloat16": Bf16Matrix, "wint8": Int8Matrix, "wint4": Int4Matrix}  # a matrix kind's packed form
+_KIND_CODES = {F32Matrix: 0, Bf16Matrix: 1, Int8Matrix: 2, Int4Matrix: 3}  # decoder.cc's Kind
+_PROJECTIONS = ("qkv", "o", "gate_up", "down")  # a layer's matrices, in decoder.cc's Slot order
 
 
 def _matrix_kind(dtype: str, quantization: str) -> str:

@@ -22,7 +22,7 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SOURCES = [os.path.join(HERE, name) for name in ("paged_attention.cc", "linear_bf16.cc", "linear_int8.cc",
-                                                  "linear_int4.cc", "linear_f32.cc")]
+                                                  "linear_int4.cc", "linear_f32.cc", "decoder.cc")]
 _loaded: dict[str, object] = {}
 
 
@@ -72,6 +72,14 @@ def fused_ops():
     """(add_rms_norm, silu_mul, attention_block) compiled, or None when they cannot be built here."""
     ops = _ops()
     return ops and ops[1:4]
+
+
+def decoder_layers():
+    """``decoder_layers(hidden, cos, sin, slots, tables, lengths, k_caches, v_caches, weights, final_norm,
+    meta, kind, num_heads, scale, eps)``: every decoder layer of a step in one call (decoder.cc), the
+    final norm's output; None when not built here."""
+    ops = _ops()
+    return ops and ops[8]
 
 
 def linear_bf16():
@@ -209,7 +217,14 @@ def _build():
         def linear_f32(x, packed, rows):
             return _C_ops._run_custom_op("fdcore_linear_f32", x, packed, int(rows))[0]
 
-        return gumbel, add_rms_norm, silu_mul, attention_block, linear, linear_q8, linear_q4, linear_f32
+        def decoder(hidden, cos, sin, slots, tables, lengths, k_caches, v_caches, weights, final_norm, meta, kind,
+                    num_heads, scale, eps):
+            return _C_ops._run_custom_op("fdcore_decoder_layers", hidden, cos, sin, slots, tables, lengths,
+                                         k_caches, v_caches, weights, final_norm, list(meta), int(kind),
+                                         int(num_heads), float(scale), float(eps))[0]
+
+        return (gumbel, add_rms_norm, silu_mul, attention_block, linear, linear_q8, linear_q4, linear_f32,
+                decoder)
     except Exception as exc:  # a missing compiler must not stop serving
         sys.stderr.write(f"fdcore: C++ operators unavailable ({type(exc).__name__}: {exc}); "
                          "using the slower Python path\n")
