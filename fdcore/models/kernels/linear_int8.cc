@@ -1,6 +1,6 @@
 // fdcore's weight-only int8 linear layer (wint8): Y[M, N] = X[M, K] . W[N, K]^T, W quantized per output
 // row and block of 32 inputs (symmetric: W ~= scale[n, b] * q[n, k], q in [-127, 127], llama.cpp's Q8_0
-// grouping), X quantized on the fly the same way (per row and block of 32), int32 dot products per
+// grouping, the scale in float16), X quantized on the fly the same way (per row and block of 32), int32 dot products per
 // block with AVX512-VNNI's `vpdpbusd`, scaled and summed in float32.
 //
 // Why: a quarter of float32's bytes for decoding one sequence (memory bound), and 4 products per
@@ -55,10 +55,10 @@ void QuantizeRows(const float* X, int64_t M, int64_t K, int64_t Kp, std::vector<
   }
 }
 
-// MB rows of x against one group of 64 output rows (ws: the group's scales, [blocks][64]).
+// MB rows of x against one group of 64 output rows (ws: the group's scales, [blocks][64] float16 bits).
 template <int MB>
 FDCORE_VNNI_TARGET void GroupRows(const int8_t* Xq, const float* xs, const int32_t* xo, int64_t Kp,
-                                  const uint8_t* Wg, const float* ws, int64_t N, int64_t g, int64_t m0, float* Y) {
+                                  const uint8_t* Wg, const uint16_t* ws, int64_t N, int64_t g, int64_t m0, float* Y) {
   const int64_t blocks = Kp / kQuant;
   __m512 acc[MB][kBlocks];
   for (int j = 0; j < MB; ++j)
@@ -82,7 +82,8 @@ FDCORE_VNNI_TARGET void GroupRows(const int8_t* Xq, const float* xs, const int32
       const __m512i offset = _mm512_set1_epi32(xo[(m0 + j) * blocks + blk]);
       const __m512 x_scale = _mm512_set1_ps(xs[(m0 + j) * blocks + blk]);
       for (int b = 0; b < kBlocks; ++b) {
-        const __m512 scale = _mm512_mul_ps(x_scale, _mm512_loadu_ps(ws + blk * kGroup + b * 16));
+        const __m512 w_scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ws + blk * kGroup + b * 16)));
+        const __m512 scale = _mm512_mul_ps(x_scale, w_scale);
         acc[j][b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(dot[j][b], offset)), scale, acc[j][b]);
       }
     }
@@ -95,7 +96,7 @@ FDCORE_VNNI_TARGET void GroupRows(const int8_t* Xq, const float* xs, const int32
   }
 }
 
-FDCORE_VNNI_TARGET void Linear(const float* X, int64_t M, int64_t K, const uint8_t* Wp, const float* ws, int64_t G,
+FDCORE_VNNI_TARGET void Linear(const float* X, int64_t M, int64_t K, const uint8_t* Wp, const uint16_t* ws, int64_t G,
                                int64_t Kp, int64_t N, float* Y) {
   thread_local std::vector<int8_t> q;
   thread_local std::vector<float> scales;
@@ -111,7 +112,7 @@ FDCORE_VNNI_TARGET void Linear(const float* X, int64_t M, int64_t K, const uint8
 #pragma omp parallel for schedule(static) if (parallel)
   for (int64_t g = 0; g < G; ++g) {
     const uint8_t* Wg = Wp + g * group_size;
-    const float* wsg = ws + g * (Kp / kQuant) * kGroup;
+    const uint16_t* wsg = ws + g * (Kp / kQuant) * kGroup;
     int64_t m0 = 0;
     for (; m0 + 2 <= M; m0 += 2) GroupRows<2>(xq, xs, xo, Kp, Wg, wsg, N, g, m0, Y);
     for (; m0 < M; ++m0) GroupRows<1>(xq, xs, xo, Kp, Wg, wsg, N, g, m0, Y);
@@ -120,7 +121,7 @@ FDCORE_VNNI_TARGET void Linear(const float* X, int64_t M, int64_t K, const uint8
 
 }  // namespace
 
-// x [M, K] float32; w [G, Kp / 4, 4, 16, 4] uint8 (q + 128, packed); scales [G, Kp / 32, 64] float32;
+// x [M, K] float32; w [G, Kp / 4, 4, 16, 4] uint8 (q + 128, packed); scales [G, Kp / 32, 64] float16 as int16;
 // rows = N.
 std::vector<paddle::Tensor> LinearInt8(const paddle::Tensor& x, const paddle::Tensor& w, const paddle::Tensor& scales,
                                        int64_t rows) {
@@ -132,8 +133,10 @@ std::vector<paddle::Tensor> LinearInt8(const paddle::Tensor& x, const paddle::Te
   PD_CHECK(Kp % kQuant == 0 && Kp >= K && Kp - K < kQuant, "linear_int8: x and w disagree on the inner dimension");
   PD_CHECK(rows > G * kGroup - kGroup && rows <= G * kGroup, "linear_int8: rows does not fit the packed groups");
   PD_CHECK(scales.numel() == G * kGroup * (Kp / kQuant), "linear_int8: one scale per packed row and block");
+  PD_CHECK(scales.dtype() == paddle::DataType::INT16, "linear_int8: scales must be float16 bits (int16)");
   auto y = paddle::empty({M, rows}, paddle::DataType::FLOAT32, paddle::CPUPlace());
-  Linear(x.data<float>(), M, K, w.data<uint8_t>(), scales.data<float>(), G, Kp, rows, y.data<float>());
+  Linear(x.data<float>(), M, K, w.data<uint8_t>(), reinterpret_cast<const uint16_t*>(scales.data<int16_t>()), G, Kp,
+         rows, y.data<float>());
   return {y};
 }
 
