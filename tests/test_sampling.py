@@ -111,3 +111,27 @@ def test_a_seeded_draw_survives_rounding_noise_in_the_logits():
     requests = [req(prompt=[0] * i, temperature=0.9, seed=77) for i in range(300)]
     same = [a.token_id == b.token_id for a, b in zip(sample(rows, requests), sample(noisy, requests), strict=True)]
     assert sum(same) >= 299
+
+
+_GUMBEL_ON_THREADS = """
+import sys
+import numpy as np
+import paddle
+from fdcore.models.kernels import gumbel_sample
+
+given = np.load(sys.argv[1])
+draw = gumbel_sample()
+tokens = draw(paddle.to_tensor(given["logits"]), paddle.to_tensor(given["keys"]), paddle.to_tensor(given["inv_t"]))
+np.savez(sys.argv[2], tokens=tokens.numpy())
+"""
+
+
+def test_the_gumbel_kernel_draws_the_same_tokens_on_one_and_two_threads(on_threads):
+    """Rows are shared out over OpenMP's threads, each drawn whole by one: a restarted worker with
+    another thread count draws what the first one drew."""
+    rng = np.random.default_rng(3)
+    given = {"logits": rng.standard_normal((64, 4099)).astype(np.float32),  # a vocabulary not a multiple of 16
+             "keys": rng.integers(-2**62, 2**62, size=64), "inv_t": np.full(64, 1.3, dtype=np.float32)}
+    one, two = on_threads(_GUMBEL_ON_THREADS, given, threads=1), on_threads(_GUMBEL_ON_THREADS, given, threads=2)
+    assert np.array_equal(one["tokens"], two["tokens"])
+    assert len(set(one["tokens"].tolist())) > 32  # 64 draws from 4,099 tokens: not one repeated answer
