@@ -425,3 +425,29 @@ def test_the_api_heartbeat_ticks_from_the_event_loop():
     asyncio.run(actor._serve())
     gaps = [b - a for a, b in itertools.pairwise(ticks)]
     assert len(ticks) > 5 and max(gaps) > 0.55, "the heartbeat kept ticking while the loop was wedged"
+
+
+def test_the_servers_connections_send_without_waiting_for_acks():
+    """The API's listening socket makes asyncio set TCP_NODELAY on every connection it accepts: with
+    Nagle's algorithm on, a streamed chunk after the response head waited for the client's delayed
+    ACK (the first token ~40 ms late with aiohttp, vLLM's benchmark client)."""
+    import asyncio
+
+    from fdcore.actors.api import listening_socket
+
+    async def accepted_nodelay() -> int:
+        listener = listening_socket("127.0.0.1", 0)
+        seen: asyncio.Future = asyncio.get_running_loop().create_future()
+
+        async def on_connect(reader, writer):
+            seen.set_result(writer.get_extra_info("socket").getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+            writer.close()
+
+        server = await asyncio.start_server(on_connect, sock=listener)
+        async with server:
+            _, writer = await asyncio.open_connection(*listener.getsockname())
+            value = await asyncio.wait_for(seen, 10)
+            writer.close()
+        return value
+
+    assert asyncio.run(accepted_nodelay()) != 0
