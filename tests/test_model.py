@@ -206,17 +206,19 @@ def test_a_forward_pass_gives_the_same_bits_on_one_and_two_threads(checkpoints, 
         assert np.array_equal(one[name], two[name]), name
 
 
-@pytest.mark.parametrize("quantization", ["none", "wint8", "wint4"])
-def test_the_one_call_decoder_equals_the_per_layer_calls_to_the_bit(checkpoints, quantization):
+@pytest.mark.parametrize("dtype, quantization", [("float32", "none"), ("float32", "wint8"), ("float32", "wint4"),
+                                                  ("bfloat16", "none")])
+def test_the_one_call_decoder_equals_the_per_layer_calls_to_the_bit(checkpoints, dtype, quantization):
     """kernels/decoder.cc runs every layer in one operator call with the kernels the per-layer path
     calls from Python, in the same order: the same logits to the bit, prefill and decode, biases and
     GQA included (the Qwen2 variant has q/k/v biases)."""
     from fdcore.models.kernels import cpu_flags
 
-    if quantization != "none" and "avx512_vnni" not in cpu_flags().split():
-        pytest.skip(f"{quantization} is refused on CPUs without AVX512-VNNI")
+    needed = "avx512_bf16" if dtype == "bfloat16" else "avx512_vnni" if quantization != "none" else None
+    if needed and needed not in cpu_flags().split():
+        pytest.skip(f"{dtype} / {quantization} is refused on CPUs without {needed}")
     for name in ("llama-gqa", "qwen2-bias-tied"):
-        model = LlamaModel(load_checkpoint(checkpoints[name], progress=lambda *_: None), "float32", quantization)
+        model = LlamaModel(load_checkpoint(checkpoints[name], progress=lambda *_: None), dtype, quantization)
         if model.decoder is None:
             pytest.skip("the one-call decoder needs packed projections (AVX-512F) and the C++ operators")
         rng = np.random.default_rng(11)
