@@ -374,17 +374,3 @@ SchedulerMessage = (Stop | Ping | Resync | AddSeq | FinishSeq | StatsQuery | Ste
                     | Suspects)
 CacheMessage = Stop | Ping | Allocate | Grow | GrowMany | Free | Computed | CacheStatsQuery | CacheReset
 WorkerMessage = Stop | Ping | WorkerSync | Step
-
-
-_decoders: dict[object, msgspec.msgpack.Decoder] = {}
-
-
-def decoder_for(union) -> msgspec.msgpack.Decoder:
-    """The (cached) decoder for one inbox's union type."""
-    decoder = _decoders.get(union)
-    if decoder is None:
-        decoder = _decoders[union] = msgspec.msgpack.Decoder(union)
-    return decoder
-
-
-ENCODER = msgspec.msgpack.Encoder()

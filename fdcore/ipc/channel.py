@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import msgspec
 
-from fdcore.protocol import ENCODER, decoder_for
+from fdcore.ipc.codec import ENCODER, decoder_for
 
 BATCH = 0x01
 _BATCH_PREFIX = bytes([BATCH])
