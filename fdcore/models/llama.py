@@ -42,18 +42,18 @@ class PagedKVCache:
         self.k = [np.zeros(shape, dtype=dtype) for _ in range(args.num_layers)]
         self.v = [np.zeros(shape, dtype=dtype) for _ in range(args.num_layers)]
         self._k_buffer = self._v_buffer = np.empty(0, dtype=dtype)
-        self._tensors: list | None = None
-
-    def tensors(self, layer: int) -> tuple[paddle.Tensor, paddle.Tensor]:
-        """Paddle views (no copy) of one layer's K and V arrays, for the paged attention op."""
-        if self._tensors is None:
-            self._tensors = [(as_paddle(k), as_paddle(v)) for k, v in zip(self.k, self.v, strict=True)]
-        return self._tensors[layer]
+        self._views: tuple[list[paddle.Tensor], list[paddle.Tensor]] | None = None
 
     def all_tensors(self) -> tuple[list[paddle.Tensor], list[paddle.Tensor]]:
-        """Every layer's K views, and V views (for the one-call decoder)."""
-        self.tensors(0)
-        return [k for k, _ in self._tensors], [v for _, v in self._tensors]
+        """Paddle views (no copy, made once) of every layer's K arrays, and of its V arrays."""
+        if self._views is None:
+            self._views = [as_paddle(k) for k in self.k], [as_paddle(v) for v in self.v]
+        return self._views
+
+    def tensors(self, layer: int) -> tuple[paddle.Tensor, paddle.Tensor]:
+        """One layer's K and V views, for the paged attention op."""
+        k, v = self.all_tensors()
+        return k[layer], v[layer]
 
     def slots(self, block_table: list[int], start: int, end: int) -> np.ndarray:
         """Slot index (block * block_size + offset) of each position in [start, end)."""

@@ -20,7 +20,7 @@
 #include <immintrin.h>
 
 // e^x for 16 floats (Cephes' expf: x = n ln2 + r with ln2 split in two, a degree-6 polynomial for e^r,
-// then 2^n by vscalefps; within 2 ulp of libm's expf, 0 below -103, +inf above 88.7). A lane's result
+// then 2^n by vscalefps; within 2 ulp of libm's expf, 0 below -87 (see the end), +inf above 88.7). A lane's result
 // depends on that lane only, so a row gets the same bits wherever it sits in a batch; libm's expf was
 // scalar here (~12 cycles an element) and the softmax and SwiGLU spent most of their time in it.
 static inline __m512 Exp16(__m512 x) {
@@ -45,10 +45,6 @@ static inline __mmask16 Tail(int64_t left) {
   return left >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << left) - 1);
 }
 
-// One row's attention for the G query heads sharing KV head kvh: scores (q . k per key, 16-wide FMAs
-// over D), softmax with the row's maximum subtracted (exp 16 keys at a time), then o = sum p v with o
-// in registers. Every key's work is the same instructions whatever the row's neighbours, so the result
-// is a function of the row's q, keys and values alone (crash recompute and chunking give the same bits).
 // The sums of 16 vectors, as one vector (lane i: the sum of v[i]): a tree of shuffles and adds, ~3
 // instructions a vector where a reduction of each alone takes ~10 and leaves its result in one lane.
 static inline __m512 Sum16(const __m512* v) {
@@ -67,10 +63,15 @@ static inline __m512 Sum16(const __m512* v) {
   return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), z);
 }
 
-// HB query heads (of the G sharing one KV head) against the row's keys: each key's and value's row is
-// loaded once for the HB heads (the keys of a 512-token prompt do not stay in L1, and reading them once
-// per head made prefill attention L2-bound). C = ceil(D / 16) and HB are compile-time constants so that
-// q and o live in registers. Each head's arithmetic is its own, in key order, whatever HB is.
+constexpr int kMostHeads = 4;  // query heads per pass over a row's keys (1 past D = 128)
+
+// HB query heads (of the G sharing one KV head) against the row's keys: scores (q . k per key, 16-wide
+// FMAs over D), softmax with the row's maximum subtracted (exp 16 keys at a time), then o = sum p v.
+// Each key's and value's row is loaded once for the HB heads (the keys of a 512-token prompt do not
+// stay in L1, and reading them once per head made prefill attention L2-bound). C = ceil(D / 16) and HB
+// are compile-time constants so that q and o live in registers. Each head's arithmetic is its own, in
+// key order, whatever HB is and whatever the row's neighbours: the result is a function of the row's
+// q, keys and values alone (crash recompute and chunking give the same bits).
 template <int C, int HB>
 static void AttendHeads(const float* qg, int64_t D, const float* K, const float* V, int64_t kv_base, int64_t BS,
                         const int64_t* table, int64_t first, int64_t L, float* scores, float* out) {
@@ -142,7 +143,7 @@ using AttendFn = void (*)(const float*, int64_t, const float*, const float*, int
 // AttendHeads for D, by heads per pass (1 to 4; 1 only past D = 128, where q and o fill the registers).
 template <int... C>
 static AttendFn AttendFor(int64_t D, int heads, std::integer_sequence<int, C...>) {
-  static constexpr AttendFn table[][4] = {
+  static constexpr AttendFn table[][kMostHeads] = {
       {AttendHeads<C + 1, 1>, AttendHeads<C + 1, (C < 8 ? 2 : 1)>, AttendHeads<C + 1, (C < 8 ? 3 : 1)>,
        AttendHeads<C + 1, (C < 8 ? 4 : 1)>}...};
   return table[(D + 15) / 16 - 1][heads - 1];
@@ -152,7 +153,7 @@ static AttendFn AttendFor(int64_t D, int heads, std::integer_sequence<int, C...>
 // past D = 128): the same passes for every row of a model, so a row's bits do not depend on its batch.
 static void AttendOne(const float* qg, int64_t G, int64_t D, const float* K, const float* V, int64_t kv_base,
                       int64_t BS, const int64_t* table, int64_t first, int64_t L, float* scores, float* out) {
-  const int most = D > 128 ? 1 : 4;
+  const int most = D > 128 ? 1 : kMostHeads;
   for (int64_t g = 0; g < G;) {
     const int heads = static_cast<int>(std::min<int64_t>(most, G - g));
     AttendFor(D, heads, std::make_integer_sequence<int, 16>())(qg + g * D, D, K, V, kv_base, BS, table, first, L,
@@ -161,6 +162,9 @@ static void AttendOne(const float* qg, int64_t G, int64_t D, const float* K, con
   }
 }
 #endif
+
+// The first key a row ending at `end` sees: window > 0 keeps its last `window` keys.
+static inline int64_t FirstKey(int64_t end, int64_t window) { return (window > 0 && end > window) ? end - window : 0; }
 
 // The attention of B rows over their own prefixes in the paged cache (the shared core of the ops).
 // window > 0: a row at position p sees only keys p - window + 1 .. p (sliding-window attention).
@@ -174,7 +178,7 @@ static void AttendRows(const float* Q, int64_t B, int64_t H, int64_t D, const fl
   for (int64_t b = 0; b < B; ++b) {
     const int64_t end = LEN[b];
     PD_CHECK(end >= 1 && end <= W * BS, "attention: length out of range of the block table");
-    const int64_t first = (window > 0 && end > window) ? end - window : 0;
+    const int64_t first = FirstKey(end, window);
     for (int64_t i = first / BS; i < (end + BS - 1) / BS; ++i) {
       PD_CHECK(T[b * W + i] >= 0 && T[b * W + i] < NB, "attention: block id out of range");
     }
@@ -185,9 +189,9 @@ static void AttendRows(const float* Q, int64_t B, int64_t H, int64_t D, const fl
 #pragma omp parallel for schedule(static, 1) if (work * H * D >= (1 << 16))  // interleaved: a prompt's later rows see more keys (contiguous shares gave one thread 3/4 of the work)
   for (int64_t task = 0; task < B * KVH; ++task) {
     const int64_t b = task / KVH, kvh = task % KVH, end = LEN[b];
-    const int64_t first = (window > 0 && end > window) ? end - window : 0;
+    const int64_t first = FirstKey(end, window);
     thread_local std::vector<float> scores;
-    scores.resize(4 * (end - first));
+    scores.resize(kMostHeads * (end - first));
     AttendOne(Q + (b * H + kvh * G) * D, G, D, K, V, kvh * NB * BS, BS, T + b * W, first, end - first,
               scores.data(), O + (b * H + kvh * G) * D);
   }
@@ -195,7 +199,7 @@ static void AttendRows(const float* Q, int64_t B, int64_t H, int64_t D, const fl
   std::vector<float> scores;
   for (int64_t b = 0; b < B; ++b) {
     const int64_t end = LEN[b];
-    const int64_t first = (window > 0 && end > window) ? end - window : 0;
+    const int64_t first = FirstKey(end, window);
     const int64_t L = end - first;  // keys this row sees: positions first .. end - 1
     const int64_t* table = T + b * W;
     scores.resize(G * L);
