@@ -42,6 +42,7 @@ plus one tensor and the shard being read).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -351,7 +352,8 @@ def inspect_checkpoint(path: str) -> ModelArgs:
     args = ModelArgs.from_config(read_json_object(config_file), config_file)
     shapes = {}
     for file in _weight_files(path):
-        shapes.update({name: shape for name, (_, shape) in _checked_headers(file, args).items()})
+        with _safetensors(file) as f:
+            shapes.update({name: shape for name, (_, shape) in _checked_headers(f, file, args).items()})
     _check_shapes(args, shapes, path)
     return args
 
@@ -433,21 +435,27 @@ def _read_weights(path: str, args: ModelArgs, progress) -> dict[str, np.ndarray]
     return tensors
 
 
-def _checked_headers(file: str, args: ModelArgs) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """The tensors of one safetensors file the model reads, ``name -> (dtype, shape)`` from its
-    header, each checked to be one the architecture uses and of a float dtype. A tied model's saved
-    copy of the embedding as lm_head is the same matrix: left out (not read)."""
+@contextlib.contextmanager
+def _safetensors(file: str):
+    """The file opened with safetensors' numpy reader; a file it cannot read is a CheckpointError."""
     from safetensors import SafetensorError, safe_open
 
-    wanted = set(args.expected_shapes())
-    skip = {"lm_head.weight"} if args.tie_word_embeddings else set()
     try:
         with safe_open(file, framework="numpy") as f:
-            slices = {name: f.get_slice(name) for name in f.keys()
-                      if not name.endswith(UNUSED_TENSOR_SUFFIXES) and name not in skip}
-            headers = {name: (part.get_dtype(), tuple(part.get_shape())) for name, part in slices.items()}
+            yield f
     except (SafetensorError, OSError) as exc:
         raise CheckpointError(f"{file}: unreadable safetensors ({exc})") from None
+
+
+def _checked_headers(f, file: str, args: ModelArgs) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """The tensors of one open safetensors file the model reads, ``name -> (dtype, shape)`` from its
+    header, each checked to be one the architecture uses and of a float dtype. A tied model's saved
+    copy of the embedding as lm_head is the same matrix: left out (not read)."""
+    wanted = set(args.expected_shapes())
+    skip = {"lm_head.weight"} if args.tie_word_embeddings else set()
+    slices = {name: f.get_slice(name) for name in f.keys()
+              if not name.endswith(UNUSED_TENSOR_SUFFIXES) and name not in skip}
+    headers = {name: (part.get_dtype(), tuple(part.get_shape())) for name, part in slices.items()}
     for name, (dtype, _) in headers.items():
         if name not in wanted:
             raise CheckpointError(f"{file}: tensor {name!r} is not used by this architecture "
@@ -459,16 +467,11 @@ def _checked_headers(file: str, args: ModelArgs) -> dict[str, tuple[str, tuple[i
 
 
 def _read_file(file: str, args: ModelArgs, out: dict[str, np.ndarray]) -> None:
-    from safetensors import SafetensorError, safe_open
-
-    headers = _checked_headers(file, args)
-    try:
-        with safe_open(file, framework="numpy") as f:
-            for name, (dtype, _) in headers.items():
-                if dtype != "BF16":
-                    out[name] = _float32(f.get_tensor(name))
-    except (SafetensorError, OSError) as exc:
-        raise CheckpointError(f"{file}: unreadable safetensors ({exc})") from None
+    with _safetensors(file) as f:
+        headers = _checked_headers(f, file, args)
+        for name, (dtype, _) in headers.items():
+            if dtype != "BF16":
+                out[name] = _float32(f.get_tensor(name))
     bfloat16 = [name for name, (dtype, _) in headers.items() if dtype == "BF16"]
     if bfloat16:
         out.update(_read_bfloat16(file, bfloat16))
