@@ -35,7 +35,7 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=5)
     opts = parser.parse_args(argv)
     if not _f32_kernel():
-        print("no float32 kernel here (needs AVX-512F and fdcore's C++ operators)")
+        print("no float32 kernel here (needs AVX-512F or AVX2 and fdcore's C++ operators)")
         return 1
     rng = np.random.default_rng(0)
     plain, packed = [], []

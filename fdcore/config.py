@@ -259,8 +259,9 @@ def _check_ranges(config: Config, source: str) -> None:
 
 
 def _check_compute(model: "ModelConfig", source: str) -> None:
-    """float32 anywhere; bfloat16, wint8 and wint4 where the CPU has the instructions their kernels use."""
-    from fdcore.models.kernels import NEEDED_CPU_FEATURE, missing_cpu_feature
+    """float32 anywhere; bfloat16, wint8 and wint4 where the CPU has the instructions their kernels use
+    (bfloat16: AVX512-BF16; wint8 and wint4: AVX2 at least)."""
+    from fdcore.models.kernels import missing_cpu_feature, needed_cpu_feature
 
     if model.dtype == "float16":
         raise ConfigError(f"{source}: key 'model.dtype' is 'float16'; the CPU model computes in float32 or "
@@ -269,7 +270,7 @@ def _check_compute(model: "ModelConfig", source: str) -> None:
         missing = missing_cpu_feature(value)
         if missing:
             raise ConfigError(f"{source}: key 'model.{key}' is {value!r}, which needs a CPU with {missing} "
-                              f"({NEEDED_CPU_FEATURE[value][0]} in /proc/cpuinfo); this one has none: use "
+                              f"({needed_cpu_feature(value)[0]} in /proc/cpuinfo); this one has none: use "
                               f"{instead!r}")
 
 

@@ -80,16 +80,17 @@ def spawn():
 
 @pytest.fixture
 def on_threads(tmp_path):
-    """``run(script, arrays, threads)``: runs ``python -c script IN OUT`` with OMP_NUM_THREADS=threads,
-    IN an .npz of ``arrays``; the script writes its results to OUT (np.savez), returned as a dict."""
+    """``run(script, arrays, threads, env)``: runs ``python -c script IN OUT`` with OMP_NUM_THREADS=threads
+    (and ``env``'s variables), IN an .npz of ``arrays``; the script writes its results to OUT (np.savez),
+    returned as a dict."""
     import numpy as np
 
-    def run(script: str, arrays: dict, threads: int = 2) -> dict:
+    def run(script: str, arrays: dict, threads: int = 2, env: dict | None = None) -> dict:
         inputs, outputs = tmp_path / "threads-in.npz", tmp_path / "threads-out.npz"
         np.savez(inputs, **arrays)
         done = subprocess.run([sys.executable, "-c", script, str(inputs), str(outputs)],
-                              env={**os.environ, "OMP_NUM_THREADS": str(threads)}, capture_output=True,
-                              text=True, timeout=300, check=False)
+                              env={**os.environ, "OMP_NUM_THREADS": str(threads), **(env or {})},
+                              capture_output=True, text=True, timeout=600, check=False)
         assert done.returncode == 0, done.stderr[-2000:]
         return dict(np.load(outputs))
 

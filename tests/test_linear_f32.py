@@ -6,10 +6,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fdcore.models.kernels import cpu_flags
+from fdcore.models.kernels import kernel_path
 
-HAS_AVX512F = "avx512f" in cpu_flags().split()
-needs_avx512f = pytest.mark.skipif(not HAS_AVX512F, reason="float32 stays with MKL on CPUs without AVX-512F")
+needs_f32_kernel = pytest.mark.skipif(kernel_path("float32") is None,
+                                   reason="float32 stays with MKL on CPUs without AVX-512F or AVX2")
 
 
 def _linear(x: np.ndarray, w: np.ndarray) -> np.ndarray:
@@ -35,7 +35,7 @@ def test_the_packed_layout_and_the_rows_it_gives_back():
     assert np.array_equal(matrix.packed.numpy(), matrix.array)
 
 
-@needs_avx512f
+@needs_f32_kernel
 @pytest.mark.parametrize("m, k, n", [(1, 576, 1536), (1, 33, 9), (1, 7, 130), (5, 100, 37), (8, 64, 64),
                                      (9, 1, 3), (33, 96, 130), (17, 1536, 576), (0, 16, 40)])
 def test_the_kernel_equals_a_float64_reference(m, k, n):
@@ -52,7 +52,7 @@ def test_the_kernel_equals_a_float64_reference(m, k, n):
     assert np.all(np.abs(got - exact) <= k * 2.0 ** -23 * size + 1e-30)
 
 
-@needs_avx512f
+@needs_f32_kernel
 def test_a_row_alone_equals_itself_in_any_batch():
     """Every output is one chain of FMAs over k in order, whatever tile (8 rows, or the rest) holds it:
     each row of a batch of 5 or of 33 is the row alone to the bit."""
@@ -78,7 +78,7 @@ np.savez(sys.argv[2], **out)
 """
 
 
-@needs_avx512f
+@needs_f32_kernel
 def test_two_threads_equal_one_thread_bit_for_bit(on_threads):
     """OMP_NUM_THREADS=2 (these shapes take the parallel path: the panels shared out) gives one thread's
     results to the bit: each output is computed whole by one thread."""
@@ -107,10 +107,10 @@ def _logits(model, prompts):
     return first, model.forward(decode, cache)
 
 
-def test_without_avx512f_float32_stays_with_mkl_and_agrees(tiny_path, monkeypatch):
+def test_without_avx2_float32_stays_with_mkl_and_agrees(tiny_path, monkeypatch):
     """The model packs float32 (projections and the tied head, which the embedding reads) where the CPU
-    has AVX-512F; without it (the flags faked here) it keeps plain tensors for MKL, is not refused, and
-    gives the same logits to float32's rounding."""
+    has AVX-512F or AVX2; without either (the flags faked here) it keeps plain tensors for MKL, is not
+    refused, and gives the same logits to float32's rounding."""
     import paddle
 
     from fdcore.models import kernels
@@ -119,11 +119,11 @@ def test_without_avx512f_float32_stays_with_mkl_and_agrees(tiny_path, monkeypatc
 
     prompts = [[5, 9, 300, 41], [17]]
     packed = LlamaModel(load_checkpoint(tiny_path, progress=lambda *_: None))
-    if HAS_AVX512F:
+    if kernel_path("float32"):
         assert packed.f32_kernel and isinstance(packed.layers[0]["qkv"], F32Matrix)
         assert isinstance(packed.lm_head, F32Matrix)
         assert (packed.embed is packed.lm_head) == packed.args.tie_word_embeddings
-    monkeypatch.setattr(kernels, "cpu_flags", lambda: "fpu sse2 avx2 fma")
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: "fpu sse2 sse4_2 avx")
     plain = LlamaModel(load_checkpoint(tiny_path, progress=lambda *_: None))
     assert not plain.f32_kernel and isinstance(plain.layers[0]["qkv"], paddle.Tensor)
     assert isinstance(plain.lm_head, paddle.Tensor) and isinstance(plain.embed, paddle.Tensor)
@@ -131,7 +131,7 @@ def test_without_avx512f_float32_stays_with_mkl_and_agrees(tiny_path, monkeypatc
         np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4)
 
 
-@needs_avx512f
+@needs_f32_kernel
 def test_a_tied_head_is_one_copy_that_the_embedding_reads(tmp_path):
     """A tied model keeps its embedding once, packed as the head; the hidden states it starts from are
     the embedding's rows exactly."""

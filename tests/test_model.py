@@ -212,15 +212,15 @@ def test_the_one_call_decoder_equals_the_per_layer_calls_to_the_bit(checkpoints,
     """kernels/decoder.cc runs every layer in one operator call with the kernels the per-layer path
     calls from Python, in the same order: the same logits to the bit, prefill and decode, biases and
     GQA included (the Qwen2 variant has q/k/v biases)."""
-    from fdcore.models.kernels import cpu_flags
+    from fdcore.models.kernels import kernel_path, missing_cpu_feature
 
-    needed = "avx512_bf16" if dtype == "bfloat16" else "avx512_vnni" if quantization != "none" else None
-    if needed and needed not in cpu_flags().split():
-        pytest.skip(f"{dtype} / {quantization} is refused on CPUs without {needed}")
+    kind = dtype if quantization == "none" else quantization
+    if kernel_path(kind) is None:
+        pytest.skip(f"{dtype} / {quantization} is refused on this CPU (needs {missing_cpu_feature(kind)})")
     for name in ("llama-gqa", "qwen2-bias-tied"):
         model = LlamaModel(load_checkpoint(checkpoints[name], progress=lambda *_: None), dtype, quantization)
         if model.decoder is None:
-            pytest.skip("the one-call decoder needs packed projections (AVX-512F) and the C++ operators")
+            pytest.skip("the one-call decoder needs packed projections (AVX-512F or AVX2) and the C++ operators")
         rng = np.random.default_rng(11)
         prompts = [rng.integers(5, 4000, size=n).tolist() for n in (40, 1, 23)]
         tables = [list(range(i, 48, len(prompts)))[:8] for i in range(len(prompts))]

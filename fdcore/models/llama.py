@@ -92,7 +92,7 @@ class LlamaModel:
     """The weights (as Paddle tensors) and the forward pass.
 
     Projections are packed for fdcore's kernels (F32Matrix, Bf16Matrix, Int8Matrix,
-    Int4Matrix; see ``linear``). Where float32 has no kernel (no AVX-512F) they keep
+    Int4Matrix; see ``linear``). Where float32 has no kernel (neither AVX-512F nor AVX2) they keep
     Hugging Face's ``[out, in]`` layout and are applied with
     ``matmul(x, w, transpose_y=True)``: with MKL that is 1.4-1.7x faster than
     the same product on an ``[in, out]`` copy (0.61 vs 0.86 ms, 1.8 vs 3.1 ms
@@ -138,7 +138,7 @@ class LlamaModel:
         """``(op, weights, meta, kind)`` for the one-call decoder (kernels/decoder.cc: every layer of a step
         in one operator, the same kernels in the same order, so the same bits as ``_fused_layers``'s
         per-layer calls, without their ~8 dispatches a layer); None when it is not built or the layers'
-        projections are not all of one packed kind (float32 left to MKL on CPUs without AVX-512F)."""
+        projections are not all of one packed kind (float32 left to MKL on CPUs without AVX2)."""
         from fdcore.models.kernels import decoder_layers
 
         op = decoder_layers()
@@ -620,7 +620,7 @@ _PROJECTIONS = ("qkv", "o", "gate_up", "down")  # a layer's matrices, in decoder
 
 def _matrix_kind(dtype: str, quantization: str) -> str:
     """How the projections' weights are kept: float32; bfloat16 where the CPU multiplies it natively
-    (AVX512-BF16); wint8 or wint4 where it has AVX512-VNNI (with either dtype: the weights are int8 or
+    (AVX512-BF16); wint8 or wint4 where it has AVX512-VNNI or AVX2 (with either dtype: the weights are int8 or
     4-bit then). The kernel must have been built."""
     from fdcore.models.kernels import linear_bf16, linear_int4, linear_int8, missing_cpu_feature
 
@@ -645,7 +645,7 @@ def _matrix_kind(dtype: str, quantization: str) -> str:
 
 
 def _f32_kernel() -> bool:
-    """Whether float32 weights go to fdcore's kernel (as F32Matrix): on CPUs with AVX-512F, when it was
+    """Whether float32 weights go to fdcore's kernel (as F32Matrix): on CPUs with AVX-512F or AVX2, when it was
     built (loaded here). Otherwise they stay plain tensors for MKL's matmul; float32 is never refused."""
     from fdcore.models.kernels import linear_f32
 

@@ -31,7 +31,7 @@ def kernel_dir(sources: dict[str, bytes] | None = None) -> str:
     root = os.environ.get("FDCORE_KERNEL_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "fdcore-kernels")
     import paddle
 
-    digest = hashlib.sha256(paddle.__version__.encode() + cpu_flags().encode())
+    digest = hashlib.sha256(paddle.__version__.encode() + cpu_flags().encode() + " ".join(_march()).encode())
     for text in (sources or read_sources()).values():
         digest.update(text)
     return os.path.join(root, digest.hexdigest()[:16])
@@ -60,6 +60,32 @@ def cpu_flags() -> str:
     import platform
 
     return platform.processor() or platform.machine()
+
+
+ISA_VARIABLE = "FDCORE_ISA"  # "avx2": build for AVX2 + FMA only, as on a CPU without AVX-512
+AVX2_MARCH = "x86-64-v3"     # AVX2, FMA, F16C, BMI1/2: what every kernel's AVX2 path needs
+
+
+def capped_at_avx2() -> bool:
+    """Whether ``FDCORE_ISA=avx2`` asks for the AVX2 paths on a CPU that has more (to run and
+    measure them on an AVX-512 machine); any other value is an error naming the variable."""
+    value = os.environ.get(ISA_VARIABLE, "").strip().lower()
+    if value not in ("", "native", "avx2"):
+        raise ValueError(f"{ISA_VARIABLE}={value!r}: 'native' (the default) or 'avx2'")
+    return value == "avx2"
+
+
+def kernel_flags() -> set[str]:
+    """The CPU features the kernels are built for: /proc/cpuinfo's, without the AVX-512 and AMX ones
+    under FDCORE_ISA=avx2."""
+    flags = set(cpu_flags().split())
+    if capped_at_avx2():
+        flags = {flag for flag in flags if not flag.startswith(("avx512", "amx"))}
+    return flags
+
+
+def _march() -> list[str]:
+    return [f"-march={AVX2_MARCH}", "-mtune=native"] if capped_at_avx2() else ["-march=native"]
 
 
 def gumbel_sample():
@@ -92,8 +118,8 @@ def linear_bf16():
 
 def linear_int8():
     """``linear(x, packed, scales, rows)``: x [M, K] float32 times an int8 weight of ``rows`` outputs
-    packed by fdcore.models.llama.Int8Matrix (per-row scales), float32 out [M, rows]; AVX512-VNNI
-    CPUs only. None when not built here."""
+    packed by fdcore.models.llama.Int8Matrix (per-row scales), float32 out [M, rows]; AVX512-VNNI or
+    AVX2 (kernel_path). None when not built here."""
     ops = _ops()
     return ops and ops[5]
 
@@ -101,34 +127,51 @@ def linear_int8():
 def linear_int4():
     """``linear(x, packed, rows)``: x [M, K] float32 times a 4-bit weight of ``rows`` outputs packed by
     fdcore.models.llama.Int4Matrix (per row and block of 32: float16 scale and minimum, as llama.cpp's
-    Q4_1), float32 out [M, rows]; AVX512-VNNI CPUs only. None when not built here."""
+    Q4_1), float32 out [M, rows]; AVX512-VNNI or AVX2 (kernel_path). None when not built here."""
     ops = _ops()
     return ops and ops[6]
 
 
-F32_KERNEL_FEATURE = "avx512f"  # the /proc/cpuinfo flag linear_f32 needs (without it: MKL, no refusal)
+# The /proc/cpuinfo flags each kernel needs, by path (the first the CPU has is built), with their usual name.
+KERNEL_PATHS = {
+    "float32": ((("avx512f",), "AVX-512F"), (("avx2", "fma"), "AVX2")),
+    "bfloat16": ((("avx512f", "avx512bw", "avx512_bf16"), "AVX512-BF16"),),
+    "wint8": ((("avx512f", "avx512bw", "avx512_vnni"), "AVX512-VNNI"), (("avx2", "fma", "f16c"), "AVX2")),
+    "wint4": ((("avx512f", "avx512bw", "avx512_vnni"), "AVX512-VNNI"), (("avx2", "fma", "f16c"), "AVX2")),
+}
+
+
+def kernel_path(kind: str) -> str | None:
+    """The path (usual name) the kernel for ``kind`` runs on this CPU; None when it has none."""
+    flags = kernel_flags()
+    for needed, name in KERNEL_PATHS[kind]:
+        if flags.issuperset(needed):
+            return name
+    return None
+
+
+def needed_cpu_feature(kind: str) -> tuple[str, str]:
+    """The least the kernel for ``kind`` needs: (its /proc/cpuinfo flags, joined; its usual name)."""
+    needed, name = KERNEL_PATHS[kind][-1]
+    return " ".join(needed), name
 
 
 def linear_f32():
     """``linear(x, packed, rows)``: x [M, K] float32 times a float32 weight of ``rows`` outputs packed by
     fdcore.models.llama.F32Matrix, float32 out [M, rows]. None when not built here or on a CPU without
-    AVX-512F: float32 is never refused, its projections then stay Paddle tensors (MKL's matmul)."""
-    if F32_KERNEL_FEATURE not in cpu_flags().split():
+    AVX-512F or AVX2: float32 is never refused, its projections then stay Paddle tensors (MKL's matmul)."""
+    if kernel_path("float32") is None:
         return None
     ops = _ops()
     return ops and ops[7]
 
 
-# The CPU feature each low-precision kernel is built on: (/proc/cpuinfo flag, its usual name).
-NEEDED_CPU_FEATURE = {"bfloat16": ("avx512_bf16", "AVX512-BF16"), "wint8": ("avx512_vnni", "AVX512-VNNI"),
-                      "wint4": ("avx512_vnni", "AVX512-VNNI")}
-
-
 def missing_cpu_feature(kind: str) -> str | None:
     """The feature (usual name) the kernel for ``kind`` needs and this CPU lacks; None when nothing
-    is missing (or ``kind`` needs no kernel of its own, e.g. float32)."""
-    needed = NEEDED_CPU_FEATURE.get(kind)
-    return needed[1] if needed and needed[0] not in cpu_flags().split() else None
+    is missing (or ``kind`` needs no kernel of its own: float32, which falls back to MKL)."""
+    if kind not in KERNEL_PATHS or kind == "float32":
+        return None
+    return None if kernel_path(kind) else needed_cpu_feature(kind)[1]
 
 
 def _ops():
@@ -178,7 +221,7 @@ def _build():
                 from paddle.utils.cpp_extension import load
 
                 load(name="fdcore_kernels", sources=_snapshot(sources, directory), build_directory=directory,
-                     extra_cxx_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno",
+                     extra_cxx_cflags=["-O3", *_march(), "-fopenmp", "-fno-math-errno",
                                        "-fno-trapping-math"], extra_ldflags=["-fopenmp"], verbose=False)
                 open(ready, "w").close()
             else:

@@ -1,4 +1,5 @@
-// fdcore's float32 linear layer: Y[M, N] = X[M, K] . W[N, K]^T, all float32, on CPUs with AVX-512F.
+// fdcore's float32 linear layer: Y[M, N] = X[M, K] . W[N, K]^T, all float32, on CPUs with AVX-512F or AVX2
+// and FMA (the path is the library's build target: fdcore.models.kernels builds it for the CPU it runs on).
 //
 // Why: decoding one sequence reads every weight once, so its speed is the memory's. Paddle's MKL
 // (on AMD, its AVX2 path: see fdcore.models.cpu_env) streamed SmolLM2's 538 MB of float32 weights at
@@ -23,8 +24,9 @@
 // number of rows of X or the thread count. So a row's result is the same to the bit alone, in any
 // batch, and on any number of threads.
 //
-// The caller checks the CPU's flags (/proc/cpuinfo) before using this; the functions carry their own
-// target attribute, so the library builds on any x86-64 compiler and CPU.
+// The AVX2 path is the same computation 8 outputs to a vector (2 rows of X per pass: 8 accumulators
+// and the panel's 4 weight vectors fill most of AVX2's 16 registers), so it gives the same bits. The
+// caller checks the CPU's flags (/proc/cpuinfo) before using this.
 #include <immintrin.h>
 
 #include <algorithm>
@@ -35,17 +37,16 @@
 
 namespace {
 
-constexpr int kPanel = 32;            // output rows per packed panel
+constexpr int kPanel = 32;  // output rows per packed panel
+
+#if defined(__AVX512F__)
 constexpr int kVectors = kPanel / 16;  // 16-lane vectors per panel
 constexpr int kRowsPerPass = 8;        // rows of X per pass over a panel
-
-#define FDCORE_F32_TARGET __attribute__((target("avx512f")))
 
 // MB rows of X (X at the first, row stride K) against one panel (W: its [K][32] floats); `outputs` of
 // its 32 rows are real; Y at the first row's first output of the panel (row stride N).
 template <int MB>
-FDCORE_F32_TARGET inline void PanelRows(const float* X, int64_t K, const float* W, int64_t outputs, int64_t N,
-                                        float* Y) {
+inline void PanelRows(const float* X, int64_t K, const float* W, int64_t outputs, int64_t N, float* Y) {
   __m512 acc[MB][kVectors];
   for (int j = 0; j < MB; ++j)
     for (int v = 0; v < kVectors; ++v) acc[j][v] = _mm512_setzero_ps();
@@ -64,10 +65,47 @@ FDCORE_F32_TARGET inline void PanelRows(const float* X, int64_t K, const float* 
     for (int j = 0; j < MB; ++j) _mm512_mask_storeu_ps(Y + j * N + v * 16, mask, acc[j][v]);
   }
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+constexpr int kVectors = kPanel / 8;  // 8-lane vectors per panel
+// 2 rows: 8 accumulators, the panel's 4 weight vectors and a broadcast x fit AVX2's 16 registers
+constexpr int kRowsPerPass = 2;
+
+// As the AVX-512 version, 8 outputs per vector: the same FMA chain per output, so the same bits.
+template <int MB>
+inline void PanelRows(const float* X, int64_t K, const float* W, int64_t outputs, int64_t N, float* Y) {
+  __m256 acc[MB][kVectors];
+  for (int j = 0; j < MB; ++j)
+    for (int v = 0; v < kVectors; ++v) acc[j][v] = _mm256_setzero_ps();
+#pragma GCC unroll 4
+  for (int64_t k = 0; k < K; ++k) {
+    __m256 w[kVectors];
+    for (int v = 0; v < kVectors; ++v) w[v] = _mm256_loadu_ps(W + k * kPanel + v * 8);
+    for (int j = 0; j < MB; ++j) {
+      const __m256 x = _mm256_broadcast_ss(X + j * K + k);
+      for (int v = 0; v < kVectors; ++v) acc[j][v] = _mm256_fmadd_ps(w[v], x, acc[j][v]);
+    }
+  }
+  for (int j = 0; j < MB; ++j) {
+    if (outputs == kPanel) {
+      for (int v = 0; v < kVectors; ++v) _mm256_storeu_ps(Y + j * N + v * 8, acc[j][v]);
+    } else {  // the last panel's real rows
+      alignas(32) float row[kPanel];
+      for (int v = 0; v < kVectors; ++v) _mm256_store_ps(row + v * 8, acc[j][v]);
+      std::copy(row, row + outputs, Y + j * N);
+    }
+  }
+}
+#else
+constexpr int kRowsPerPass = 1;
+template <int MB>
+inline void PanelRows(const float*, int64_t, const float*, int64_t, int64_t, float*) {
+  PD_CHECK(false, "linear_f32: built for a CPU without AVX2 and FMA (the caller must check its flags)");
+}
+#endif
 
 // The last R (< kRowsPerPass) rows of X against a panel.
 template <int R>
-FDCORE_F32_TARGET inline void PanelRest(const float* X, int64_t rest, int64_t K, const float* W, int64_t outputs,
+inline void PanelRest(const float* X, int64_t rest, int64_t K, const float* W, int64_t outputs,
                                         int64_t N, float* Y) {
   if constexpr (R > 0) {
     if (rest == R) {
@@ -78,7 +116,7 @@ FDCORE_F32_TARGET inline void PanelRest(const float* X, int64_t rest, int64_t K,
   }
 }
 
-FDCORE_F32_TARGET void Linear(const float* X, int64_t M, int64_t K, const float* W, int64_t P, int64_t N, float* Y) {
+void Linear(const float* X, int64_t M, int64_t K, const float* W, int64_t P, int64_t N, float* Y) {
   // Panels are split across the OpenMP threads (OMP_NUM_THREADS) in contiguous, equal shares: each
   // thread streams its own part of W (the LM head's 1536 panels: 768 each on 2 threads), which is
   // what lets one sequence's decoding use more than one core's bandwidth.

@@ -2,7 +2,7 @@
 // row and block of 32 inputs asymmetrically (llama.cpp's Q4_1: W ~= scale[n, b] * q[n, k] + minimum[n, b],
 // q in [0, 15], scale and minimum in float16), X quantized on the fly per row and block of 32 to int8
 // (symmetric, as wint8 does), int32 dot products per block with AVX512-VNNI's `vpdpbusd`, scaled and
-// summed in float32.
+// summed in float32 (AVX2's `vpmaddubsw` where the library is built for a CPU without AVX512-VNNI).
 //
 // Why: decoding one sequence reads every weight once (memory bound), and Q4_1 is 20 bytes per 32 weights:
 // 0.56x wint8's 36, 0.16x float32's 128. The minimum keeps quality close to float32 (a block's range is
@@ -24,6 +24,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <type_traits>
 #include <vector>
@@ -40,11 +41,10 @@ constexpr int kRecord = kNibbleBytes + 2 * kGroup * 2;   // ... then its float16
 constexpr int kRowsPerPass = 4;                          // rows of X per pass over a group's weights
 constexpr int64_t kChunk = 64;                           // rows of X per chunk (their int8 copy stays in L2)
 
-#define FDCORE_VNNI_TARGET __attribute__((target("avx512f,avx512bw,avx512vnni")))
-
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 // One row of x -> int8 per block of 32 (zeros past K, up to Kp), the blocks' scales and the sums of the
 // quantized x (scale * sum of the block's int8 values).
-FDCORE_VNNI_TARGET void QuantizeRow(const float* x, int64_t K, int64_t Kp, int8_t* q, float* scales, float* sums) {
+void QuantizeRow(const float* x, int64_t K, int64_t Kp, int8_t* q, float* scales, float* sums) {
   for (int64_t blk = 0, k0 = 0; k0 < Kp; ++blk, k0 += kQuant) {
     const int64_t left = K - k0;  // >= 1: Kp - K < 32
     const __mmask16 m0 = left >= 16 ? 0xffff : static_cast<__mmask16>((1u << left) - 1);
@@ -64,7 +64,7 @@ FDCORE_VNNI_TARGET void QuantizeRow(const float* x, int64_t K, int64_t Kp, int8_
 // MB rows of x (from Xq, xs, xsum at the first of them) against one group of 32 output rows (Wg: its
 // records, one per block); Y at the first row's first output of the group.
 template <int MB>
-FDCORE_VNNI_TARGET void GroupRows(const int8_t* Xq, const float* xs, const float* xsum, int64_t Kp,
+void GroupRows(const int8_t* Xq, const float* xs, const float* xsum, int64_t Kp,
                                   const uint8_t* Wg, int64_t outputs, int64_t N, float* Y) {
   constexpr int H = MB <= 2 ? 2 : 1;  // integer sums per output and block: two short chains for 1-2 rows
   const int64_t blocks = Kp / kQuant;
@@ -115,7 +115,97 @@ FDCORE_VNNI_TARGET void GroupRows(const int8_t* Xq, const float* xs, const float
   }
 }
 
-FDCORE_VNNI_TARGET void Linear(const float* X, int64_t M, int64_t K, const uint8_t* Wp, int64_t G, int64_t Kp,
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+// As the AVX-512 QuantizeRow, one value at a time: the same operations (a maximum, 127 / top, a product
+// rounded to nearest even, an integer sum), so the same bits.
+void QuantizeRow(const float* x, int64_t K, int64_t Kp, int8_t* q, float* scales, float* sums) {
+  for (int64_t blk = 0, k0 = 0; k0 < Kp; ++blk, k0 += kQuant) {
+    const int64_t k1 = std::min(K, k0 + kQuant);
+    float top = 0.f;
+    for (int64_t k = k0; k < k1; ++k) top = std::max(top, std::fabs(x[k]));
+    const float inverse = top > 0.f ? 127.f / top : 0.f;
+    int32_t sum = 0;
+    for (int64_t k = k0; k < k0 + kQuant; ++k) {
+      const int value = k < k1 ? static_cast<int>(std::nearbyint(x[k] * inverse)) : 0;
+      q[k] = static_cast<int8_t>(value);
+      sum += value;
+    }
+    scales[blk] = top / 127.f;
+    sums[blk] = scales[blk] * static_cast<float>(sum);
+  }
+}
+
+// AVX2 has no vpdpbusd: a 32-byte half of a 64-byte load is 8 rows x 8 inputs; its low and high
+// nibbles (unsigned, <= 15) times a broadcast quad of x are summed in pairs to int16 by vpmaddubsw. All
+// 8 products of a block's 32 inputs stay below 2^15 in int16 (8 x 2 x 15 x 127 = 30480), so they are
+// added there and widened once a block (vpmaddwd by ones): the same integers as the VNNI path, then
+// the same float32 arithmetic, so the same bits. The group's 32 rows are 4 vectors of 8.
+template <int MB>
+void GroupRows(const int8_t* Xq, const float* xs, const float* xsum, int64_t Kp, const uint8_t* Wg, int64_t outputs,
+               int64_t N, float* Y) {
+  constexpr int R = kGroup / 8;
+  const int64_t blocks = Kp / kQuant;
+  const __m256i low = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+  __m256 acc[MB][R];
+  for (int j = 0; j < MB; ++j)
+    for (int r = 0; r < R; ++r) acc[j][r] = _mm256_setzero_ps();
+  const uint8_t* w = Wg;
+  for (int64_t blk = 0; blk < blocks; ++blk, w += kRecord) {
+    __m256i dot[MB][R];
+    for (int j = 0; j < MB; ++j)
+      for (int r = 0; r < R; ++r) dot[j][r] = _mm256_setzero_si256();
+    const int8_t* xb = Xq + blk * kQuant;
+    for (int v = 0; v < kQuant / 8; ++v) {
+      __m256i first[MB], second[MB];
+      for (int j = 0; j < MB; ++j) {
+        int32_t a, b;
+        __builtin_memcpy(&a, xb + j * Kp + v * 8, 4);
+        __builtin_memcpy(&b, xb + j * Kp + v * 8 + 4, 4);
+        first[j] = _mm256_set1_epi32(a);
+        second[j] = _mm256_set1_epi32(b);
+      }
+      for (int r = 0; r < R; ++r) {  // rows 8 r .. 8 r + 7: 16-row vector r / 2, its half r % 2
+        const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + v * 128 + r * 32));
+        const __m256i lo = _mm256_and_si256(packed, low);
+        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low);
+        for (int j = 0; j < MB; ++j)
+          dot[j][r] = _mm256_add_epi16(dot[j][r], _mm256_add_epi16(_mm256_maddubs_epi16(lo, first[j]),
+                                                                   _mm256_maddubs_epi16(hi, second[j])));
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m256 scale = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + kNibbleBytes + r * 16)));
+      const __m256 minimum =
+          _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + kNibbleBytes + kGroup * 2 + r * 16)));
+      for (int j = 0; j < MB; ++j) {
+        const __m256 x_scale = _mm256_set1_ps(xs[j * blocks + blk]), x_sum = _mm256_set1_ps(xsum[j * blocks + blk]);
+        const __m256i total = _mm256_madd_epi16(dot[j][r], ones);
+        acc[j][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), _mm256_mul_ps(scale, x_scale), acc[j][r]);
+        acc[j][r] = _mm256_fmadd_ps(minimum, x_sum, acc[j][r]);
+      }
+    }
+  }
+  for (int r = 0; r < R && r * 8 < outputs; ++r) {
+    for (int j = 0; j < MB; ++j) {
+      if (outputs - r * 8 >= 8) {
+        _mm256_storeu_ps(Y + j * N + r * 8, acc[j][r]);
+      } else {
+        alignas(32) float row[8];
+        _mm256_store_ps(row, acc[j][r]);
+        std::copy(row, row + (outputs - r * 8), Y + j * N + r * 8);
+      }
+    }
+  }
+}
+#else
+void QuantizeRow(const float*, int64_t, int64_t, int8_t*, float*, float*) {
+  PD_CHECK(false, "linear_int4: built for a CPU without AVX2 (the caller must check its flags)");
+}
+template <int MB>
+void GroupRows(const int8_t*, const float*, const float*, int64_t, const uint8_t*, int64_t, int64_t, float*) {}
+#endif
+
+void Linear(const float* X, int64_t M, int64_t K, const uint8_t* Wp, int64_t G, int64_t Kp,
                                int64_t N, float* Y) {
   const int64_t blocks = Kp / kQuant;
   thread_local std::vector<int8_t> q;

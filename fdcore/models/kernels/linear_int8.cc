@@ -1,7 +1,8 @@
 // fdcore's weight-only int8 linear layer (wint8): Y[M, N] = X[M, K] . W[N, K]^T, W quantized per output
 // row and block of 32 inputs (symmetric: W ~= scale[n, b] * q[n, k], q in [-127, 127], llama.cpp's Q8_0
 // grouping, the scale in float16), X quantized on the fly the same way (per row and block of 32), int32 dot products per
-// block with AVX512-VNNI's `vpdpbusd`, scaled and summed in float32.
+// block with AVX512-VNNI's `vpdpbusd` (or AVX2's `vpmaddubsw`, where the library is built for a CPU without
+// AVX512-VNNI: see GroupRows), scaled and summed in float32.
 //
 // Why: a quarter of float32's bytes for decoding one sequence (memory bound), and 4 products per
 // 32-bit lane and instruction in batches. Per-block activation scales (llama.cpp's Q8 for activations)
@@ -28,8 +29,6 @@ constexpr int kGroup = 64;
 constexpr int kBlocks = kGroup / 16;
 constexpr int kQuant = 32;  // inputs per activation scale
 
-#define FDCORE_VNNI_TARGET __attribute__((target("avx512f,avx512bw,avx512vnni")))
-
 // x rows -> int8 per block of 32 (padded with zeros to Kp), their scales and 128 * their sums.
 void QuantizeRows(const float* X, int64_t M, int64_t K, int64_t Kp, std::vector<int8_t>& q,
                   std::vector<float>& scales, std::vector<int32_t>& offsets) {
@@ -55,10 +54,14 @@ void QuantizeRows(const float* X, int64_t M, int64_t K, int64_t Kp, std::vector<
   }
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+constexpr int kRowsPerPass = 2;
+constexpr int kUnits = 1;  // parts of a group the threads share out
+
 // MB rows of x against one group of 64 output rows (ws: the group's scales, [blocks][64] float16 bits).
 template <int MB>
-FDCORE_VNNI_TARGET void GroupRows(const int8_t* Xq, const float* xs, const int32_t* xo, int64_t Kp,
-                                  const uint8_t* Wg, const uint16_t* ws, int64_t N, int64_t g, int64_t m0, float* Y) {
+void GroupRows(const int8_t* Xq, const float* xs, const int32_t* xo, int64_t Kp, const uint8_t* Wg,
+               const uint16_t* ws, int64_t N, int64_t g, int, int64_t m0, float* Y) {
   const int64_t blocks = Kp / kQuant;
   __m512 acc[MB][kBlocks];
   for (int j = 0; j < MB; ++j)
@@ -95,9 +98,85 @@ FDCORE_VNNI_TARGET void GroupRows(const int8_t* Xq, const float* xs, const int32
     for (int j = 0; j < MB; ++j) _mm512_mask_storeu_ps(Y + (m0 + j) * N + first, mask, acc[j][b]);
   }
 }
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+constexpr int kRowsPerPass = 2;
+constexpr int kUnits = 2;  // a group's two halves of 32 rows: what the threads share out
+constexpr int kHalf = kGroup / kUnits;
 
-FDCORE_VNNI_TARGET void Linear(const float* X, int64_t M, int64_t K, const uint8_t* Wp, const uint16_t* ws, int64_t G,
-                               int64_t Kp, int64_t N, float* Y) {
+// AVX2 has no vpdpbusd. Per 32 bytes (8 rows x 4 inputs): the signed weights q = u ^ 0x80, then
+// llama.cpp's pairing: |q| (unsigned) times x carrying q's sign (vpsignb), pairs summed to int16
+// (vpmaddubsw: at most 2 x 127 x 127, never saturated) and pairs of those to int32 (vpmaddwd by ones).
+// That is q . x itself (no offset to subtract): the same integers as the VNNI path, then the same
+// float32 arithmetic, so the same bits. A call takes one half of the group (32 rows: 4 integer
+// accumulators a row of x, within AVX2's 16 registers for 2 rows), reading its 128 bytes of every 256;
+// halves, not groups, are shared out over the threads (SmolLM2's 576-row projections are 9 groups: 5
+// and 4 on 2 threads, where 18 halves split evenly).
+template <int MB>
+void GroupRows(const int8_t* Xq, const float* xs, const int32_t*, int64_t Kp, const uint8_t* Wg,
+               const uint16_t* ws, int64_t N, int64_t g, int half, int64_t m0, float* Y) {
+  constexpr int R = kHalf / 8;  // 8-row vectors
+  const int64_t blocks = Kp / kQuant;
+  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80)), ones = _mm256_set1_epi16(1);
+  __m256 acc[MB][R];
+  for (int j = 0; j < MB; ++j)
+    for (int r = 0; r < R; ++r) acc[j][r] = _mm256_setzero_ps();
+  const uint8_t* w = Wg + half * R * 32;
+  for (int64_t blk = 0; blk < blocks; ++blk) {
+    __m256i dot[MB][R];
+    for (int j = 0; j < MB; ++j)
+      for (int r = 0; r < R; ++r) dot[j][r] = _mm256_setzero_si256();
+    for (int quad = 0; quad < kQuant / 4; ++quad, w += kGroup * 4) {
+      __m256i x[MB];
+      for (int j = 0; j < MB; ++j) {
+        int32_t four;
+        __builtin_memcpy(&four, Xq + (m0 + j) * Kp + blk * kQuant + quad * 4, 4);
+        x[j] = _mm256_set1_epi32(four);
+      }
+      for (int r = 0; r < R; ++r) {
+        const __m256i q = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + r * 32)), flip);
+        const __m256i magnitude = _mm256_abs_epi8(q);
+        for (int j = 0; j < MB; ++j) {
+          const __m256i pairs = _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(x[j], q));
+          dot[j][r] = _mm256_add_epi32(dot[j][r], _mm256_madd_epi16(pairs, ones));
+        }
+      }
+    }
+    for (int j = 0; j < MB; ++j) {
+      const __m256 x_scale = _mm256_set1_ps(xs[(m0 + j) * blocks + blk]);
+      for (int r = 0; r < R; ++r) {
+        const __m256 w_scale = _mm256_cvtph_ps(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(ws + blk * kGroup + half * kHalf + r * 8)));
+        acc[j][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[j][r]), _mm256_mul_ps(x_scale, w_scale), acc[j][r]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    const int64_t first = g * kGroup + half * kHalf + r * 8;
+    if (first >= N) break;
+    for (int j = 0; j < MB; ++j) {
+      float* y = Y + (m0 + j) * N + first;
+      if (first + 8 <= N) {
+        _mm256_storeu_ps(y, acc[j][r]);
+      } else {
+        alignas(32) float row[8];
+        _mm256_store_ps(row, acc[j][r]);
+        std::copy(row, row + (N - first), y);
+      }
+    }
+  }
+}
+#else
+constexpr int kRowsPerPass = 1;
+constexpr int kUnits = 1;
+template <int MB>
+void GroupRows(const int8_t*, const float*, const int32_t*, int64_t, const uint8_t*, const uint16_t*, int64_t,
+               int64_t, int, int64_t, float*) {
+  PD_CHECK(false, "linear_int8: built for a CPU without AVX2 (the caller must check its flags)");
+}
+#endif
+
+void Linear(const float* X, int64_t M, int64_t K, const uint8_t* Wp, const uint16_t* ws, int64_t G, int64_t Kp,
+            int64_t N, float* Y) {
   thread_local std::vector<int8_t> q;
   thread_local std::vector<float> scales;
   thread_local std::vector<int32_t> offsets;
@@ -108,14 +187,18 @@ FDCORE_VNNI_TARGET void Linear(const float* X, int64_t M, int64_t K, const uint8
   const float* xs = scales.data();
   const int32_t* xo = offsets.data();
   const int64_t group_size = Kp * kGroup;
-  const bool parallel = G > 1 && M * N * K >= (1 << 18);
+  const bool parallel = G * kUnits > 1 && M * N * K >= (1 << 18);
 #pragma omp parallel for schedule(static) if (parallel)
-  for (int64_t g = 0; g < G; ++g) {
+  for (int64_t part = 0; part < G * kUnits; ++part) {
+    const int64_t g = part / kUnits;
+    const int unit = static_cast<int>(part % kUnits);
+    if (g * kGroup + unit * (kGroup / kUnits) >= N) continue;  // the last group's padding
     const uint8_t* Wg = Wp + g * group_size;
     const uint16_t* wsg = ws + g * (Kp / kQuant) * kGroup;
     int64_t m0 = 0;
-    for (; m0 + 2 <= M; m0 += 2) GroupRows<2>(xq, xs, xo, Kp, Wg, wsg, N, g, m0, Y);
-    for (; m0 < M; ++m0) GroupRows<1>(xq, xs, xo, Kp, Wg, wsg, N, g, m0, Y);
+    for (; m0 + kRowsPerPass <= M; m0 += kRowsPerPass)
+      GroupRows<kRowsPerPass>(xq, xs, xo, Kp, Wg, wsg, N, g, unit, m0, Y);
+    for (; m0 < M; ++m0) GroupRows<1>(xq, xs, xo, Kp, Wg, wsg, N, g, unit, m0, Y);
   }
 }
 

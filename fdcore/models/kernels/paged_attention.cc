@@ -16,6 +16,9 @@
 
 #include "paddle/extension.h"
 
+constexpr int kMostHeads = 4;     // query heads per pass over a row's keys (AVX-512: 1 past D = 128)
+constexpr int64_t kFewestTasks = 8;  // (row, KV head) pairs below which attention is shared out by query head
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 
@@ -62,8 +65,6 @@ static inline __m512 Sum16(const __m512* v) {
   const __m512 z = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
   return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), z);
 }
-
-constexpr int kMostHeads = 4;  // query heads per pass over a row's keys (1 past D = 128)
 
 // HB query heads (of the G sharing one KV head) against the row's keys: scores (q . k per key, 16-wide
 // FMAs over D), softmax with the row's maximum subtracted (exp 16 keys at a time), then o = sum p v.
@@ -161,7 +162,224 @@ static void AttendOne(const float* qg, int64_t G, int64_t D, const float* K, con
     g += heads;
   }
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+// Exp16 for 8 floats: the same reduction and polynomial, 2^n put in the exponent bits (AVX2 has no
+// vscalefps), 0 below -87.
+static inline __m256 Exp8(__m256 x) {
+  x = _mm256_min_ps(x, _mm256_set1_ps(88.f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+  const __m256i exponent = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  const __m256 scaled = _mm256_mul_ps(p, _mm256_castsi256_ps(exponent));
+  return _mm256_and_ps(scaled, _mm256_cmp_ps(x, _mm256_set1_ps(-87.f), _CMP_GE_OQ));
+}
+
+static inline float Max8(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
+static inline float Add8(__m256 v) {
+  __m128 m = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_add_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_add_ss(m, _mm_movehdup_ps(m)));
+}
+
+// The sums of 8 vectors as one vector (lane i: the sum of v[i]), by horizontal adds.
+static inline __m256 Sum8(const __m256* v) {
+  const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+}
+
+// The first `left` (< 8) lanes set: AVX2's masked loads and stores take a vector of lanes.
+static inline __m256i Lanes(int64_t left) {
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(left)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+// AttendHeads of the AVX-512 path, 8 lanes wide, for D a multiple of 8: CC = D / 8 as a compile-time
+// constant for the usual head sizes (64, 128: q and o in registers), 0 for the rest (read from L1).
+// Each head's arithmetic is its own, in key order: a row's bits depend on its q, keys and values alone.
+template <int CC, int HB>
+static void AttendHeads8(const float* qg, int64_t D, const float* K, const float* V, int64_t kv_base, int64_t BS,
+                         const int64_t* table, int64_t first, int64_t L, float* scores, float* out) {
+  constexpr int kRegs = CC > 0 ? CC : 1;
+  const int64_t C = CC > 0 ? CC : D / 8;
+  auto each_key = [&](const float* base, auto&& visit) {
+    for (int64_t key = first, l = 0; key < first + L;) {
+      const int64_t offset = key % BS, run = std::min(BS - offset, first + L - key);
+      const float* row = base + (kv_base + table[key / BS] * BS + offset) * D;
+      for (int64_t j = 0; j < run; ++j, ++key, ++l) visit(l, row + j * D);
+    }
+  };
+  __m256 q[HB][kRegs];
+  if constexpr (CC > 0)
+    for (int h = 0; h < HB; ++h)
+      for (int c = 0; c < CC; ++c) q[h][c] = _mm256_loadu_ps(qg + h * D + 8 * c);
+  __m256 dots[HB][8];
+  each_key(K, [&](int64_t l, const float* kr) {
+    for (int h = 0; h < HB; ++h) {
+      __m256 acc;
+      if constexpr (CC > 0) {
+        acc = _mm256_mul_ps(q[h][0], _mm256_loadu_ps(kr));
+        for (int c = 1; c < CC; ++c) acc = _mm256_fmadd_ps(q[h][c], _mm256_loadu_ps(kr + 8 * c), acc);
+      } else {
+        const float* qh = qg + h * D;
+        acc = _mm256_mul_ps(_mm256_loadu_ps(qh), _mm256_loadu_ps(kr));
+        for (int64_t c = 1; c < C; ++c) acc = _mm256_fmadd_ps(_mm256_loadu_ps(qh + 8 * c), _mm256_loadu_ps(kr + 8 * c), acc);
+      }
+      dots[h][l % 8] = acc;
+    }
+    if (l % 8 == 7)
+      for (int h = 0; h < HB; ++h) _mm256_storeu_ps(scores + h * L + l - 7, Sum8(dots[h]));
+  });
+  if (L % 8) {
+    for (int h = 0; h < HB; ++h) {
+      for (int64_t i = L % 8; i < 8; ++i) dots[h][i] = _mm256_setzero_ps();
+      _mm256_maskstore_ps(scores + h * L + L - L % 8, Lanes(L % 8), Sum8(dots[h]));
+    }
+  }
+  float inverse[HB];
+  for (int h = 0; h < HB; ++h) {
+    float* row = scores + h * L;
+    float most = -INFINITY;
+    int64_t l = 0;
+    if (L >= 8) {
+      __m256 top = _mm256_loadu_ps(row);
+      for (l = 8; l + 8 <= L; l += 8) top = _mm256_max_ps(top, _mm256_loadu_ps(row + l));
+      most = Max8(top);
+    }
+    for (; l < L; ++l) most = std::max(most, row[l]);
+    const __m256 shift = _mm256_set1_ps(most);
+    __m256 total = _mm256_setzero_ps();
+    for (l = 0; l + 8 <= L; l += 8) {
+      const __m256 e = Exp8(_mm256_sub_ps(_mm256_loadu_ps(row + l), shift));
+      _mm256_storeu_ps(row + l, e);
+      total = _mm256_add_ps(total, e);
+    }
+    if (l < L) {
+      const __m256i lanes = Lanes(L - l);
+      const __m256 e = _mm256_and_ps(Exp8(_mm256_sub_ps(_mm256_maskload_ps(row + l, lanes), shift)),
+                                     _mm256_castsi256_ps(lanes));
+      _mm256_maskstore_ps(row + l, lanes, e);
+      total = _mm256_add_ps(total, e);
+    }
+    inverse[h] = 1.f / Add8(total);
+  }
+  if constexpr (CC > 0) {
+    __m256 o[HB][CC];
+    for (int h = 0; h < HB; ++h)
+      for (int c = 0; c < CC; ++c) o[h][c] = _mm256_setzero_ps();
+    each_key(V, [&](int64_t l, const float* vr) {
+      for (int h = 0; h < HB; ++h) {
+        const __m256 p = _mm256_set1_ps(scores[h * L + l]);
+        for (int c = 0; c < CC; ++c) o[h][c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vr + 8 * c), o[h][c]);
+      }
+    });
+    for (int h = 0; h < HB; ++h)
+      for (int c = 0; c < CC; ++c)
+        _mm256_storeu_ps(out + h * D + 8 * c, _mm256_mul_ps(o[h][c], _mm256_set1_ps(inverse[h])));
+  } else {
+    for (int h = 0; h < HB; ++h)
+      for (int64_t c = 0; c < C; ++c) _mm256_storeu_ps(out + h * D + 8 * c, _mm256_setzero_ps());
+    each_key(V, [&](int64_t l, const float* vr) {
+      for (int h = 0; h < HB; ++h) {
+        const __m256 p = _mm256_set1_ps(scores[h * L + l]);
+        float* o = out + h * D;
+        for (int64_t c = 0; c < C; ++c)
+          _mm256_storeu_ps(o + 8 * c, _mm256_fmadd_ps(p, _mm256_loadu_ps(vr + 8 * c), _mm256_loadu_ps(o + 8 * c)));
+      }
+    });
+    for (int h = 0; h < HB; ++h) {
+      const __m256 scale = _mm256_set1_ps(inverse[h]);
+      for (int64_t c = 0; c < C; ++c)
+        _mm256_storeu_ps(out + h * D + 8 * c, _mm256_mul_ps(_mm256_loadu_ps(out + h * D + 8 * c), scale));
+    }
+  }
+}
+
+using Attend8Fn = void (*)(const float*, int64_t, const float*, const float*, int64_t, int64_t, const int64_t*,
+                           int64_t, int64_t, float*, float*);
+
+// AttendHeads8 for D (a multiple of 8) and heads per pass (1 to kMostHeads).
+static Attend8Fn Attend8For(int64_t D, int heads) {
+  static constexpr Attend8Fn by_size[3][kMostHeads] = {
+      {AttendHeads8<8, 1>, AttendHeads8<8, 2>, AttendHeads8<8, 3>, AttendHeads8<8, 4>},
+      {AttendHeads8<16, 1>, AttendHeads8<16, 2>, AttendHeads8<16, 3>, AttendHeads8<16, 4>},
+      {AttendHeads8<0, 1>, AttendHeads8<0, 2>, AttendHeads8<0, 3>, AttendHeads8<0, 4>}};
+  return by_size[D == 64 ? 0 : D == 128 ? 1 : 2][heads - 1];
+}
 #endif
+
+// One (row, KV head)'s attention, one value at a time: for head sizes the vector paths do not take.
+static void AttendScalar(const float* qg, int64_t G, int64_t D, const float* K, const float* V, int64_t kv_base,
+                         int64_t BS, const int64_t* table, int64_t first, int64_t L, float* scores, float* out) {
+  for (int64_t l = 0; l < L; ++l) {
+    const int64_t key = first + l;
+    const float* __restrict__ kr = K + (kv_base + table[key / BS] * BS + key % BS) * D;
+    for (int64_t g = 0; g < G; ++g) {
+      const float* __restrict__ qr = qg + g * D;
+      float s = 0.f;
+      for (int64_t d = 0; d < D; ++d) s += qr[d] * kr[d];
+      scores[g * L + l] = s;
+    }
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    float* row = scores + g * L;
+    float top = row[0];
+    for (int64_t l = 1; l < L; ++l) top = row[l] > top ? row[l] : top;
+    float total = 0.f;
+    for (int64_t l = 0; l < L; ++l) {
+      row[l] = expf(row[l] - top);
+      total += row[l];
+    }
+    const float inv = 1.f / total;
+    for (int64_t l = 0; l < L; ++l) row[l] *= inv;
+    for (int64_t d = 0; d < D; ++d) out[g * D + d] = 0.f;
+  }
+  for (int64_t l = 0; l < L; ++l) {
+    const int64_t key = first + l;
+    const float* __restrict__ vr = V + (kv_base + table[key / BS] * BS + key % BS) * D;
+    for (int64_t g = 0; g < G; ++g) {
+      const float p = scores[g * L + l];
+      for (int64_t d = 0; d < D; ++d) out[g * D + d] += p * vr[d];
+    }
+  }
+}
+
+// One row's attention for the G query heads sharing one KV head (kv_base: its first cache row), on the
+// widest path this build has; in passes of up to kMostHeads heads (the same passes for every row of a
+// model, so a row's bits do not depend on its batch).
+static void AttendTask(const float* qg, int64_t G, int64_t D, const float* K, const float* V, int64_t kv_base,
+                       int64_t BS, const int64_t* table, int64_t first, int64_t L, float* scores, float* out) {
+#if defined(__AVX512F__)
+  AttendOne(qg, G, D, K, V, kv_base, BS, table, first, L, scores, out);
+#elif defined(__AVX2__) && defined(__FMA__)
+  if (D % 8 == 0) {
+    for (int64_t g = 0; g < G;) {
+      const int heads = static_cast<int>(std::min<int64_t>(kMostHeads, G - g));
+      Attend8For(D, heads)(qg + g * D, D, K, V, kv_base, BS, table, first, L, scores, out + g * D);
+      g += heads;
+    }
+    return;
+  }
+  AttendScalar(qg, G, D, K, V, kv_base, BS, table, first, L, scores, out);
+#else
+  AttendScalar(qg, G, D, K, V, kv_base, BS, table, first, L, scores, out);
+#endif
+}
 
 // The first key a row ending at `end` sees: window > 0 keeps its last `window` keys.
 static inline int64_t FirstKey(int64_t end, int64_t window) { return (window > 0 && end > window) ? end - window : 0; }
@@ -184,67 +402,21 @@ static void AttendRows(const float* Q, int64_t B, int64_t H, int64_t D, const fl
     }
     work += end - first;
   }
-#if defined(__AVX512F__)
   PD_CHECK(D <= 256, "attention: head_dim above 256");
+  // A task is a row's heads of one KV head (their keys loaded once for all), or, when there are too few
+  // of those to keep the threads busy (a decode step of one sequence: SmolLM2's 3 KV heads on 2 threads
+  // left one idle a third of the time), a row's single query head. A head's arithmetic is the same
+  // either way (AttendHeads), so the split changes no bits.
+  const int64_t heads = B * KVH >= kFewestTasks ? G : 1, tasks = B * H / heads;
 #pragma omp parallel for schedule(static, 1) if (work * H * D >= (1 << 16))  // interleaved: a prompt's later rows see more keys (contiguous shares gave one thread 3/4 of the work)
-  for (int64_t task = 0; task < B * KVH; ++task) {
-    const int64_t b = task / KVH, kvh = task % KVH, end = LEN[b];
+  for (int64_t task = 0; task < tasks; ++task) {
+    const int64_t b = task * heads / H, head = task * heads % H, end = LEN[b];
     const int64_t first = FirstKey(end, window);
     thread_local std::vector<float> scores;
-    scores.resize(kMostHeads * (end - first));
-    AttendOne(Q + (b * H + kvh * G) * D, G, D, K, V, kvh * NB * BS, BS, T + b * W, first, end - first,
-              scores.data(), O + (b * H + kvh * G) * D);
+    scores.resize(std::max<int64_t>(heads, kMostHeads) * (end - first));
+    AttendTask(Q + (b * H + head) * D, heads, D, K, V, head / G * NB * BS, BS, T + b * W, first, end - first,
+               scores.data(), O + (b * H + head) * D);
   }
-#else
-  std::vector<float> scores;
-  for (int64_t b = 0; b < B; ++b) {
-    const int64_t end = LEN[b];
-    const int64_t first = FirstKey(end, window);
-    const int64_t L = end - first;  // keys this row sees: positions first .. end - 1
-    const int64_t* table = T + b * W;
-    scores.resize(G * L);
-    for (int64_t kvh = 0; kvh < KVH; ++kvh) {
-      const float* qg = Q + (b * H + kvh * G) * D;
-      for (int64_t l = 0; l < L; ++l) {
-        const int64_t key = first + l;
-        const float* __restrict__ kr = K + ((kvh * NB + table[key / BS]) * BS + key % BS) * D;
-        for (int64_t g = 0; g < G; ++g) {
-          const float* __restrict__ qr = qg + g * D;
-          float s = 0.f;
-#pragma omp simd reduction(+ : s)
-          for (int64_t d = 0; d < D; ++d) s += qr[d] * kr[d];
-          scores[g * L + l] = s;
-        }
-      }
-      for (int64_t g = 0; g < G; ++g) {
-        float* row = scores.data() + g * L;
-        float top = row[0];
-#pragma omp simd reduction(max : top)
-        for (int64_t l = 1; l < L; ++l) top = row[l] > top ? row[l] : top;
-        float total = 0.f;
-#pragma omp simd reduction(+ : total)
-        for (int64_t l = 0; l < L; ++l) {
-          row[l] = expf(row[l] - top);
-          total += row[l];
-        }
-        const float inv = 1.f / total;
-        for (int64_t l = 0; l < L; ++l) row[l] *= inv;
-        float* o = O + (b * H + kvh * G + g) * D;
-        for (int64_t d = 0; d < D; ++d) o[d] = 0.f;
-      }
-      for (int64_t l = 0; l < L; ++l) {
-        const int64_t key = first + l;
-        const float* __restrict__ vr = V + ((kvh * NB + table[key / BS]) * BS + key % BS) * D;
-        for (int64_t g = 0; g < G; ++g) {
-          const float p = scores[g * L + l];
-          float* __restrict__ o = O + (b * H + kvh * G + g) * D;
-#pragma omp simd
-          for (int64_t d = 0; d < D; ++d) o[d] += p * vr[d];
-        }
-      }
-    }
-  }
-#endif
 }
 
 // Everything between the QKV projection and the output projection, for every row at once:
@@ -395,6 +567,72 @@ static int64_t GumbelRow(const float* row, int64_t V, uint32_t k1, uint32_t k2, 
   const __mmask16 at_top = _mm512_cmp_ps_mask(best, _mm512_set1_ps(top), _CMP_EQ_OQ);
   return _mm512_mask_reduce_min_epi32(at_top, best_at);
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+static inline __m256i Mix8(__m256i h) {
+  h = _mm256_xor_si256(h, _mm256_srli_epi32(h, 16));
+  h = _mm256_mullo_epi32(h, _mm256_set1_epi32(0x7feb352d));
+  h = _mm256_xor_si256(h, _mm256_srli_epi32(h, 15));
+  h = _mm256_mullo_epi32(h, _mm256_set1_epi32(static_cast<int>(0x846ca68bU)));
+  return _mm256_xor_si256(h, _mm256_srli_epi32(h, 16));
+}
+
+// Log16 for 8 positive normal floats: the mantissa and exponent taken from the bits (AVX2 has no
+// vgetmantps / vgetexpps; for normal numbers they are the same values), then the same polynomial.
+static inline __m256 Log8(__m256 x) {
+  const __m256i bits = _mm256_castps_si256(x);
+  __m256 e = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(bits, 23), _mm256_set1_epi32(127)));
+  __m256 m = _mm256_castsi256_ps(
+      _mm256_or_si256(_mm256_and_si256(bits, _mm256_set1_epi32(0x007fffff)), _mm256_set1_epi32(0x3f800000)));
+  const __m256 high = _mm256_cmp_ps(m, _mm256_set1_ps(1.41421356237f), _CMP_GE_OQ);
+  m = _mm256_blendv_ps(m, _mm256_mul_ps(m, _mm256_set1_ps(0.5f)), high);
+  e = _mm256_blendv_ps(e, _mm256_add_ps(e, _mm256_set1_ps(1.f)), high);
+  const __m256 f = _mm256_sub_ps(m, _mm256_set1_ps(1.f)), z = _mm256_mul_ps(f, f);
+  __m256 p = _mm256_set1_ps(7.0376836292e-2f);
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(-1.1514610310e-1f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.1676998740e-1f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(-1.2420140846e-1f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.4249322787e-1f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(-1.6668057665e-1f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.0000714765e-1f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(-2.4999993993e-1f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(3.3333331174e-1f));
+  __m256 y = _mm256_mul_ps(_mm256_mul_ps(p, f), z);
+  y = _mm256_fmadd_ps(e, _mm256_set1_ps(-2.12194440e-4f), y);
+  y = _mm256_fmadd_ps(z, _mm256_set1_ps(-0.5f), y);
+  return _mm256_fmadd_ps(e, _mm256_set1_ps(0.693359375f), _mm256_add_ps(f, y));
+}
+
+// GumbelRow 8 tokens at a time: the same hash, u, score and first index of the maximum.
+static int64_t GumbelRow(const float* row, int64_t V, uint32_t k1, uint32_t k2, float inv_t) {
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  __m256 best = _mm256_set1_ps(-INFINITY);
+  __m256i best_at = _mm256_setzero_si256();
+  for (int64_t i = 0; i < V; i += 8) {
+    const __m256i index = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(i)), lane);
+    const __m256i h = Mix8(_mm256_add_epi32(
+        Mix8(_mm256_xor_si256(_mm256_set1_epi32(static_cast<int>(k1)),
+                              _mm256_mullo_epi32(index, _mm256_set1_epi32(static_cast<int>(0x9E3779B9U))))),
+        _mm256_set1_epi32(static_cast<int>(k2))));
+    const __m256 u = _mm256_mul_ps(_mm256_add_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(h, 8)), _mm256_set1_ps(0.5f)),
+                                   _mm256_set1_ps(1.0f / 16777216.0f));
+    const __m256 noise = Log8(_mm256_sub_ps(_mm256_setzero_ps(), Log8(u)));
+    const __m256i real = Lanes(V - i >= 8 ? 8 : V - i);
+    const __m256 logits = _mm256_maskload_ps(row + i, real);
+    const __m256 score = _mm256_fmsub_ps(logits, _mm256_set1_ps(inv_t), noise);
+    const __m256 better = _mm256_and_ps(_mm256_cmp_ps(score, best, _CMP_GT_OQ), _mm256_castsi256_ps(real));
+    best = _mm256_blendv_ps(best, score, better);
+    best_at = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(best_at), _mm256_castsi256_ps(index), better));
+  }
+  alignas(32) float tops[8];
+  alignas(32) int32_t at[8];
+  _mm256_store_ps(tops, best);
+  _mm256_store_si256(reinterpret_cast<__m256i*>(at), best_at);
+  int64_t chosen = -1;
+  float top = -INFINITY;
+  for (int i = 0; i < 8; ++i)  // the maximum's first index (an earlier lane may hold a later index)
+    if (tops[i] > top || (tops[i] == top && chosen >= 0 && at[i] < chosen)) top = tops[i], chosen = at[i];
+  return chosen < 0 ? 0 : chosen;
+}
 #endif
 
 std::vector<paddle::Tensor> GumbelSample(const paddle::Tensor& logits, const paddle::Tensor& keys,
@@ -411,7 +649,7 @@ std::vector<paddle::Tensor> GumbelSample(const paddle::Tensor& logits, const pad
   for (int64_t r = 0; r < R; ++r) {
     const uint64_t key = static_cast<uint64_t>(KEY[r]);
     const uint32_t k1 = static_cast<uint32_t>(key), k2 = static_cast<uint32_t>(key >> 32);
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
     O[r] = GumbelRow(X + r * V, V, k1, k2, INV_T[r]);
 #else
     const float* row = X + r * V;
@@ -498,6 +736,14 @@ std::vector<paddle::Tensor> SiluMul(const paddle::Tensor& gate_up) {
       const __m512 sig = _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.f), Exp16(_mm512_sub_ps(_mm512_setzero_ps(), x))));
       _mm512_mask_storeu_ps(o + i, m, _mm512_mul_ps(sig, _mm512_maskz_loadu_ps(m, u + i)));
     }
+#elif defined(__AVX2__) && defined(__FMA__)
+    int64_t i = 0;
+    for (; i + 8 <= I; i += 8) {
+      const __m256 x = _mm256_loadu_ps(g + i);
+      const __m256 sig = _mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.f), Exp8(_mm256_sub_ps(_mm256_setzero_ps(), x))));
+      _mm256_storeu_ps(o + i, _mm256_mul_ps(sig, _mm256_loadu_ps(u + i)));
+    }
+    for (; i < I; ++i) o[i] = g[i] / (1.f + expf(-g[i])) * u[i];
 #else
 #pragma omp simd
     for (int64_t i = 0; i < I; ++i) o[i] = g[i] / (1.f + expf(-g[i])) * u[i];
