@@ -42,7 +42,6 @@ import select
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import uuid
@@ -52,7 +51,7 @@ import msgspec
 
 from fdcore.actors import health, topology
 from fdcore.actors.health import HealthBoard, State
-from fdcore.config import Config, ConfigError, load_config, render_config
+from fdcore.config import Config, ConfigError, load_config, write_config_file
 from fdcore.ipc import Inbox, Receiver, Ring, RingEmpty, RingFull, Sender, names
 from fdcore.protocol import (
     AbortRequest,
@@ -190,10 +189,7 @@ def _config_file(config) -> tuple[str, bool]:
         config = Config()
     if not isinstance(config, Config):
         raise TypeError(f"config must be a TOML file path or a fdcore.config.Config, got {type(config).__name__}")
-    fd, path = tempfile.mkstemp(prefix="fdcore-config-", suffix=".toml")
-    with os.fdopen(fd, "w") as f:
-        f.write(render_config(config))
-    return path, True
+    return write_config_file(config), True
 
 
 def _read_ready(fd: int, proc: subprocess.Popen, timeout: float) -> str:

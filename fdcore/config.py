@@ -70,6 +70,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 from typing import Literal
 
 import msgspec
@@ -209,16 +210,28 @@ def parse_config(raw: bytes | str, *, source: str = "<config>", check_model: boo
 def render_config(config: Config) -> str:
     """The effective configuration as TOML (every section and key), which :func:`parse_config`
     reads back: what ``--check`` prints, and the file an embedding client hands the supervisor."""
+    return render_sections({name: msgspec.structs.asdict(getattr(config, name)) for name in Config.__struct_fields__})
+
+
+def render_sections(sections: dict[str, dict]) -> str:
+    """``{section: {key: value}}`` as TOML, unchecked (parse_config checks what it reads back)."""
     lines = []
-    for section in Config.__struct_fields__:
+    for section, keys in sections.items():
         lines.append(f"[{section}]")
-        part = getattr(config, section)
-        for key in part.__struct_fields__:
-            value = getattr(part, key)
+        for key, value in keys.items():
             text = json.dumps(value) if not isinstance(value, bool) else str(value).lower()
             lines.append(f"{key} = {text}")
         lines.append("")
     return "\n".join(lines)
+
+
+def write_config_file(config: Config) -> str:
+    """The configuration rendered into a new private file (mode 0600) for a supervisor to read; the
+    caller removes it when the tree has stopped."""
+    fd, path = tempfile.mkstemp(prefix="fdcore-config-", suffix=".toml")
+    with os.fdopen(fd, "w") as f:
+        f.write(render_config(config))
+    return path
 
 
 def _serve_when_a_port_is_given(config: Config, raw: bytes | str) -> None:

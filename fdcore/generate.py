@@ -30,8 +30,14 @@ def _smollm2() -> str:
 NAMED_MODELS = {"smollm2": _smollm2}
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m fdcore.generate", description=__doc__.splitlines()[0])
+def resolve_model(model: str) -> str:
+    """A named model's path (fetched once); anything else as it is (a directory, a GGUF file, or ""
+    for the bundled tiny model)."""
+    return NAMED_MODELS[model]() if model in NAMED_MODELS else model
+
+
+def main(argv=None, prog: str = "python -m fdcore.generate") -> int:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     parser.add_argument("prompts", nargs="+", help="one or more prompts, generated concurrently")
     parser.add_argument("--model", default="", help="checkpoint directory, GGUF file, or a named model: "
                         f"{', '.join(NAMED_MODELS)} (default: the bundled tiny model)")
@@ -42,8 +48,7 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--in-process", action="store_true", help="no actor tree: one process does it all")
     opts = parser.parse_args(argv)
-    if opts.model in NAMED_MODELS:
-        opts.model = NAMED_MODELS[opts.model]()
+    opts.model = resolve_model(opts.model)
     if not opts.in_process:
         return _through_the_tree(opts)
     if opts.chat:

@@ -27,11 +27,12 @@ def make_model_dir(tmp_path) -> str:
 
 
 class Tree:
-    """``python -m fdcore.supervisor`` in a session of its own, its events parsed from stderr."""
+    """``python -m fdcore.supervisor`` (or ``command``: another way to start one, e.g. ``fdcore serve``)
+    in a session of its own, its events parsed from stderr."""
 
-    def __init__(self, config_path: str, env: dict | None = None):
+    def __init__(self, config_path: str | None, env: dict | None = None, command: list[str] | None = None):
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "fdcore.supervisor", "--config", config_path],
+            command or [sys.executable, "-m", "fdcore.supervisor", "--config", config_path],
             stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, cwd=ROOT,
             start_new_session=True, env={**os.environ, **(env or {})})
         self.events: queue.Queue = queue.Queue()
