@@ -48,6 +48,8 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, om
     ``min_p == 0`` switch those filters off. ``seed`` makes sampling a pure
     function of (seed, position): the same tokens whatever shares the batch and
     however often the request is recomputed. ``logprobs = N`` returns the top-N.
+    ``logit_bias`` adds to the given tokens' logits before anything else decides (100 forces a token,
+    -100 bans it); logprobs stay the model's own.
 
     The fields of :data:`SAMPLING_DEFAULTS` are None when the request leaves them
     unset: the engine fills them from the model's generation_config.json (as
@@ -70,6 +72,7 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, om
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
     logprobs: int | None = None
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit (OpenAI's, -100 to 100)
 
     def with_defaults(self, defaults: dict | None = None) -> "SamplingParams":
         """Every unset field filled: from ``defaults`` (the model's) where it has one, else neutral."""

@@ -1,9 +1,9 @@
 """Token sampling as a pure function of (logits, request state): no processes, no model.
 
 Order of operations (vLLM's): penalties on the raw logits (repetition over
-prompt and output, presence and frequency over the output), EOS and stop
-tokens masked until ``min_tokens``; then greedy argmax, or temperature, top-k,
-top-p and min-p filters and one draw.
+prompt and output, presence and frequency over the output), the request's
+logit_bias added, EOS and stop tokens masked until ``min_tokens``; then greedy
+argmax, or temperature, top-k, top-p and min-p filters and one draw.
 
 NOTE: a draw is Gumbel-max with noise from a counter-based hash of ``(seed,
 position, token id)`` (:func:`gumbel_noise`), so the token depends only on the
@@ -80,7 +80,7 @@ def _kind(request: SamplerRequest) -> int:
     draws the same token whichever rows share its batch.
     """
     p = request.params
-    if (p.repetition_penalty != 1 or p.presence_penalty or p.frequency_penalty
+    if (p.repetition_penalty != 1 or p.presence_penalty or p.frequency_penalty or p.logit_bias
             or len(request.output_token_ids) < p.min_tokens):
         return OTHER
     if p.temperature == 0:
@@ -118,6 +118,8 @@ def _gumbel_kernel():
 def _sample_one(row: np.ndarray, request: SamplerRequest) -> int:
     p = request.params
     apply_penalties(row, request)
+    if p.logit_bias:
+        row[np.fromiter(p.logit_bias.keys(), dtype=np.int64)] += np.fromiter(p.logit_bias.values(), dtype=np.float32)
     if len(request.output_token_ids) < p.min_tokens:
         banned = [t for t in (*request.eos_token_ids, *p.stop_token_ids) if 0 <= t < row.size]
         row[banned] = -np.inf

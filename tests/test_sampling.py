@@ -79,6 +79,20 @@ def test_presence_and_frequency_penalties_subtract_per_occurrence():
                                   frequency_penalty=-1.0)])[0].token_id == 4
 
 
+def test_logit_bias_forces_or_bans_a_token_in_any_batch():
+    """+100 makes a token the pick, greedy or drawn; -100 bans the favourite; the biased row draws the
+    same token beside any other rows, and its logprobs stay the model's."""
+    row = logits_row((3, 5.0), (7, 4.0))
+    assert sample(row[None], [req(temperature=0, logit_bias={12: 100.0})])[0].token_id == 12
+    assert sample(row[None], [req(temperature=0, logit_bias={3: -100.0})])[0].token_id == 7
+    drawn = req(output=[1, 2], temperature=1.0, seed=5, logit_bias={9: 100.0}, logprobs=1)
+    [alone] = sample(row[None], [drawn])
+    others = np.stack([logits_row((1, 2.0)), row, logits_row((4, 9.0))])
+    [_, beside, _] = sample(others, [req(temperature=1.0, seed=1), drawn, req(temperature=0)])
+    assert alone.token_id == beside.token_id == 9
+    assert alone.logprob == pytest.approx(float((row - np.log(np.exp(row).sum()))[9]), rel=1e-5)
+
+
 def test_min_tokens_masks_eos_and_stop_tokens_until_reached():
     row = logits_row((2, 9.0), (9, 8.0), (11, 7.0))
     early = req(output=[], eos=(2,), temperature=0, min_tokens=2, stop_token_ids=[9])

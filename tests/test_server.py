@@ -148,7 +148,15 @@ MALFORMED = [
     ("temperature negative", "/v1/completions", {**OK, "temperature": -1}, None, 400, "temperature"),
     ("temperature a string", "/v1/completions", {**OK, "temperature": "hot"}, None, 400, "temperature"),
     ("top_p zero", "/v1/completions", {**OK, "top_p": 0}, None, 400, "top_p"),
-    ("n two", "/v1/completions", {**OK, "n": 2}, None, 400, "n"),
+    ("n zero", "/v1/completions", {**OK, "n": 0}, None, 400, "n"),
+    ("n too many", "/v1/completions", {**OK, "n": 65}, None, 400, "n"),
+    ("prompts x n too many", "/v1/completions", {**OK, "prompt": ["a"] * 33, "n": 2}, None, 400, "n"),
+    ("a prompt of the list not a prompt", "/v1/completions", {**OK, "prompt": ["a", 5]}, None, 400, "prompt[1]"),
+    ("echo with logprobs", "/v1/completions", {**OK, "echo": True, "logprobs": 1}, None, 400, "echo"),
+    ("logit_bias key not a token id", "/v1/completions", {**OK, "logit_bias": {"abc": 1}}, None, 400, "logit_bias"),
+    ("logit_bias above 100", "/v1/completions", {**OK, "logit_bias": {"5": 101}}, None, 400, "logit_bias[5]"),
+    ("logit_bias not a number", "/v1/completions", {**OK, "logit_bias": {"5": "x"}}, None, 400, "logit_bias[5]"),
+    ("seed + n past the limit", "/v1/completions", {**OK, "n": 2, "seed": 2**63 - 1}, None, 400, "seed"),
     ("logprobs too many", "/v1/completions", {**OK, "logprobs": 50}, None, 400, "logprobs"),
     ("presence penalty", "/v1/completions", {**OK, "presence_penalty": 5}, None, 400, "presence_penalty"),
     ("stop a number", "/v1/completions", {**OK, "stop": 3}, None, 400, "stop"),
@@ -162,6 +170,16 @@ MALFORMED = [
     ("top_logprobs without logprobs", "/v1/chat/completions", {**CHAT, "top_logprobs": 2}, None, 400,
      "top_logprobs"),
     ("oversized body", "/v1/completions", None, json.dumps({**OK, "prompt": "x" * 70000}).encode(), 413, None),
+    ("tokenize both forms", "/tokenize", {"prompt": "hi", "messages": CHAT["messages"]}, None, 400, "messages"),
+    ("tokenize neither form", "/tokenize", {"model": MODEL}, None, 400, "prompt"),
+    ("tokenize chat option on a prompt", "/tokenize", {"prompt": "hi", "add_generation_prompt": True}, None, 400,
+     "add_generation_prompt"),
+    ("tokenize special tokens off", "/tokenize", {"prompt": "hi", "add_special_tokens": False}, None, 400,
+     "add_special_tokens"),
+    ("tokenize unknown model", "/tokenize", {"model": "gpt-9", "prompt": "hi"}, None, 404, "model"),
+    ("tokenize unknown field", "/tokenize", {"prompt": "hi", "truncate": 3}, None, 400, "truncate"),
+    ("detokenize out of vocabulary", "/detokenize", {"tokens": [5, 999999]}, None, 400, "tokens[1]"),
+    ("detokenize not ids", "/detokenize", {"tokens": ["a"]}, None, 400, "tokens[0]"),
 ]
 
 
@@ -174,6 +192,87 @@ def test_malformed_requests_get_openai_errors_and_the_server_keeps_serving(serve
     assert error["message"] and error["type"]
     assert error["param"] == param, error
     assert _post(server, "/v1/completions", OK).status_code == 200
+
+
+def test_tokenize_counts_what_a_request_runs_and_detokenize_reverses_it(server, client):
+    """vLLM's /tokenize and /detokenize: the ids of a prompt and of chat messages are the ones the engine
+    ran (its usage's prompt_tokens), and /detokenize gives the text back."""
+    done = client.completions.create(model=MODEL, prompt="def main():", max_tokens=1)
+    ids = _post(server, "/tokenize", {"model": MODEL, "prompt": "def main():"}).json()
+    assert ids["count"] == len(ids["tokens"]) == done.usage.prompt_tokens and ids["token_strs"] is None
+    assert ids["max_model_len"] == 2048 and all(isinstance(t, int) for t in ids["tokens"])
+    strings = _post(server, "/tokenize", {"prompt": "def main():", "return_token_strs": True}).json()
+    assert strings["tokens"] == ids["tokens"] and len(strings["token_strs"]) == ids["count"]
+    assert _post(server, "/detokenize", {"model": MODEL, "tokens": ids["tokens"]}).json()["prompt"].endswith(
+        "def main():")
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi there"}]
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1)
+    counted = _post(server, "/tokenize", {"messages": messages}).json()
+    assert counted["count"] == chat.usage.prompt_tokens > ids["count"]
+    bare = _post(server, "/tokenize", {"messages": messages, "add_generation_prompt": False}).json()
+    assert bare["count"] < counted["count"] and counted["tokens"][:bare["count"]] == bare["tokens"]
+
+
+def test_n_choices_are_seeded_per_index_streamed_or_not(client):
+    """n = 4: four choices, index 0-3, choice i what a single request seeded seed + i gives (distinct,
+    reproducible); usage counts the prompt once and every choice's tokens; streamed, the chunks of each
+    index assemble to the same texts."""
+    ask = {"model": MODEL, "prompt": "def main():", "max_tokens": 8, "temperature": 1.0, "seed": 7}
+    out = client.completions.create(**ask, n=4)
+    assert [c.index for c in out.choices] == [0, 1, 2, 3] and len({c.text for c in out.choices}) == 4
+    single = client.completions.create(**ask)
+    assert out.usage.prompt_tokens == single.usage.prompt_tokens and out.usage.completion_tokens == 32
+    for i in (0, 3):
+        assert client.completions.create(**{**ask, "seed": 7 + i}).choices[0].text == out.choices[i].text
+    texts = ["", "", "", ""]
+    for chunk in client.completions.create(**ask, n=4, stream=True):
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+    assert texts == [c.text for c in out.choices]
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 6, "temperature": 1.0,
+            "seed": 3}
+    answers = client.chat.completions.create(**chat, n=3)
+    assert len({c.message.content for c in answers.choices}) == 3 and answers.usage.completion_tokens == 18
+    streamed = ["", "", ""]
+    for chunk in client.chat.completions.create(**chat, n=3, stream=True):
+        for choice in chunk.choices:
+            streamed[choice.index] += choice.delta.content or ""
+    assert streamed == [c.message.content for c in answers.choices]
+
+
+def test_logit_bias_forces_a_token(server, client):
+    """{"42": 100} through the openai client: every token is 42 (what /detokenize makes of five 42s)."""
+    forced = client.completions.create(model=MODEL, prompt="def main():", max_tokens=5, temperature=1.0,
+                                       logit_bias={"42": 100})
+    assert forced.choices[0].text == _post(server, "/detokenize", {"tokens": [42] * 5}).json()["prompt"]
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=5,
+                                          temperature=0, logit_bias={"42": 100})
+    assert chat.choices[0].message.content == forced.choices[0].text
+
+
+def test_echo_puts_the_prompt_first(server, client):
+    ask = {"model": MODEL, "prompt": "def main():", "max_tokens": 4, "temperature": 0}
+    plain = client.completions.create(**ask).choices[0].text
+    assert client.completions.create(**ask, echo=True).choices[0].text == "def main():" + plain
+    streamed = "".join(c.choices[0].text for c in client.completions.create(**ask, echo=True, stream=True)
+                       if c.choices)
+    assert streamed == "def main():" + plain
+    ids = _post(server, "/tokenize", {"prompt": "def main():"}).json()["tokens"]
+    echoed = client.completions.create(**{**ask, "prompt": ids}, echo=True).choices[0].text
+    assert echoed == _post(server, "/detokenize", {"tokens": ids}).json()["prompt"] + plain
+
+
+def test_several_prompts_in_one_completions_request(client):
+    """A list of prompts (text or token ids) with n = 2: choice 2 p + i is prompt p's choice i."""
+    ids = client.completions.create(model=MODEL, prompt="hello", max_tokens=1).usage.prompt_tokens
+    ask = {"model": MODEL, "max_tokens": 5, "temperature": 1.0, "seed": 11}
+    out = client.completions.create(**ask, prompt=["def main():", "hello", [5, 6, 7]], n=2)
+    assert [c.index for c in out.choices] == list(range(6))
+    assert out.choices[2].text == client.completions.create(**ask, prompt="hello").choices[0].text
+    assert out.choices[5].text == client.completions.create(**{**ask, "seed": 12}, prompt=[5, 6, 7]).choices[0].text
+    single = client.completions.create(**ask, prompt="def main():")
+    assert out.usage.prompt_tokens == single.usage.prompt_tokens + ids + 3
+    assert out.usage.completion_tokens == 30
 
 
 def test_api_key_and_unknown_routes(server):
@@ -335,12 +434,44 @@ def test_64_clients_that_disconnect_mid_request_are_aborted_within_a_second(serv
                 writer.close()
         return time.monotonic()
 
-    closed = asyncio.run(scenario())
-    while _metric(server, aborts) < before + 64:
-        assert time.monotonic() - closed < 1.0, f"{_metric(server, aborts) - before} of 64 aborts after 1 s"
+    _expect_aborts(server, before, 64, asyncio.run(scenario()), within=1.0)
+
+
+def test_clients_of_several_choices_that_disconnect_abort_every_choice(server):
+    """8 clients with n = 4 (streamed or whole) leave mid-request: all 32 choices are aborted and counted."""
+    import asyncio
+
+    host, port = server.removeprefix("http://").split(":")
+    aborts = 'fdcore_requests_total{outcome="abort"}'
+    before = _metric(server, aborts)
+
+    async def scenario():
+        conns = []
+        for i in range(8):
+            reader, writer = await asyncio.open_connection(host, int(port))
+            body = {**OK, "max_tokens": 2000, "ignore_eos": True, "stream": i % 2 == 0, "n": 4}
+            writer.write(_request_bytes(body))
+            await writer.drain()
+            conns.append((i % 2 == 0, reader, writer))
+        for stream, reader, _ in conns:
+            if stream:  # a first token has come
+                while b"data: " not in await reader.readline():
+                    pass
+        for _, _, writer in conns:
+            writer.close()
+        return time.monotonic()
+
+    _expect_aborts(server, before, 32, asyncio.run(scenario()), within=2.0)
+
+
+def _expect_aborts(server, before: float, count: int, closed: float, within: float) -> None:
+    """``count`` more aborts counted, and nothing running, within ``within`` s of ``closed``."""
+    aborts = 'fdcore_requests_total{outcome="abort"}'
+    while _metric(server, aborts) < before + count:
+        assert time.monotonic() - closed < within, f"{_metric(server, aborts) - before} of {count} aborts after {within} s"
     while _metric(server, "fdcore_requests_running") > 0:
-        assert time.monotonic() - closed < 1.0, "aborted requests still run after 1 s"
-    assert _metric(server, aborts) == before + 64
+        assert time.monotonic() - closed < within, f"aborted requests still run after {within} s"
+    assert _metric(server, aborts) == before + count
 
 
 def test_a_connection_that_sends_half_a_header_is_closed_after_the_header_timeout(server):

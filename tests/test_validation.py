@@ -38,6 +38,10 @@ BAD_SAMPLING = [
     (dict(stop=[""]), "stop[0]", "non-empty string"),
     (dict(stop=["x"] * 17), "stop", "at most 16 allowed"),
     (dict(stop_token_ids=[4096]), "stop_token_ids[0]", "outside the vocabulary [0, 4096)"),
+    (dict(logit_bias={4096: 1.0}), "logit_bias[4096]", "outside the vocabulary [0, 4096)"),
+    (dict(logit_bias={5: 100.5}), "logit_bias[5]", "must be <= 100.0"),
+    (dict(logit_bias={5: float("nan")}), "logit_bias[5]", "finite number"),
+    (dict(logit_bias={t: 1.0 for t in range(301)}), "logit_bias", "301 tokens, at most 300 allowed"),
 ]
 
 

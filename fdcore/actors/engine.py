@@ -40,7 +40,6 @@ import msgspec
 from fdcore.actors import faults, health, topology
 from fdcore.actors.runtime import Actor
 from fdcore.config import model_path
-from fdcore.core.chat_template import ChatOptions
 from fdcore.core.detokenizer import IncrementalDetokenizer
 from fdcore.core.generation_config import sampling_defaults
 from fdcore.core.quarantine import Quarantine
@@ -216,18 +215,10 @@ class EngineActor(Actor):
             raise RequestError("request", f"the engine already holds {len(self.table)} requests, its limit "
                                           "(engine.max_pending_requests); retry later", code=429)
         body = self._body(m.body)
-        check_one_prompt(body.prompt, body.prompt_token_ids, body.messages)
+        check_one_prompt(body.prompt, body.prompt_token_ids, body.messages)  # before the sampling checks
         check_chat_options(body)
         params = check_sampling(body.sampling_params.with_defaults(self.sampling_defaults), self.limits)
-        if body.prompt_token_ids is not None:
-            prompt_ids = list(body.prompt_token_ids)
-            check_token_ids(prompt_ids, self.limits)
-        elif body.messages is not None:
-            prompt_ids = self.tokenizer.encode_chat(body.messages, _chat_options(body))
-        else:
-            prompt_ids = self.tokenizer.encode(body.prompt)
-        if not prompt_ids:
-            raise RequestError("prompt", "tokenizes to no tokens")
+        prompt_ids = self.tokenizer.prompt_ids(body, self.limits)
         check_length(len(prompt_ids), params, self.limits)
         resumed = list(m.resume_token_ids)
         check_token_ids(resumed, self.limits, "resume_token_ids")
@@ -441,12 +432,6 @@ class EngineActor(Actor):
             os.close(slot.lock_fd)
         super().close()
 
-
-def _chat_options(body: RequestBody) -> ChatOptions:
-    """How to render a chat request; a continued final message gets no generation prompt unless asked."""
-    continuing = bool(body.continue_final_message)
-    prompt = not continuing if body.add_generation_prompt is None else body.add_generation_prompt
-    return ChatOptions(body.tools, body.documents, prompt, continuing, body.chat_template_kwargs, body.chat_template)
 
 
 def _explain_decode_error(message: str) -> tuple[str, str]:

@@ -23,7 +23,7 @@ import os
 from tokenizers import Tokenizer
 
 from fdcore.core.chat_template import ChatOptions, ChatTemplates, prepare_messages, render
-from fdcore.core.validation import ModelLimits
+from fdcore.core.validation import ModelLimits, RequestError, check_chat_options, check_one_prompt, check_token_ids
 from fdcore.models.loader import CheckpointError, eos_ids, is_gguf, read_config, read_json_object
 
 # transformers' SPECIAL_TOKENS_ATTRIBUTES: the named special tokens every template may use
@@ -69,6 +69,23 @@ class ModelTokenizer:
             cursor = end
         return ids + self.tokenizer.encode(text[cursor:], add_special_tokens=False).ids
 
+    def prompt_ids(self, body, limits: ModelLimits) -> list[int]:
+        """A request body's prompt (fdcore.protocol.RequestBody: text, token ids or chat messages) as
+        token ids, checked: one prompt form, chat options only with messages, ids inside the
+        vocabulary, not empty. What the engine runs and what /tokenize counts."""
+        check_one_prompt(body.prompt, body.prompt_token_ids, body.messages)
+        check_chat_options(body)
+        if body.prompt_token_ids is not None:
+            ids = list(body.prompt_token_ids)
+            check_token_ids(ids, limits)
+        elif body.messages is not None:
+            ids = self.encode_chat(body.messages, chat_options(body))
+        else:
+            ids = self.encode(body.prompt)
+        if not ids:
+            raise RequestError("prompt", "tokenizes to no tokens")
+        return ids
+
     def _controls(self, content: str) -> bool:
         return any(control in content for control in self.control_texts)
 
@@ -78,6 +95,13 @@ class ModelTokenizer:
             return self.tokenizer.encode(text, add_special_tokens=False).ids
         finally:
             self.tokenizer.encode_special_tokens = False
+
+
+def chat_options(body) -> ChatOptions:
+    """How to render a chat request; a continued final message gets no generation prompt unless asked."""
+    continuing = bool(body.continue_final_message)
+    prompt = not continuing if body.add_generation_prompt is None else body.add_generation_prompt
+    return ChatOptions(body.tools, body.documents, prompt, continuing, body.chat_template_kwargs, body.chat_template)
 
 
 def _spans_of(text: str, contents: list[str]) -> list[tuple[int, int]]:

@@ -15,6 +15,7 @@ from fdcore.protocol import RequestBody, SamplingParams
 
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
+MAX_LOGIT_BIAS = 300  # tokens one request may bias (OpenAI's limit)
 MAX_REQUEST_ID = 256
 ROLES = ("system", "user", "assistant", "tool")
 MESSAGE_KEYS = ("role", "content", "name", "tool_calls", "tool_call_id", "reasoning_content")
@@ -153,7 +154,18 @@ def check_sampling(params: SamplingParams, limits: ModelLimits) -> SamplingParam
         if not stop:
             raise RequestError(f"stop[{i}]", "must be a non-empty string")
     check_token_ids(params.stop_token_ids, limits, "stop_token_ids")
+    _check_logit_bias(params.logit_bias or {}, limits)
     return checked
+
+
+def _check_logit_bias(bias: dict, limits: ModelLimits) -> None:
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise RequestError("logit_bias", f"{len(bias)} tokens, at most {MAX_LOGIT_BIAS} allowed")
+    for token, value in bias.items():
+        if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < limits.vocab_size:
+            raise RequestError(f"logit_bias[{token!r}]", f"token id {token!r} is outside the vocabulary "
+                                                         f"[0, {limits.vocab_size})")
+        _number(f"logit_bias[{token}]", value, low=-100.0, high=100.0)
 
 
 def _number(field: str, value, low: float | None = None, high: float | None = None,

@@ -1,4 +1,5 @@
-"""The OpenAI-compatible ASGI app (Starlette): completions, chat completions, models, health, metrics.
+"""The OpenAI-compatible ASGI app (Starlette): completions, chat completions, models, vLLM's tokenize and
+detokenize, health, metrics.
 
 Requests are decoded with msgspec (a wrong type or a missing field is a 400
 naming the parameter), checked by the engine like every other client's (the
@@ -24,15 +25,20 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from fdcore.server.metrics import Metrics
+from fdcore.core.validation import ModelLimits, RequestError, check_token_ids
 from fdcore.server.schemas import (
     BadRequest,
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
     chat_params,
     chat_prompt,
+    choice_params,
     completion_params,
     decode,
     prompts_of,
+    tokenize_body,
 )
 
 CLIENT_CLOSED = 499  # nginx's status for "the client closed the connection": logged, never sent
@@ -66,6 +72,12 @@ def build_app(llm, settings: Settings, tokenizer, health, restarts) -> Starlette
     async def chat(request: Request) -> Response:
         return await api.handle(request, api.chat)
 
+    async def tokenize(request: Request) -> Response:
+        return await api.handle(request, api.tokenize)
+
+    async def detokenize(request: Request) -> Response:
+        return await api.handle(request, api.detokenize)
+
     async def models(request: Request) -> Response:
         if (denied := api.check_key(request)) is not None:
             return denied
@@ -92,6 +104,8 @@ def build_app(llm, settings: Settings, tokenizer, health, restarts) -> Starlette
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
+        Route("/tokenize", tokenize, methods=["POST"]),
+        Route("/detokenize", detokenize, methods=["POST"]),
         Route("/health", health_check, methods=["GET"]),
         Route("/metrics", metrics_endpoint, methods=["GET"]),
     ], exception_handlers={HTTPException: http_error})
@@ -176,6 +190,64 @@ class _Api:
                              code="rate_limit_exceeded" if first.error_code == 429 else None)
         return stream, first
 
+    async def start_all(self, requests: list) -> list:
+        """start() for each (prompt, params) at once (each choice's first token is not waited for before
+        the next is sent); if any is refused, the others are closed (aborted) and its error raised."""
+        if len(requests) == 1:
+            return [await self.start(*requests[0])]
+        started = await asyncio.gather(*(self.start(prompt, params) for prompt, params in requests),
+                                       return_exceptions=True)
+        failed = [result for result in started if isinstance(result, BaseException)]
+        if failed:
+            await self.abandon([result for result in started if not isinstance(result, BaseException)])
+            raise failed[0]
+        return started
+
+    async def abandon(self, started: list) -> None:
+        """Close (abort in the engine) and count choices whose streams nobody will read."""
+        for stream, _ in started:
+            await stream.aclose()
+            self.metrics.finished("abort", None)
+
+    async def merged(self, started: list):
+        """(choice index, output) of every started choice, in the order they come."""
+        if len(started) == 1:
+            async for out in self.outputs(*started[0]):
+                yield 0, out
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(index, stream, first):
+            try:
+                async for out in self.outputs(stream, first):
+                    await queue.put((index, out))
+                await queue.put((index, None))
+            except Exception as exc:  # handed to the reader
+                await queue.put((index, exc))
+
+        began = []
+
+        async def pump_all():
+            began.append(True)
+            await self.each_choice(started, pump)
+
+        pumps = asyncio.ensure_future(pump_all())
+        try:
+            left = len(started)
+            while left:
+                index, out = await queue.get()
+                if isinstance(out, Exception):
+                    raise out
+                if out is None:
+                    left -= 1
+                else:
+                    yield index, out
+        finally:
+            pumps.cancel()
+            await asyncio.gather(pumps, return_exceptions=True)
+            if not began:  # cancelled before it ran: no choice was read
+                await self.abandon(started)
+
     async def outputs(self, stream, first):
         """Every output of the request; one whose reader goes away mid-stream counts as aborted
         (its AsyncLLM stream, cancelled or closed, has aborted it in the engine)."""
@@ -202,43 +274,109 @@ class _Api:
             raise BadRequest(out.error_msg, status=out.error_code or 500)
         return text, tokens, logprobs, out
 
+    async def collect_all(self, started: list) -> list:
+        """collect() of every choice; one that fails cancels (aborts) the others."""
+        if len(started) == 1:
+            return [await self.collect(*started[0])]
+        return await self.each_choice(started, lambda index, stream, first: self.collect(stream, first))
+
+    async def each_choice(self, started: list, work) -> list:
+        """``work(index, stream, first)`` of every choice as tasks; when one fails or the caller is
+        cancelled, the rest are cancelled, and a choice whose task was cancelled before it ran (so its
+        stream was never read: nothing aborted it or counted it) is closed and counted here."""
+        entered = [False] * len(started)
+
+        async def run(index, stream, first):
+            entered[index] = True
+            return await work(index, stream, first)
+
+        tasks = [asyncio.ensure_future(run(i, stream, first)) for i, (stream, first) in enumerate(started)]
+        try:
+            return await asyncio.gather(*tasks)
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await self.abandon([choice for choice, ran in zip(started, entered, strict=True) if not ran])
+
+    def prompt_text(self, prompt) -> str:
+        """What echo returns of a prompt: its text as sent, or its token ids decoded."""
+        return prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt)
+
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
 
+    # ------------------------------------------------- tokenize / detokenize
+    def limits(self) -> ModelLimits:
+        return ModelLimits(self.tokenizer.vocab_size, self.settings.max_model_len)
+
+    async def tokenize(self, raw: bytes) -> Response:
+        """vLLM's /tokenize: the ids a completion (prompt) or chat (messages) request would run, from the
+        same code the engine runs them with (the API holds the same tokenizer and templates)."""
+        body = decode(raw, TokenizeRequest)
+        if body.model is not None:
+            self.check_model(body.model)
+        try:
+            ids = self.tokenizer.prompt_ids(tokenize_body(body), self.limits())
+        except RequestError as exc:
+            raise BadRequest(str(exc), exc.field, exc.code) from None
+        strings = [self.tokenizer.tokenizer.id_to_token(t) for t in ids] if body.return_token_strs else None
+        return JSONResponse({"count": len(ids), "max_model_len": self.settings.max_model_len, "tokens": ids,
+                             "token_strs": strings})
+
+    async def detokenize(self, raw: bytes) -> Response:
+        body = decode(raw, DetokenizeRequest)
+        if body.model is not None:
+            self.check_model(body.model)
+        try:
+            check_token_ids(body.tokens, self.limits(), "tokens")
+        except RequestError as exc:
+            raise BadRequest(str(exc), exc.field) from None
+        return JSONResponse({"prompt": self.tokenizer.decode(body.tokens)})
+
     # ---------------------------------------------------------- completions
     async def completions(self, raw: bytes) -> Response:
+        """One choice per prompt and per n (index = prompt * n + i), each an engine request of its own:
+        the prompt's KV blocks are shared through the prefix cache, choice i is seeded seed + i."""
         body = decode(raw, CompletionRequest)
         self.check_model(body.model)
         params = completion_params(body)
-        [prompt] = prompts_of(body)
-        stream, first = await self.start(prompt, params)
+        prompts = prompts_of(body)
+        per_prompt = choice_params(params, body.n, len(prompts))
+        started = await self.start_all([(prompt, p) for prompt in prompts for p in per_prompt])
+        echoed = [self.prompt_text(prompt) if body.echo else "" for prompt in prompts for _ in per_prompt]
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         if body.stream:
             usage = _include_usage(body)
-            return _sse(self._completion_chunks(stream, first, rid, created, body.model, usage))
-        text, tokens, logprobs, out = await self.collect(stream, first)
-        choice = {"index": 0, "text": text, "finish_reason": out.outputs.finish_reason,
-                  "logprobs": self._completion_logprobs(tokens, logprobs, 0) if body.logprobs is not None else None}
+            return _sse(self._completion_chunks(started, rid, created, body.model, usage, body.n, echoed))
+        results = await self.collect_all(started)
+        choices = [{"index": i, "text": echoed[i] + text, "finish_reason": out.outputs.finish_reason,
+                    "logprobs": self._completion_logprobs(tokens, logprobs, 0) if body.logprobs is not None else None}
+                   for i, (text, tokens, logprobs, out) in enumerate(results)]
         return JSONResponse({"id": rid, "object": "text_completion", "created": created, "model": body.model,
-                             "choices": [choice], "usage": _usage(first, len(tokens))})
+                             "choices": choices, "usage": _usage(started, body.n, [len(r[1]) for r in results])})
 
-    async def _completion_chunks(self, stream, first, rid, created, model, include_usage):
-        produced, offset = 0, 0
-        async for out in self.outputs(stream, first):
-            produced += len(out.outputs.token_ids)
+    async def _completion_chunks(self, started, rid, created, model, include_usage, n, echoed):
+        produced, offsets = [0] * len(started), [0] * len(started)
+        for index, text in enumerate(echoed):
+            if text:  # echo: the prompt first
+                yield {"id": rid, "object": "text_completion", "created": created, "model": model,
+                       "choices": [{"index": index, "text": text, "logprobs": None, "finish_reason": None}]}
+        async for index, out in self.merged(started):
+            produced[index] += len(out.outputs.token_ids)
             logprobs = None
             if out.outputs.logprobs:
-                logprobs = self._completion_logprobs(out.outputs.token_ids, out.outputs.logprobs, offset)
-            offset += len(out.outputs.text)
+                logprobs = self._completion_logprobs(out.outputs.token_ids, out.outputs.logprobs, offsets[index])
+            offsets[index] += len(out.outputs.text)
             if out.outputs.text or out.finished:
                 yield {"id": rid, "object": "text_completion", "created": created, "model": model,
-                       "choices": [{"index": 0, "text": out.outputs.text, "logprobs": logprobs,
+                       "choices": [{"index": index, "text": out.outputs.text, "logprobs": logprobs,
                                     "finish_reason": out.outputs.finish_reason}]}
             if out.finished:
                 self.metrics.finished(out.outputs.finish_reason, out.metrics)
         if include_usage:
             yield {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [],
-                   "usage": _usage(first, produced)}
+                   "usage": _usage(started, n, produced)}
 
     def _completion_logprobs(self, tokens, logprobs, offset):
         texts = [self.token_text(t) for t in tokens]
@@ -255,36 +393,39 @@ class _Api:
         body = decode(raw, ChatCompletionRequest)
         self.check_model(body.model)
         params = chat_params(body, self.settings.default_max_tokens or self.settings.max_model_len)
-        stream, first = await self.start(chat_prompt(body), params)
+        prompt = chat_prompt(body)
+        started = await self.start_all([(prompt, p) for p in choice_params(params, body.n)])
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         if body.stream:
             usage = _include_usage(body)
-            return _sse(self._chat_chunks(stream, first, rid, created, body.model, usage, body.logprobs))
-        text, tokens, logprobs, out = await self.collect(stream, first)
-        choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                  "finish_reason": out.outputs.finish_reason,
-                  "logprobs": {"content": self._chat_logprobs(tokens, logprobs)} if body.logprobs else None}
+            return _sse(self._chat_chunks(started, rid, created, body.model, usage, body.logprobs, body.n))
+        results = await self.collect_all(started)
+        choices = [{"index": i, "message": {"role": "assistant", "content": text},
+                    "finish_reason": out.outputs.finish_reason,
+                    "logprobs": {"content": self._chat_logprobs(tokens, logprobs)} if body.logprobs else None}
+                   for i, (text, tokens, logprobs, out) in enumerate(results)]
         return JSONResponse({"id": rid, "object": "chat.completion", "created": created, "model": body.model,
-                             "choices": [choice], "usage": _usage(first, len(tokens))})
+                             "choices": choices, "usage": _usage(started, body.n, [len(r[1]) for r in results])})
 
-    async def _chat_chunks(self, stream, first, rid, created, model, include_usage, want_logprobs):
+    async def _chat_chunks(self, started, rid, created, model, include_usage, want_logprobs, n):
         base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
-        yield {**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                    "logprobs": None, "finish_reason": None}]}
-        produced = 0
-        async for out in self.outputs(stream, first):
-            produced += len(out.outputs.token_ids)
+        for index in range(len(started)):
+            yield {**base, "choices": [{"index": index, "delta": {"role": "assistant", "content": ""},
+                                        "logprobs": None, "finish_reason": None}]}
+        produced = [0] * len(started)
+        async for index, out in self.merged(started):
+            produced[index] += len(out.outputs.token_ids)
             logprobs = None
             if want_logprobs and out.outputs.logprobs:
                 logprobs = {"content": self._chat_logprobs(out.outputs.token_ids, out.outputs.logprobs)}
             if out.outputs.text or out.finished:
                 delta = {"content": out.outputs.text} if out.outputs.text else {}
-                yield {**base, "choices": [{"index": 0, "delta": delta, "logprobs": logprobs,
+                yield {**base, "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
                                             "finish_reason": out.outputs.finish_reason}]}
             if out.finished:
                 self.metrics.finished(out.outputs.finish_reason, out.metrics)
         if include_usage:
-            yield {**base, "choices": [], "usage": _usage(first, produced)}
+            yield {**base, "choices": [], "usage": _usage(started, n, produced)}
 
     def _chat_logprobs(self, tokens, logprobs):
         entries = []
@@ -306,8 +447,10 @@ def _include_usage(body) -> bool:
     return bool((body.stream_options or {}).get("include_usage"))
 
 
-def _usage(first, completion_tokens: int) -> dict:
-    prompt_tokens = len(first.prompt_token_ids or [])
+def _usage(started: list, n: int, produced: list[int]) -> dict:
+    """OpenAI's usage: each prompt's tokens once (not once per choice), every choice's output."""
+    prompt_tokens = sum(len(first.prompt_token_ids or []) for _, first in started[::n])
+    completion_tokens = sum(produced)
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}
 

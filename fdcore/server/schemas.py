@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import msgspec
 
-from fdcore.protocol import SamplingParams
+from fdcore.protocol import RequestBody, SamplingParams
 
 
 class _Body(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -59,6 +59,26 @@ class ChatCompletionRequest(_Body, kw_only=True):
     chat_template_kwargs: dict | None = None
 
 
+class TokenizeRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """vLLM's /tokenize: a prompt (its completion form) or messages (its chat form)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[dict] | None = None
+    add_special_tokens: bool | None = None  # vLLM's defaults only: true for a prompt, false for messages
+    return_token_strs: bool = False
+    tools: list[dict] | None = None
+    documents: list[dict] | None = None
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool | None = None
+    chat_template_kwargs: dict | None = None
+
+
+class DetokenizeRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    model: str | None = None
+    tokens: list[int]
+
+
 CHAT_TEMPLATE_FIELDS = ("tools", "documents", "add_generation_prompt", "continue_final_message",
                         "chat_template_kwargs")
 
@@ -90,17 +110,29 @@ def decode(raw: bytes, schema):
 
 
 def sampling_params(body: _Body, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-    if body.logit_bias:
-        raise BadRequest("logit_bias is not supported", "logit_bias")
-    if body.n != 1:
-        raise BadRequest(f"n is {body.n}: only n = 1 is supported", "n")
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     return SamplingParams(
         temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p,
         repetition_penalty=body.repetition_penalty, presence_penalty=body.presence_penalty,
         frequency_penalty=body.frequency_penalty, seed=body.seed, max_tokens=max_tokens,
         min_tokens=body.min_tokens, stop=stop, stop_token_ids=list(body.stop_token_ids or []),
-        ignore_eos=body.ignore_eos, logprobs=logprobs)
+        ignore_eos=body.ignore_eos, logprobs=logprobs, logit_bias=_logit_bias(body.logit_bias))
+
+
+def _logit_bias(raw: dict | None) -> dict[int, float] | None:
+    """OpenAI's {"token id": bias} (JSON keys are strings) as token ids; the engine checks the ranges."""
+    if not raw:
+        return None
+    bias = {}
+    for key, value in raw.items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise BadRequest(f"logit_bias key {key!r} is not a token id", "logit_bias") from None
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise BadRequest(f"logit_bias[{key}] is {value!r}, not a number", f"logit_bias[{key}]")
+        bias[token] = float(value)
+    return bias
 
 
 def chat_prompt(body: ChatCompletionRequest) -> dict:
@@ -115,9 +147,21 @@ def chat_prompt(body: ChatCompletionRequest) -> dict:
     return prompt
 
 
+def tokenize_body(body: TokenizeRequest) -> RequestBody:
+    """The engine's request body for what /tokenize counts: the same prompt forms and template options
+    as a completion or chat request (so the same ids and the same field-named errors)."""
+    chat = body.messages is not None
+    if body.add_special_tokens is not None and body.add_special_tokens != (not chat):
+        raise BadRequest(f"add_special_tokens is {str(body.add_special_tokens).lower()}: only what fdcore's "
+                         f"{'chat' if chat else 'completion'} requests do ({str(not chat).lower()}) is supported",
+                         "add_special_tokens")
+    options = {name: getattr(body, name) for name in CHAT_TEMPLATE_FIELDS if getattr(body, name) is not None}
+    return RequestBody(prompt=body.prompt, messages=body.messages, **options)
+
+
 def completion_params(body: CompletionRequest) -> SamplingParams:
-    if body.echo:
-        raise BadRequest("echo is not supported", "echo")
+    if body.echo and body.logprobs is not None:
+        raise BadRequest("echo with logprobs is not supported (it asks for the prompt's logprobs)", "echo")
     if body.best_of not in (None, 1):
         raise BadRequest(f"best_of is {body.best_of}: only 1 is supported", "best_of")
     if body.suffix:
@@ -136,17 +180,34 @@ def chat_params(body: ChatCompletionRequest, default_max_tokens: int) -> Samplin
     return sampling_params(body, default_max_tokens if limit is None else limit, logprobs)
 
 
+MAX_CHOICES = 64  # choices one request may ask for (prompts x n): each is an engine request of its own
+
+
 def prompts_of(body: CompletionRequest) -> list:
-    """One prompt (a string or token ids) per choice; a batch of prompts is refused beyond one."""
+    """The request's prompts (strings or token-id lists): a string, token ids, or a list of those."""
     prompt = body.prompt
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]
     if isinstance(prompt, str):
         return [prompt]
     if not prompt:
         raise BadRequest("prompt is empty", "prompt")
     if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         return [prompt]
-    if all(isinstance(p, (str, list)) for p in prompt):
-        raise BadRequest(f"prompt holds {len(prompt)} prompts: send one per request", "prompt")
-    raise BadRequest("prompt must be a string, a list of token ids, or a list holding one of those", "prompt")
+    for i, one in enumerate(prompt):
+        if not isinstance(one, (str, list)) or (isinstance(one, list) and not all(
+                isinstance(t, int) and not isinstance(t, bool) for t in one)):
+            raise BadRequest(f"prompt[{i}] must be a string or a list of token ids", f"prompt[{i}]")
+    return list(prompt)
+
+
+def choice_params(params: SamplingParams, n: int, prompts: int = 1) -> list[SamplingParams]:
+    """Each of a prompt's n choices' parameters: choice i seeded ``seed + i`` when a seed is given
+    (distinct and reproducible); checked against MAX_CHOICES."""
+    if n < 1:
+        raise BadRequest(f"n is {n}: at least 1", "n")
+    if n * prompts > MAX_CHOICES:
+        field = "n" if n > 1 else "prompt"
+        raise BadRequest(f"{prompts} prompt(s) x n = {n} is {n * prompts} choices, more than the {MAX_CHOICES} "
+                         "one request may ask for", field)
+    if params.seed is None:
+        return [params] * n
+    return [msgspec.structs.replace(params, seed=params.seed + i) for i in range(n)]
