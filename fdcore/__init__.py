@@ -3,6 +3,6 @@
 __version__ = "0.1.0"
 
 from fdcore.client import LLM, AsyncLLM, CompletionOutput, EngineError, RequestOutput  # noqa: E402
-from fdcore.protocol import SamplingParams  # noqa: E402
+from fdcore.protocol import SamplingParams, StructuredOutputs  # noqa: E402
 
-__all__ = ["AsyncLLM", "LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "EngineError"]
+__all__ = ["AsyncLLM", "LLM", "SamplingParams", "StructuredOutputs", "RequestOutput", "CompletionOutput", "EngineError"]

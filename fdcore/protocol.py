@@ -41,6 +41,23 @@ class Pong(Message):
 
 
 # ----------------------------------------------------------------- sampling
+class StructuredOutputs(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
+    """Constrain the output to a language (vLLM's ``StructuredOutputsParams``): exactly one of a JSON
+    schema (an object or its JSON text), any JSON object, a regular expression, a choice of strings,
+    a context-free grammar (Lark, or llama.cpp's GBNF) or a grammar in llguidance's own JSON form.
+
+    The engine checks it against the model's tokenizer and sends it on as ``llguidance`` only (every
+    form compiled to that one), so the workers' matchers and the engine's check cannot disagree.
+    """
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+    llguidance: str | None = None
+
+
 class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
     """How to pick each token of one request (the seed's / vLLM's field names).
 
@@ -49,7 +66,8 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, om
     function of (seed, position): the same tokens whatever shares the batch and
     however often the request is recomputed. ``logprobs = N`` returns the top-N.
     ``logit_bias`` adds to the given tokens' logits before anything else decides (100 forces a token,
-    -100 bans it); logprobs stay the model's own.
+    -100 bans it); logprobs stay the model's own. ``structured_outputs`` lets only tokens that keep
+    the output inside a language be drawn (logprobs, again, stay the model's own).
 
     The fields of :data:`SAMPLING_DEFAULTS` are None when the request leaves them
     unset: the engine fills them from the model's generation_config.json (as
@@ -73,6 +91,7 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, om
     ignore_eos: bool = False
     logprobs: int | None = None
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit (OpenAI's, -100 to 100)
+    structured_outputs: StructuredOutputs | None = None  # the output must match this (JSON schema, regex...)
 
     def with_defaults(self, defaults: dict | None = None) -> "SamplingParams":
         """Every unset field filled: from ``defaults`` (the model's) where it has one, else neutral."""

@@ -1,9 +1,11 @@
 """Token sampling as a pure function of (logits, request state): no processes, no model.
 
-Order of operations (vLLM's): penalties on the raw logits (repetition over
-prompt and output, presence and frequency over the output), the request's
-logit_bias added, EOS and stop tokens masked until ``min_tokens``; then greedy
-argmax, or temperature, top-k, top-p and min-p filters and one draw.
+Order of operations (vLLM's): the tokens a structured output's grammar does
+not allow next removed, penalties on the raw logits (repetition over prompt
+and output, presence and frequency over the output), the request's logit_bias
+added, EOS and stop tokens masked until ``min_tokens`` (unless the grammar
+allows nothing else); then greedy argmax, or temperature, top-k, top-p and
+min-p filters and one draw. Logprobs are the model's own, before all of it.
 
 NOTE: a draw is Gumbel-max with noise from a counter-based hash of ``(seed,
 position, token id)`` (:func:`gumbel_noise`), so the token depends only on the
@@ -29,6 +31,7 @@ class SamplerRequest:
     prompt_token_ids: list[int]
     output_token_ids: list[int] = field(default_factory=list)
     eos_token_ids: tuple[int, ...] = ()
+    allowed: np.ndarray | None = None  # [vocab] bool: what a structured output's grammar allows next
 
     def __post_init__(self) -> None:
         # The engine fills unset parameters with the model's defaults; a caller that does not go
@@ -51,17 +54,18 @@ class Sampled:
 def sample(logits: np.ndarray, requests: list[SamplerRequest]) -> list[Sampled]:
     """One token for each row of ``logits`` ([batch, vocab], float32)."""
     logits = np.asarray(logits, dtype=np.float32)
+    drawn = _constrained(logits, requests)
     tokens = np.empty(len(requests), dtype=np.int64)
     greedy, plain, other = [], [], []
     for i, request in enumerate(requests):
         kind = _kind(request)
         (greedy if kind == GREEDY else plain if kind == PLAIN else other).append(i)
     if greedy:
-        tokens[greedy] = np.argmax(logits[greedy], axis=1)
+        tokens[greedy] = np.argmax(drawn[greedy], axis=1)
     if plain:
-        tokens[plain] = _sample_plain(logits[plain], [requests[i] for i in plain])
+        tokens[plain] = _sample_plain(drawn[plain], [requests[i] for i in plain])
     for i in other:
-        tokens[i] = _sample_one(logits[i].copy(), requests[i])
+        tokens[i] = _sample_one(drawn[i].copy(), requests[i])
     wanted = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
     results = [Sampled(int(token)) for token in tokens]
     if wanted:  # a log-softmax over the vocabulary costs as much as the rest of sampling
@@ -71,6 +75,18 @@ def sample(logits: np.ndarray, requests: list[SamplerRequest]) -> list[Sampled]:
 
 
 GREEDY, PLAIN, OTHER = range(3)
+
+
+def _constrained(logits: np.ndarray, requests: list[SamplerRequest]) -> np.ndarray:
+    """The logits to draw from: a copy with the tokens each row's grammar forbids at -inf (the
+    logits themselves when no row is constrained)."""
+    rows = [i for i, request in enumerate(requests) if request.allowed is not None]
+    if not rows:
+        return logits
+    drawn = logits.copy()
+    for i in rows:
+        drawn[i, ~requests[i].allowed[:logits.shape[1]]] = -np.inf
+    return drawn
 
 
 def _kind(request: SamplerRequest) -> int:
@@ -122,7 +138,10 @@ def _sample_one(row: np.ndarray, request: SamplerRequest) -> int:
         row[np.fromiter(p.logit_bias.keys(), dtype=np.int64)] += np.fromiter(p.logit_bias.values(), dtype=np.float32)
     if len(request.output_token_ids) < p.min_tokens:
         banned = [t for t in (*request.eos_token_ids, *p.stop_token_ids) if 0 <= t < row.size]
+        kept = row[banned]
         row[banned] = -np.inf
+        if not np.isfinite(row).any():  # a grammar that is complete allows only EOS: it wins over min_tokens
+            row[banned] = kept
     if p.temperature == 0:
         return int(np.argmax(row))
     candidates, _ = filtered_distribution(row / p.temperature, p)

@@ -4,6 +4,7 @@ table of malformed requests."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import signal
 import socket
@@ -248,6 +249,56 @@ def test_logit_bias_forces_a_token(server, client):
     chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=5,
                                           temperature=0, logit_bias={"42": 100})
     assert chat.choices[0].message.content == forced.choices[0].text
+
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 10},
+                                          "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                                          "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3}},
+          "required": ["name", "age"], "additionalProperties": False}
+
+
+def test_response_format_json_schema_streamed_or_not(client):
+    import jsonschema
+
+    ask = {"model": MODEL, "messages": [{"role": "user", "content": "who?"}], "max_tokens": 200, "temperature": 1.0,
+           "response_format": {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON,
+                                                                      "strict": True}}}
+    for seed in range(4):
+        whole = client.chat.completions.create(**ask, seed=seed).choices[0]
+        assert whole.finish_reason == "stop"
+        jsonschema.validate(json.loads(whole.message.content), PERSON)
+        streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+            **ask, seed=seed, stream=True) if c.choices)
+        assert streamed == whole.message.content
+    anything = client.chat.completions.create(**{**ask, "response_format": {"type": "json_object"}}, seed=1)
+    assert isinstance(json.loads(anything.choices[0].message.content), dict)
+
+
+def test_vllms_guided_fields_and_structured_outputs(client):
+    ask = {"model": MODEL, "prompt": "pick:", "max_tokens": 20, "temperature": 1.0, "seed": 5}
+    choice = client.completions.create(**ask, extra_body={"guided_choice": ["left", "right"]}).choices[0].text
+    assert choice in ("left", "right")
+    regex = client.completions.create(**ask, extra_body={"guided_regex": "[0-9]{3}-[a-z]{2}"}).choices[0].text
+    assert re.fullmatch("[0-9]{3}-[a-z]{2}", regex)
+    same = client.completions.create(**ask, extra_body={"structured_outputs": {"regex": "[0-9]{3}-[a-z]{2}"}})
+    assert same.choices[0].text == regex
+
+
+@pytest.mark.parametrize("extra, param, says", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"$ref": "#/nope"}}}},
+     "response_format.json_schema.schema", "cannot be compiled"),
+    ({"guided_regex": "a(b"}, "guided_regex", "unclosed group"),
+    ({"structured_outputs": {"regex": "a", "jsn": {}}}, "structured_outputs", "jsn"),
+    ({"structured_outputs": {"choice": []}}, "structured_outputs.choice", "non-empty list"),
+    ({"guided_choice": ["a"], "guided_regex": "b"}, "guided_choice", "only one of"),
+    ({"response_format": {"type": "structural_tag"}}, "response_format.type", "not supported"),
+])
+def test_a_bad_constraint_is_a_400_naming_the_field_the_request_used(server, extra, param, says):
+    refused = httpx.post(f"{server}/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
+                         json={"model": MODEL, "prompt": "x", "max_tokens": 4, **extra})
+    assert refused.status_code == 400, refused.text
+    error = refused.json()["error"]
+    assert error["param"] == param and says in error["message"], error
 
 
 def test_echo_puts_the_prompt_first(server, client):

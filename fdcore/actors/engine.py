@@ -43,6 +43,7 @@ from fdcore.config import model_path
 from fdcore.core.detokenizer import IncrementalDetokenizer
 from fdcore.core.generation_config import sampling_defaults
 from fdcore.core.quarantine import Quarantine
+from fdcore.core.structured import Grammars
 from fdcore.core.tokenizer import ModelTokenizer
 from fdcore.core.validation import (RequestError, check_chat_options, check_length, check_one_prompt,
                                     check_sampling, check_token_ids, validate_request_id)
@@ -92,6 +93,7 @@ class EngineActor(Actor):
         c = self.config
         self.limits = self.tokenizer.limits(c.scheduler.max_model_len, c.cache.num_blocks * c.cache.block_size)
         self.sampling_defaults = sampling_defaults(path, c.model.generation_config, self.limits)
+        self.grammars = Grammars(self.tokenizer.tokenizer, self.tokenizer.vocab_size, self.tokenizer.eos_token_ids)
         self.table: dict[int, TrackedRequest] = {}
         self.clients: dict[int, ClientSlot] = {}
         self.next_seq = 1
@@ -218,6 +220,8 @@ class EngineActor(Actor):
         check_one_prompt(body.prompt, body.prompt_token_ids, body.messages)  # before the sampling checks
         check_chat_options(body)
         params = check_sampling(body.sampling_params.with_defaults(self.sampling_defaults), self.limits)
+        if params.structured_outputs is not None:  # compiled once, here: the workers get llguidance's form
+            params = msgspec.structs.replace(params, structured_outputs=self.grammars.check(params.structured_outputs))
         prompt_ids = self.tokenizer.prompt_ids(body, self.limits)
         check_length(len(prompt_ids), params, self.limits)
         resumed = list(m.resume_token_ids)

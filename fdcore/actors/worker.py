@@ -10,12 +10,17 @@ Each :class:`~fdcore.protocol.Step` is one forward over a mixed batch and one
 sampling pass. The worker keeps each sequence's tokens (the prompt, sent once,
 and the tokens it sampled itself) and its block table (sent when it changes),
 so a decode step costs the scheduler three integers per sequence.
+
+A sequence with structured outputs also has a grammar matcher
+(:mod:`fdcore.core.structured`): the step's masks are filled on a thread while
+the forward runs, applied before sampling, and each drawn token advances it.
 """
 
 from __future__ import annotations
 
 import sys
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -34,6 +39,8 @@ class SeqState:
     params: SamplingParams
     eos: tuple[int, ...]
     blocks: list[int] = field(default_factory=list)
+    grammar: str | None = None  # structured outputs: llguidance's grammar (the engine compiled it)
+    matcher: object = None      # its matcher, built (replaying ``output``) when first needed
 
     @property
     def num_tokens(self) -> int:
@@ -56,6 +63,8 @@ class WorkerActor(Actor):
         self.seqs: dict[int, SeqState] = {}
         self.epoch: int | None = None  # no step is run before the scheduler's WorkerSync
         self.poison = faults.poison_for("worker")
+        self.grammars = None  # built on the first constrained sequence
+        self.masks = ThreadPoolExecutor(1, thread_name_prefix="fdcore-masks")
         if self.config.model.backend == "null":
             from fdcore.models.null import NullModel
 
@@ -93,8 +102,9 @@ class WorkerActor(Actor):
         for new in step.new:
             self.handling = [new.seq]
             faults.check(self.poison, new.seq, new.prompt_token_ids)
+            structured = new.params.structured_outputs
             self.seqs[new.seq] = SeqState(list(new.prompt_token_ids), list(new.output_token_ids), new.params,
-                                          tuple(new.eos_token_ids))
+                                          tuple(new.eos_token_ids), grammar=structured and structured.llguidance)
         self.handling = [item.seq for item in step.items]  # a failing forward names the whole batch
         token_ids, starts, tables, prompt_lengths, sampling = [], [], [], [], []
         for row, item in enumerate(step.items):
@@ -114,16 +124,45 @@ class WorkerActor(Actor):
             for (_, _, state), token in zip(sampling, tokens, strict=True):
                 state.output.append(token)
             return StepResult(step.step, step.epoch, seqs, tokens, None, time.perf_counter() - started)
+        constrained = [state for _, _, state in sampling if state.grammar is not None]
+        masks = self.masks.submit(self._allowed, constrained) if constrained else None  # beside the forward
         logits = self.model.forward(BatchInput(token_ids, starts, tables, prompt_lengths), self.cache)
         if not sampling:
             return StepResult(step.step, step.epoch, [], [], None, time.perf_counter() - started)
-        picks = sample(logits[np.asarray([row for row, _, _ in sampling])],
-                       [SamplerRequest(s.params, s.prompt, s.output, s.eos) for _, _, s in sampling])
+        requests = [SamplerRequest(s.params, s.prompt, s.output, s.eos) for _, _, s in sampling]
+        _constrain(requests, sampling, masks)
+        picks = sample(logits[np.asarray([row for row, _, _ in sampling])], requests)
         logprobs = None
         if any(s.params.logprobs is not None for _, _, s in sampling):
             logprobs = [None if p.logprob is None else [(p.token_id, p.logprob), *(p.top_logprobs or [])]
                         for p in picks]
         for (_, _, state), pick in zip(sampling, picks, strict=True):
             state.output.append(pick.token_id)
+            if state.matcher is not None:
+                state.matcher.consume_token(pick.token_id)  # (a token the mask allowed: it cannot fail)
         return StepResult(step.step, step.epoch, seqs, [p.token_id for p in picks], logprobs,
                           time.perf_counter() - started)
+
+    def _allowed(self, states: list[SeqState]) -> np.ndarray:
+        """The next tokens each constrained sequence's grammar allows (on the mask thread): a sequence
+        new to this worker gets its matcher first, replaying the tokens it already has."""
+        if self.grammars is None:
+            from fdcore.core.structured import Grammars
+            from fdcore.core.tokenizer import load_tokenizer
+
+            self.grammars = Grammars(load_tokenizer(model_path(self.config)), self.model.args.vocab_size,
+                                     states[0].eos)
+        for state in states:
+            if state.matcher is None:
+                state.matcher = self.grammars.matcher(state.grammar, state.output)
+        return self.grammars.allowed([state.matcher for state in states])
+
+
+def _constrain(requests: list, sampling: list, masks: Future | None) -> None:
+    """Each constrained request's row of the step's masks (in the order ``_allowed`` got them)."""
+    if masks is None:
+        return
+    allowed = iter(masks.result())
+    for request, (_, _, state) in zip(requests, sampling, strict=True):
+        if state.grammar is not None:
+            request.allowed = next(allowed)

@@ -118,6 +118,11 @@ def _spans_of(text: str, contents: list[str]) -> list[tuple[int, int]]:
     return spans
 
 
+def load_tokenizer(path: str) -> Tokenizer:
+    """Just the checkpoint's tokenizer (what a worker needs to match grammars)."""
+    return _tokenizer_files(path)[0]
+
+
 def _tokenizer_files(path: str) -> tuple[Tokenizer, dict, dict]:
     """(tokenizer, tokenizer_config.json settings, special_tokens_map.json) of a checkpoint
     directory, or the same built from a GGUF file's metadata."""

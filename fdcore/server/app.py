@@ -38,6 +38,7 @@ from fdcore.server.schemas import (
     completion_params,
     decode,
     prompts_of,
+    renamed,
     tokenize_body,
 )
 
@@ -343,7 +344,10 @@ class _Api:
         params = completion_params(body)
         prompts = prompts_of(body)
         per_prompt = choice_params(params, body.n, len(prompts))
-        started = await self.start_all([(prompt, p) for prompt in prompts for p in per_prompt])
+        try:
+            started = await self.start_all([(prompt, p) for prompt in prompts for p in per_prompt])
+        except BadRequest as exc:
+            raise renamed(exc, body) from None
         echoed = [self.prompt_text(prompt) if body.echo else "" for prompt in prompts for _ in per_prompt]
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         if body.stream:
@@ -394,7 +398,10 @@ class _Api:
         self.check_model(body.model)
         params = chat_params(body, self.settings.default_max_tokens or self.settings.max_model_len)
         prompt = chat_prompt(body)
-        started = await self.start_all([(prompt, p) for p in choice_params(params, body.n)])
+        try:
+            started = await self.start_all([(prompt, p) for p in choice_params(params, body.n)])
+        except BadRequest as exc:
+            raise renamed(exc, body) from None
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         if body.stream:
             usage = _include_usage(body)

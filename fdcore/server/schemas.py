@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import msgspec
 
-from fdcore.protocol import RequestBody, SamplingParams
+from fdcore.protocol import RequestBody, SamplingParams, StructuredOutputs
 
 
 class _Body(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -35,6 +35,13 @@ class _Body(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     min_tokens: int = 0
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    # structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields
+    response_format: dict | None = None
+    structured_outputs: dict | None = None
+    guided_json: str | dict | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class CompletionRequest(_Body, kw_only=True):
@@ -116,7 +123,63 @@ def sampling_params(body: _Body, max_tokens: int | None, logprobs: int | None) -
         repetition_penalty=body.repetition_penalty, presence_penalty=body.presence_penalty,
         frequency_penalty=body.frequency_penalty, seed=body.seed, max_tokens=max_tokens,
         min_tokens=body.min_tokens, stop=stop, stop_token_ids=list(body.stop_token_ids or []),
-        ignore_eos=body.ignore_eos, logprobs=logprobs, logit_bias=_logit_bias(body.logit_bias))
+        ignore_eos=body.ignore_eos, logprobs=logprobs, logit_bias=_logit_bias(body.logit_bias),
+        structured_outputs=structured_outputs(body)[0])
+
+
+GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+
+
+def structured_outputs(body: _Body) -> tuple[StructuredOutputs | None, str | None]:
+    """The request's output constraint and the field that gave it (one of response_format,
+    structured_outputs, guided_*: more than one is refused, naming the second)."""
+    given = [name for name in ("response_format", "structured_outputs", *GUIDED_FIELDS)
+             if getattr(body, name) is not None]
+    if given and given[0] == "response_format" and _response_format(body.response_format) is None:
+        given = given[1:]  # {"type": "text"}: no constraint
+    if not given:
+        return None, None
+    if len(given) > 1:
+        raise BadRequest(f"give only one of {', '.join(given)}", given[1])
+    source = given[0]
+    if source == "response_format":
+        return _response_format(body.response_format), "response_format"
+    if source == "structured_outputs":
+        try:
+            return msgspec.convert(body.structured_outputs, StructuredOutputs), source
+        except msgspec.ValidationError as exc:
+            text, _, where = str(exc).partition(" - at `$")
+            raise BadRequest(f"Invalid structured_outputs: {text}", source + where.rstrip("`")) from None
+    return StructuredOutputs(**{GUIDED_FIELDS[source]: getattr(body, source)}), source
+
+
+def renamed(exc: BadRequest, body: _Body) -> BadRequest:
+    """An engine refusal of the constraint, naming the field the request used (the engine knows it as
+    structured_outputs.<form>)."""
+    source = structured_outputs(body)[1]
+    if not (exc.param or "").startswith("structured_outputs.") or source in (None, "structured_outputs"):
+        return exc
+    field = "response_format.json_schema.schema" if source == "response_format" else source
+    message = str(exc).replace(exc.param, field, 1)
+    return BadRequest(message, field, exc.status, exc.kind, exc.code)
+
+
+def _response_format(spec: dict) -> StructuredOutputs | None:
+    """OpenAI's response_format: text (no constraint), json_object, or json_schema {name, schema, strict}."""
+    kind = spec.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredOutputs(json_object=True)
+    if kind == "json_schema":
+        inner = spec.get("json_schema")
+        if not isinstance(inner, dict) or not isinstance(inner.get("schema", {}), dict):
+            raise BadRequest("response_format.json_schema must be an object with a 'schema' object",
+                             "response_format.json_schema")
+        # no schema: any JSON object, as OpenAI's; strict or not, the output follows the schema
+        return StructuredOutputs(json=inner.get("schema") or {"type": "object"})
+    raise BadRequest(f"response_format type {kind!r} is not supported (text, json_object or json_schema)",
+                     "response_format.type")
 
 
 def _logit_bias(raw: dict | None) -> dict[int, float] | None:
