@@ -12,6 +12,7 @@ import subprocess
 import time
 
 import httpx
+import msgspec
 import openai
 import pytest
 
@@ -301,6 +302,66 @@ def test_a_bad_constraint_is_a_400_naming_the_field_the_request_used(server, ext
     assert error["param"] == param and says in error["message"], error
 
 
+WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "description": "the weather in a city",
+                                                 "parameters": {"type": "object", "properties": {
+                                                     "city": {"type": "string", "maxLength": 12},
+                                                     "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+                                                     "required": ["city"], "additionalProperties": False}}}
+CLOCK_TOOL = {"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {},
+                                                                             "additionalProperties": False}}}
+
+
+def _streamed_calls(chunks) -> tuple[list[dict], str | None]:
+    """The calls an openai client's stream assembles (by index: id and name first, arguments appended)."""
+    calls, reason = {}, None
+    for chunk in chunks:
+        for choice in chunk.choices:
+            reason = choice.finish_reason or reason
+            for delta in choice.delta.tool_calls or []:
+                call = calls.setdefault(delta.index, {"name": "", "arguments": ""})
+                call["name"] += delta.function.name or ""
+                call["arguments"] += delta.function.arguments or ""
+    return [calls[i] for i in sorted(calls)], reason
+
+
+def test_tool_choice_required_and_named_return_parsed_calls_streamed_or_not(client):
+    import jsonschema
+
+    ask = {"model": MODEL, "messages": [{"role": "user", "content": "weather in Paris?"}], "max_tokens": 300,
+           "temperature": 1.0, "tools": [WEATHER_TOOL, CLOCK_TOOL]}
+    schemas = {"get_weather": WEATHER_TOOL["function"]["parameters"], "now": CLOCK_TOOL["function"]["parameters"]}
+    for seed in range(3):
+        whole = client.chat.completions.create(**ask, tool_choice="required", seed=seed).choices[0]
+        assert whole.finish_reason == "tool_calls" and whole.message.tool_calls
+        for call in whole.message.tool_calls:
+            jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+        streamed, reason = _streamed_calls(client.chat.completions.create(**ask, tool_choice="required", seed=seed,
+                                                                          stream=True))
+        assert reason == "tool_calls"
+        assert streamed == [{"name": c.function.name, "arguments": c.function.arguments}
+                            for c in whole.message.tool_calls]
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    whole = client.chat.completions.create(**ask, tool_choice=named, seed=9).choices[0]
+    (call,) = whole.message.tool_calls
+    assert call.function.name == "get_weather" and whole.finish_reason == "stop"
+    jsonschema.validate(json.loads(call.function.arguments), schemas["get_weather"])
+    streamed, _ = _streamed_calls(client.chat.completions.create(**ask, tool_choice=named, seed=9, stream=True))
+    assert streamed == [{"name": "get_weather", "arguments": call.function.arguments}]
+
+
+def test_tool_choice_auto_parses_what_the_model_writes(client):
+    """A Hermes-style call (the model held to one by a regex, as a trained model would write it)."""
+    ask = {"model": MODEL, "messages": [{"role": "user", "content": "time?"}], "max_tokens": 60, "temperature": 0,
+           "tools": [WEATHER_TOOL, CLOCK_TOOL],
+           "extra_body": {"guided_regex": r'Checking\.\n<tool_call>\n\{"name": "now", "arguments": \{\}\}\n</tool_call>'}}
+    whole = client.chat.completions.create(**ask).choices[0]
+    assert whole.message.content == "Checking." and whole.finish_reason == "tool_calls"
+    assert [(c.function.name, c.function.arguments) for c in whole.message.tool_calls] == [("now", "{}")]
+    chunks = list(client.chat.completions.create(**ask, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices).strip() == "Checking."
+    assert _streamed_calls(chunks) == ([{"name": "now", "arguments": "{}"}], "tool_calls")
+
+
 def test_echo_puts_the_prompt_first(server, client):
     ask = {"model": MODEL, "prompt": "def main():", "max_tokens": 4, "temperature": 0}
     plain = client.completions.create(**ask).choices[0].text
@@ -438,7 +499,10 @@ def test_chat_template_fields_reach_the_engine_and_unset_sampling_stays_unset():
     assert (seen[-1][1].max_tokens, seen[-1][1].temperature) == (2048, 0.5)  # no limit: the context
     assert http.post("/v1/completions", json={**OK, "max_tokens": None}).status_code == 200
     assert seen[-1][1].max_tokens is None  # the engine fills it: the model's default, else 16
-    refused = http.post("/v1/chat/completions", json={**CHAT, "tool_choice": "required", "tools": tools})
+    assert http.post("/v1/chat/completions", json={**CHAT, "tool_choice": "required", "tools": tools}).status_code == 200
+    assert '"now"' in json.dumps(msgspec.to_builtins(seen[-1][1].structured_outputs))  # held to a call of "now"
+    refused = http.post("/v1/chat/completions", json={**CHAT, "tool_choice": "required", "tools": tools,
+                                                      "guided_regex": "x"})
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "tool_choice"
     app, seen = _stand_in_app(default_max_tokens=7)
     assert TestClient(app).post("/v1/chat/completions", json={**CHAT, "max_tokens": None}).status_code == 200

@@ -41,6 +41,7 @@ from fdcore.server.schemas import (
     renamed,
     tokenize_body,
 )
+from fdcore.server.tools import ToolPlan, ToolStream, plan_of
 
 CLIENT_CLOSED = 499  # nginx's status for "the client closed the connection": logged, never sent
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
@@ -396,7 +397,8 @@ class _Api:
     async def chat(self, raw: bytes) -> Response:
         body = decode(raw, ChatCompletionRequest)
         self.check_model(body.model)
-        params = chat_params(body, self.settings.default_max_tokens or self.settings.max_model_len)
+        plan = plan_of(body.tools, body.tool_choice)
+        params = chat_params(body, self.settings.default_max_tokens or self.settings.max_model_len, plan.constraint())
         prompt = chat_prompt(body)
         try:
             started = await self.start_all([(prompt, p) for p in choice_params(params, body.n)])
@@ -405,30 +407,39 @@ class _Api:
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         if body.stream:
             usage = _include_usage(body)
-            return _sse(self._chat_chunks(started, rid, created, body.model, usage, body.logprobs, body.n))
+            return _sse(self._chat_chunks(started, rid, created, body.model, usage, body.logprobs, body.n, plan))
         results = await self.collect_all(started)
-        choices = [{"index": i, "message": {"role": "assistant", "content": text},
-                    "finish_reason": out.outputs.finish_reason,
-                    "logprobs": {"content": self._chat_logprobs(tokens, logprobs)} if body.logprobs else None}
-                   for i, (text, tokens, logprobs, out) in enumerate(results)]
+        choices = []
+        for i, (text, tokens, logprobs, out) in enumerate(results):
+            content, calls = plan.split(text)
+            message = {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}
+            choices.append({"index": i, "message": message,
+                            "finish_reason": _tool_finish(out.outputs.finish_reason, plan, bool(calls)),
+                            "logprobs": {"content": self._chat_logprobs(tokens, logprobs)} if body.logprobs else None})
         return JSONResponse({"id": rid, "object": "chat.completion", "created": created, "model": body.model,
                              "choices": choices, "usage": _usage(started, body.n, [len(r[1]) for r in results])})
 
-    async def _chat_chunks(self, started, rid, created, model, include_usage, want_logprobs, n):
+    async def _chat_chunks(self, started, rid, created, model, include_usage, want_logprobs, n, plan):
         base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
         for index in range(len(started)):
             yield {**base, "choices": [{"index": index, "delta": {"role": "assistant", "content": ""},
                                         "logprobs": None, "finish_reason": None}]}
         produced = [0] * len(started)
+        streams = [ToolStream(plan) for _ in started]
         async for index, out in self.merged(started):
             produced[index] += len(out.outputs.token_ids)
             logprobs = None
             if want_logprobs and out.outputs.logprobs:
                 logprobs = {"content": self._chat_logprobs(out.outputs.token_ids, out.outputs.logprobs)}
-            if out.outputs.text or out.finished:
-                delta = {"content": out.outputs.text} if out.outputs.text else {}
-                yield {**base, "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
-                                            "finish_reason": out.outputs.finish_reason}]}
+            deltas, reason = streams[index].feed(out.outputs.text), None
+            if out.finished:
+                due, called = streams[index].finish()
+                deltas, reason = deltas + due, _tool_finish(out.outputs.finish_reason, plan, called)
+            if out.finished and not deltas:
+                deltas = [{}]
+            for i, delta in enumerate(deltas):
+                yield {**base, "choices": [{"index": index, "delta": delta, "logprobs": logprobs if i == 0 else None,
+                                            "finish_reason": reason if i == len(deltas) - 1 else None}]}
             if out.finished:
                 self.metrics.finished(out.outputs.finish_reason, out.metrics)
         if include_usage:
@@ -448,6 +459,12 @@ async def _disconnected(request: Request) -> None:
     """Returns once the client has gone (its body was read already: only a disconnect is left)."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
+
+
+def _tool_finish(reason: str, plan: ToolPlan, called: bool) -> str:
+    """OpenAI's finish_reason: tool_calls when the model chose to call (auto, required); a named
+    function's call ends with stop."""
+    return "tool_calls" if called and reason == "stop" and plan.mode in ("auto", "required") else reason
 
 
 def _include_usage(body) -> bool:

@@ -199,12 +199,8 @@ def _logit_bias(raw: dict | None) -> dict[int, float] | None:
 
 
 def chat_prompt(body: ChatCompletionRequest) -> dict:
-    """The engine's chat prompt: the messages and whichever template options the request gives.
-    Tools reach the template; no output is parsed into tool calls, so only tool_choice "auto" (the
-    model may call one) and "none" (vLLM's default: the template still sees the tools) are accepted."""
-    if body.tool_choice not in (None, "auto", "none"):
-        raise BadRequest(f"tool_choice {body.tool_choice!r} is not supported: fdcore does not constrain "
-                         "the output to a tool call (use \"auto\" or \"none\")", "tool_choice")
+    """The engine's chat prompt: the messages and whichever template options the request gives (the
+    tools reach the template whatever tool_choice says, as vLLM's)."""
     prompt = {"messages": body.messages}
     prompt.update({name: getattr(body, name) for name in CHAT_TEMPLATE_FIELDS if getattr(body, name) is not None})
     return prompt
@@ -233,14 +229,22 @@ def completion_params(body: CompletionRequest) -> SamplingParams:
     return sampling_params(body, body.max_tokens, body.logprobs)
 
 
-def chat_params(body: ChatCompletionRequest, default_max_tokens: int) -> SamplingParams:
+def chat_params(body: ChatCompletionRequest, default_max_tokens: int,
+                tool_constraint: StructuredOutputs | None = None) -> SamplingParams:
     """``default_max_tokens``: the model's max_new_tokens, else max_model_len (OpenAI's chat has no
-    limit: the scheduler ends the answer with "length" when the context is full)."""
+    limit: the scheduler ends the answer with "length" when the context is full). ``tool_constraint``:
+    what tool_choice "required" or a named function holds the output to."""
     limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     if body.top_logprobs is not None and not body.logprobs:
         raise BadRequest("top_logprobs requires logprobs to be true", "top_logprobs")
-    return sampling_params(body, default_max_tokens if limit is None else limit, logprobs)
+    params = sampling_params(body, default_max_tokens if limit is None else limit, logprobs)
+    if tool_constraint is None:
+        return params
+    if params.structured_outputs is not None:
+        raise BadRequest(f"tool_choice {body.tool_choice!r} constrains the output already: it cannot be combined "
+                         f"with {structured_outputs(body)[1]}", "tool_choice")
+    return msgspec.structs.replace(params, structured_outputs=tool_constraint)
 
 
 MAX_CHOICES = 64  # choices one request may ask for (prompts x n): each is an engine request of its own
