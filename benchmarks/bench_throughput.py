@@ -27,6 +27,7 @@ import argparse
 import json
 import os
 import random
+import shlex
 import statistics
 import subprocess
 import sys
@@ -94,17 +95,22 @@ def has_avx512_bf16() -> bool:
 
 
 def run_vllm(model: str, args, dtype: str) -> dict | None:
-    python = os.path.join(args.peer_dir, "venv", "bin", "python")
-    if not os.path.exists(python):
-        print(f"(vLLM peer not set up in {args.peer_dir}: run ../shared/peers/vllm-cpu/setup.sh)", file=sys.stderr)
-        return None
     script = os.path.join(args.peer_dir, "offline_bench.py")
     if not os.path.exists(script):
         script = PEER_SCRIPT
-    cmd = (f"source {args.peer_dir}/env.sh && exec {python} {script} {model} --prompts {args.prompts} "
-           f"--input-len {args.input_len} --output-len {args.output_len} --dtype {dtype} "
-           f"--max-num-seqs {args.prompts} --repeat {args.repeat}")
-    result = subprocess.run(["bash", "-c", cmd], capture_output=True, text=True, timeout=1800)
+    return run_in_peer(args.peer_dir, [script, model, "--prompts", args.prompts, "--input-len", args.input_len,
+                                       "--output-len", args.output_len, "--dtype", dtype, "--max-num-seqs",
+                                       args.prompts, "--repeat", args.repeat])
+
+
+def run_in_peer(peer_dir: str, argv: list) -> dict | None:
+    """A script run by the vLLM peer's python (its env.sh sourced); the last JSON line it prints."""
+    python = os.path.join(peer_dir, "venv", "bin", "python")
+    if not os.path.exists(python):
+        print(f"(vLLM peer not set up in {peer_dir}: run ../shared/peers/vllm-cpu/setup.sh)", file=sys.stderr)
+        return None
+    cmd = f"source {shlex.quote(peer_dir)}/env.sh && exec {python} " + " ".join(shlex.quote(str(a)) for a in argv)
+    result = subprocess.run(["bash", "-c", cmd], capture_output=True, text=True, timeout=3600)
     lines = [line for line in result.stdout.splitlines() if line.startswith("{")]
     if result.returncode != 0 or not lines:
         print(f"vLLM run failed (exit {result.returncode}):\n{result.stderr[-3000:]}", file=sys.stderr)

@@ -1,7 +1,8 @@
 """The ``fdcore`` command, as a vLLM user would guess it:
 
     fdcore serve [MODEL] [--port 8000] [--host 127.0.0.1] [--dtype ...] [--quantization ...]
-                 [--max-model-len N] [--served-model-name NAME] [--api-key KEY] [--config FILE] [--check]
+                 [--max-model-len N] [--served-model-name NAME] [--api-key KEY] [--reasoning-parser NAME]
+                 [--config FILE] [--check]
     fdcore generate PROMPT [PROMPT ...] [--model MODEL] [...]   (fdcore.generate's options)
 
 ``serve`` runs the OpenAI-compatible server over the whole actor tree: the supervisor of
@@ -28,6 +29,7 @@ SERVE_FLAGS = {  # flag -> (section, key) of the configuration it sets
     "max_model_len": ("scheduler", "max_model_len"),
     "served_model_name": ("server", "model_name"),
     "api_key": ("server", "api_key"),
+    "reasoning_parser": ("server", "reasoning_parser"),
 }
 
 
@@ -51,6 +53,8 @@ def main(argv=None) -> int:
     serve.add_argument("--max-model-len", type=int, help="scheduler.max_model_len")
     serve.add_argument("--served-model-name", help="the model's name in the API (server.model_name)")
     serve.add_argument("--api-key", help="the bearer token every request must carry (server.api_key)")
+    serve.add_argument("--reasoning-parser", help="server.reasoning_parser: deepseek_r1 or qwen3 (<think> as "
+                       "reasoning_content)")
     serve.add_argument("--check", action="store_true", help="validate, print the effective configuration, exit")
     return _serve(serve.parse_args(argv[1:]) if argv[:1] == ["serve"] else parser.parse_args(argv))
 

@@ -64,6 +64,7 @@ Example (every key shown with its default)::
     limit_concurrency = 1024  # connections + requests at once; more get 503 (0 = no limit)
     default_max_tokens = 1024  # chat's max_tokens when the request and generation_config.json give none
                               # (0 = up to the context)
+    reasoning_parser = ""     # "deepseek_r1" | "qwen3": chat answers' <think>...</think> as reasoning_content
 """
 
 from __future__ import annotations
@@ -151,6 +152,7 @@ class ServerConfig(_Section):
     header_timeout: float = 10.0
     limit_concurrency: int = 1024
     default_max_tokens: int = 1024
+    reasoning_parser: Literal["", "deepseek_r1", "qwen3"] = ""  # chat: <think>...</think> as reasoning_content
 
 
 class Config(_Section):

@@ -4,6 +4,7 @@ table of malformed requests."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import signal
@@ -362,6 +363,34 @@ def test_tool_choice_auto_parses_what_the_model_writes(client):
     assert _streamed_calls(chunks) == ([{"name": "now", "arguments": "{}"}], "tool_calls")
 
 
+def _vllm_fields():
+    with open(os.path.join(os.path.dirname(__file__), "data", "vllm_request_fields.json")) as f:
+        table = json.load(f)
+    return [(path, name, default) for path in ("/v1/completions", "/v1/chat/completions")
+            for name, default in table[path].items() if name not in ("model", "prompt", "messages")]
+
+
+def test_every_field_vllm_accepts_is_served_or_refused_by_name(server):
+    """vLLM 0.32's request fields (tools/vllm_request_fields.py), each sent with vLLM's default: 200, or
+    a 400 whose param is that field. Never a 500, never an error about something else."""
+    base = {"/v1/completions": {"model": MODEL, "prompt": "x", "max_tokens": 2},
+            "/v1/chat/completions": {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 2}}
+    served, refused = [], []
+    with httpx.Client(base_url=server, headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as http:
+        for path, name, default in _vllm_fields():
+            reply = http.post(path, json={**base[path], name: default})
+            if reply.status_code == 200:
+                served.append(name)
+                continue
+            assert reply.status_code == 400, (path, name, reply.status_code, reply.text)
+            assert reply.json()["error"]["param"] == name, (path, name, reply.json())
+            refused.append(name)
+    for name in ("n", "logit_bias", "echo", "response_format", "structured_outputs", "tools", "tool_choice", "seed",
+                 "top_k", "min_p", "stop_token_ids", "chat_template_kwargs", "stream_options"):
+        assert name in served, name
+    print(f"vLLM's fields: {len(set(served))} served, refused by name: {sorted(set(refused))}")
+
+
 def test_echo_puts_the_prompt_first(server, client):
     ask = {"model": MODEL, "prompt": "def main():", "max_tokens": 4, "temperature": 0}
     plain = client.completions.create(**ask).choices[0].text
@@ -465,8 +494,9 @@ def test_the_api_actor_is_restarted_and_serves_again(server):
     assert _actor("api").pid != old.pid
 
 
-def _stand_in_app(default_max_tokens=None):
-    """The HTTP app before a stand-in engine that records what it is asked (no tree needed)."""
+def _stand_in_app(default_max_tokens=None, reasoning_parser="", pieces=("ok",)):
+    """The HTTP app before a stand-in engine that records what it is asked and answers ``pieces``, one
+    output each (no tree needed)."""
     from fdcore.client import CompletionOutput, RequestOutput
     from fdcore.server.app import Settings, build_app
 
@@ -475,10 +505,51 @@ def _stand_in_app(default_max_tokens=None):
     class Engine:
         async def generate(self, prompt, params):
             seen.append((prompt, params))
-            yield RequestOutput("r", prompt, [1, 2], CompletionOutput(0, "ok", [5], None, "stop"), True)
+            for i, piece in enumerate(pieces):
+                last = i == len(pieces) - 1
+                yield RequestOutput("r", prompt, [1, 2], CompletionOutput(0, piece, [5], None, "stop" if last else None),
+                                    last)
 
-    settings = Settings(MODEL, 2048, default_max_tokens=default_max_tokens)
+    settings = Settings(MODEL, 2048, default_max_tokens=default_max_tokens, reasoning_parser=reasoning_parser)
     return build_app(Engine(), settings, None, lambda: (True, ""), dict), seen
+
+
+@pytest.mark.parametrize("path, field, value, status", [
+    ("/v1/completions", "use_beam_search", True, 400), ("/v1/completions", "use_beam_search", False, 200),
+    ("/v1/completions", "skip_special_tokens", False, 400), ("/v1/completions", "add_special_tokens", False, 400),
+    ("/v1/chat/completions", "add_special_tokens", False, 200), ("/v1/chat/completions", "parallel_tool_calls", True, 200),
+    ("/v1/chat/completions", "parallel_tool_calls", False, 400), ("/v1/chat/completions", "echo", True, 400),
+    ("/v1/chat/completions", "presence_penalty", None, 200), ("/v1/chat/completions", "top_logprobs", 0, 200),
+])
+def test_vllm_fields_are_served_at_the_value_fdcore_honours_and_refused_at_any_other(path, field, value, status):
+    from starlette.testclient import TestClient
+
+    app, _ = _stand_in_app()
+    body = {**(CHAT if "chat" in path else OK), field: value}
+    reply = TestClient(app).post(path, json=body)
+    assert reply.status_code == status, reply.text
+    if status == 400:
+        assert reply.json()["error"]["param"] == field and "not supported" in reply.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("parser, pieces, reasoning, content", [
+    ("qwen3", ["<thi", "nk>\nWhich", " city?</th", "ink>\n\nParis."], "\nWhich city?", "Paris."),
+    ("qwen3", ["Paris", "."], None, "Paris."),
+    ("deepseek_r1", ["Which city?", "</think>", "Paris."], "Which city?", "Paris."),
+    ("deepseek_r1", ["still thinking"], "still thinking", None),
+])
+def test_reasoning_content_apart_from_the_answer_streamed_or_not(parser, pieces, reasoning, content):
+    from starlette.testclient import TestClient
+
+    app, _ = _stand_in_app(reasoning_parser=parser, pieces=pieces)
+    http = TestClient(app)
+    message = http.post("/v1/chat/completions", json=CHAT).json()["choices"][0]["message"]
+    assert (message["reasoning_content"], message["content"]) == (reasoning, content)
+    with http.stream("POST", "/v1/chat/completions", json={**CHAT, "stream": True}) as events:
+        deltas = [json.loads(line[6:])["choices"][0]["delta"] for line in events.iter_lines()
+                  if line.startswith("data: {")]
+    assert "".join(d.get("reasoning_content", "") for d in deltas) == (reasoning or "")
+    assert "".join(d.get("content", "") for d in deltas) == (content or "")
 
 
 def test_chat_template_fields_reach_the_engine_and_unset_sampling_stays_unset():

@@ -36,7 +36,8 @@ class ApiActor(Actor):
         server = self.config.server
         settings = Settings(server.model_name or os.path.basename(welcome.model.rstrip("/")),
                             welcome.max_model_len, os.environ.get("FDCORE_API_KEY") or server.api_key,
-                            server.max_request_bytes, chat_max_tokens(welcome.sampling_defaults, server))
+                            server.max_request_bytes, chat_max_tokens(welcome.sampling_defaults, server),
+                            server.reasoning_parser)
         self.app = build_app(self.llm, settings, ModelTokenizer(welcome.model),
                              lambda: check_health(self.tree, self.config.supervisor.hang_timeout),
                              self._restarts)

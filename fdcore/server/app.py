@@ -41,6 +41,7 @@ from fdcore.server.schemas import (
     renamed,
     tokenize_body,
 )
+from fdcore.server.reasoning import REASONING, ReasoningStream, split_reasoning
 from fdcore.server.tools import ToolPlan, ToolStream, plan_of
 
 CLIENT_CLOSED = 499  # nginx's status for "the client closed the connection": logged, never sent
@@ -56,6 +57,7 @@ class Settings:
     api_key: str = ""
     max_request_bytes: int = 1 << 20
     default_max_tokens: int | None = None  # the model's max_new_tokens (generation_config.json), if any
+    reasoning_parser: str = ""  # chat: how <think>...</think> becomes reasoning_content ("" = it does not)
 
 
 def error_response(message: str, status: int, param: str | None = None, code: str | None = None) -> JSONResponse:
@@ -411,8 +413,10 @@ class _Api:
         results = await self.collect_all(started)
         choices = []
         for i, (text, tokens, logprobs, out) in enumerate(results):
-            content, calls = plan.split(text)
-            message = {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}
+            reasoning, answer = split_reasoning(self.settings.reasoning_parser, text)
+            content, calls = plan.split(answer) if answer or reasoning is None else (None, [])  # all thought
+            message = {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {}),
+                       **({"reasoning_content": reasoning} if self.settings.reasoning_parser else {})}
             choices.append({"index": i, "message": message,
                             "finish_reason": _tool_finish(out.outputs.finish_reason, plan, bool(calls)),
                             "logprobs": {"content": self._chat_logprobs(tokens, logprobs)} if body.logprobs else None})
@@ -426,12 +430,16 @@ class _Api:
                                         "logprobs": None, "finish_reason": None}]}
         produced = [0] * len(started)
         streams = [ToolStream(plan) for _ in started]
+        thoughts = [ReasoningStream(self.settings.reasoning_parser) for _ in started]
         async for index, out in self.merged(started):
             produced[index] += len(out.outputs.token_ids)
             logprobs = None
             if want_logprobs and out.outputs.logprobs:
                 logprobs = {"content": self._chat_logprobs(out.outputs.token_ids, out.outputs.logprobs)}
-            deltas, reason = streams[index].feed(out.outputs.text), None
+            pieces = thoughts[index].feed(out.outputs.text) + (thoughts[index].finish() if out.finished else [])
+            deltas, reason = [], None
+            for field, piece in pieces:  # the answer's pieces go on through the tool-call parser
+                deltas += [{field: piece}] if field == REASONING else streams[index].feed(piece)
             if out.finished:
                 due, called = streams[index].finish()
                 deltas, reason = deltas + due, _tool_finish(out.outputs.finish_reason, plan, called)

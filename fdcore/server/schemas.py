@@ -7,6 +7,9 @@ the HTTP layer and the Python client can never disagree on what is valid.
 
 from __future__ import annotations
 
+import json
+from typing import Any
+
 import msgspec
 
 from fdcore.protocol import RequestBody, SamplingParams, StructuredOutputs
@@ -23,8 +26,8 @@ class _Body(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     stream: bool = False
     stream_options: dict | None = None
     stop: str | list[str] | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: float | None = None  # (null: 0, as OpenAI's)
+    frequency_penalty: float | None = None
     seed: int | None = None
     user: str | None = None
     logit_bias: dict | None = None
@@ -42,6 +45,41 @@ class _Body(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # vLLM's fields that fdcore honours only at the value that is what it does anyway (NEUTRAL)
+    skip_special_tokens: Any = None
+    spaces_between_special_tokens: Any = None
+    include_stop_str_in_output: Any = None
+    use_beam_search: Any = None
+    length_penalty: Any = None
+    priority: Any = None
+    return_tokens_as_token_ids: Any = None
+    return_token_ids: Any = None
+    return_token_offsets: Any = None
+    bad_words: Any = None
+    allowed_token_ids: Any = None
+    truncate_prompt_tokens: Any = None
+    stream_interval: Any = None
+    thinking_token_budget: Any = None
+    add_special_tokens: Any = None
+
+
+# field -> the one value fdcore serves it with (null, the field's absence, is always accepted); a request
+# that asks for another gets a 400 naming the field, never a silent difference
+NEUTRAL = {"skip_special_tokens": True, "spaces_between_special_tokens": True, "include_stop_str_in_output": False,
+           "use_beam_search": False, "length_penalty": 1.0, "priority": 0, "return_tokens_as_token_ids": False,
+           "return_token_ids": False, "return_token_offsets": False, "bad_words": [], "allowed_token_ids": None,
+           "truncate_prompt_tokens": None, "stream_interval": 1, "thinking_token_budget": None}
+COMPLETION_NEUTRAL = {**NEUTRAL, "add_special_tokens": True}
+CHAT_NEUTRAL = {**NEUTRAL, "add_special_tokens": False, "parallel_tool_calls": True, "include_reasoning": True,
+                "echo": False}
+
+
+def check_neutral(body, table: dict) -> None:
+    for name, neutral in table.items():
+        value = getattr(body, name)
+        if value is not None and value != neutral:
+            raise BadRequest(f"{name} = {json.dumps(value)} is not supported: fdcore serves {json.dumps(neutral)} only",
+                             name)
 
 
 class CompletionRequest(_Body, kw_only=True):
@@ -64,6 +102,9 @@ class ChatCompletionRequest(_Body, kw_only=True):
     add_generation_prompt: bool | None = None  # default: true, unless continue_final_message
     continue_final_message: bool | None = None
     chat_template_kwargs: dict | None = None
+    parallel_tool_calls: Any = None
+    include_reasoning: Any = None
+    echo: Any = None
 
 
 class TokenizeRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -120,8 +161,8 @@ def sampling_params(body: _Body, max_tokens: int | None, logprobs: int | None) -
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     return SamplingParams(
         temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p,
-        repetition_penalty=body.repetition_penalty, presence_penalty=body.presence_penalty,
-        frequency_penalty=body.frequency_penalty, seed=body.seed, max_tokens=max_tokens,
+        repetition_penalty=body.repetition_penalty, presence_penalty=body.presence_penalty or 0.0,
+        frequency_penalty=body.frequency_penalty or 0.0, seed=body.seed, max_tokens=max_tokens,
         min_tokens=body.min_tokens, stop=stop, stop_token_ids=list(body.stop_token_ids or []),
         ignore_eos=body.ignore_eos, logprobs=logprobs, logit_bias=_logit_bias(body.logit_bias),
         structured_outputs=structured_outputs(body)[0])
@@ -219,6 +260,7 @@ def tokenize_body(body: TokenizeRequest) -> RequestBody:
 
 
 def completion_params(body: CompletionRequest) -> SamplingParams:
+    check_neutral(body, COMPLETION_NEUTRAL)
     if body.echo and body.logprobs is not None:
         raise BadRequest("echo with logprobs is not supported (it asks for the prompt's logprobs)", "echo")
     if body.best_of not in (None, 1):
@@ -234,9 +276,10 @@ def chat_params(body: ChatCompletionRequest, default_max_tokens: int,
     """``default_max_tokens``: the model's max_new_tokens, else max_model_len (OpenAI's chat has no
     limit: the scheduler ends the answer with "length" when the context is full). ``tool_constraint``:
     what tool_choice "required" or a named function holds the output to."""
+    check_neutral(body, CHAT_NEUTRAL)
     limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    if body.top_logprobs is not None and not body.logprobs:
+    if body.top_logprobs and not body.logprobs:
         raise BadRequest("top_logprobs requires logprobs to be true", "top_logprobs")
     params = sampling_params(body, default_max_tokens if limit is None else limit, logprobs)
     if tool_constraint is None:

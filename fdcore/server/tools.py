@@ -24,6 +24,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from fdcore.protocol import StructuredOutputs
+from fdcore.server.reasoning import tag_prefix
 from fdcore.server.schemas import BadRequest
 
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
@@ -159,7 +160,7 @@ class ToolStream:
         if at < 0 and not self.sent and _may_open(self.held.lstrip()):
             at = len(self.held) - len(self.held.lstrip())  # a Llama 3 call (or its tag) leads the answer
         if at < 0:
-            at = len(self.held) - _partial_open(self.held)
+            at = len(self.held) - tag_prefix(self.held, HERMES_OPEN)
         else:
             self.in_call = True
         sent, self.held = self.held[:at], self.held[at:]
@@ -184,11 +185,3 @@ def _may_open(text: str) -> bool:
     """Could an answer that starts so be a Llama 3 call (``{"name"...`` or ``<|python_tag|>``)?"""
     return bool(text) and (text.startswith("{") or text.startswith(PYTHON_TAG[:len(text)])
                            or text.startswith(PYTHON_TAG))
-
-
-def _partial_open(text: str) -> int:
-    """How many characters at the end of ``text`` begin ``<tool_call>`` (held until the next text)."""
-    for n in range(min(len(HERMES_OPEN) - 1, len(text)), 0, -1):
-        if HERMES_OPEN.startswith(text[-n:]):
-            return n
-    return 0
