@@ -31,6 +31,8 @@ from fdcore.config import model_path
 from fdcore.core.batch import BatchInput
 from fdcore.protocol import SamplingParams, Step, StepResult, WorkerMessage, WorkerSync
 
+GRAMMAR_GRACE = 3  # hang timeouts a step may wait for its grammar masks while the heartbeat ticks
+
 
 @dataclass(eq=False)
 class SeqState:
@@ -130,7 +132,8 @@ class WorkerActor(Actor):
         if not sampling:
             return StepResult(step.step, step.epoch, [], [], None, time.perf_counter() - started)
         requests = [SamplerRequest(s.params, s.prompt, s.output, s.eos) for _, _, s in sampling]
-        _constrain(requests, sampling, masks)
+        if masks is not None:
+            _constrain(requests, sampling, self._await(masks))
         picks = sample(logits[np.asarray([row for row, _, _ in sampling])], requests)
         logprobs = None
         if any(s.params.logprobs is not None for _, _, s in sampling):
@@ -142,6 +145,19 @@ class WorkerActor(Actor):
                 state.matcher.consume_token(pick.token_id)  # (a token the mask allowed: it cannot fail)
         return StepResult(step.step, step.epoch, seqs, [p.token_id for p in picks], logprobs,
                           time.perf_counter() - started)
+
+    def _await(self, masks: Future) -> np.ndarray:
+        """The mask thread's answer. The first constrained sequence a worker sees builds the grammar
+        tokenizer (seconds, for a GGUF file's vocabulary): the heartbeat keeps ticking meanwhile, for
+        up to GRAMMAR_GRACE hang timeouts, so the supervisor does not take a slow start for a hang."""
+        supervisor = self.config.supervisor
+        deadline = time.monotonic() + GRAMMAR_GRACE * supervisor.hang_timeout
+        while True:
+            try:
+                return masks.result(timeout=supervisor.heartbeat_interval)
+            except TimeoutError:
+                if time.monotonic() < deadline:
+                    self.board.write(self.slot, health.HEARTBEAT, time.monotonic_ns())
 
     def _allowed(self, states: list[SeqState]) -> np.ndarray:
         """The next tokens each constrained sequence's grammar allows (on the mask thread): a sequence
@@ -158,11 +174,9 @@ class WorkerActor(Actor):
         return self.grammars.allowed([state.matcher for state in states])
 
 
-def _constrain(requests: list, sampling: list, masks: Future | None) -> None:
+def _constrain(requests: list, sampling: list, masks: np.ndarray) -> None:
     """Each constrained request's row of the step's masks (in the order ``_allowed`` got them)."""
-    if masks is None:
-        return
-    allowed = iter(masks.result())
+    rows = iter(masks)
     for request, (_, _, state) in zip(requests, sampling, strict=True):
         if state.grammar is not None:
-            request.allowed = next(allowed)
+            request.allowed = next(rows)

@@ -125,8 +125,11 @@ class Grammars:
         if self._tokenizer is None:
             import llguidance
 
-            self._tokenizer = llguidance.LLTokenizer(self._source.to_str(), n_vocab=self.vocab_size,
-                                                     eos_token=self.eos_token_ids)
+            try:
+                self._tokenizer = llguidance.LLTokenizer(self._source.to_str(), n_vocab=self.vocab_size,
+                                                         eos_token=self.eos_token_ids)
+            except Exception as exc:  # the model's, not the request's: refused, never a crash of the engine
+                raise RequestError(FIELD, f"this model's tokenizer cannot drive a grammar ({exc})", 501) from None
         return self._tokenizer
 
     # ------------------------------------------------------------------ engine
