@@ -31,7 +31,8 @@ class SamplerRequest:
     prompt_token_ids: list[int]
     output_token_ids: list[int] = field(default_factory=list)
     eos_token_ids: tuple[int, ...] = ()
-    allowed: np.ndarray | None = None  # [vocab] bool: what a structured output's grammar allows next
+    # what a structured output's grammar allows next: [(vocab + 31) // 32] int32, bit t % 32 of word t // 32
+    allowed: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         # The engine fills unset parameters with the model's defaults; a caller that does not go
@@ -54,18 +55,17 @@ class Sampled:
 def sample(logits: np.ndarray, requests: list[SamplerRequest]) -> list[Sampled]:
     """One token for each row of ``logits`` ([batch, vocab], float32)."""
     logits = np.asarray(logits, dtype=np.float32)
-    drawn = _constrained(logits, requests)
     tokens = np.empty(len(requests), dtype=np.int64)
     greedy, plain, other = [], [], []
     for i, request in enumerate(requests):
         kind = _kind(request)
         (greedy if kind == GREEDY else plain if kind == PLAIN else other).append(i)
     if greedy:
-        tokens[greedy] = np.argmax(drawn[greedy], axis=1)
+        tokens[greedy] = np.argmax(_constrained(logits, requests, greedy), axis=1)
     if plain:
-        tokens[plain] = _sample_plain(drawn[plain], [requests[i] for i in plain])
+        tokens[plain] = _sample_plain(logits, requests, plain)
     for i in other:
-        tokens[i] = _sample_one(drawn[i].copy(), requests[i])
+        tokens[i] = _sample_one(_constrained(logits, requests, [i])[0], requests[i])
     wanted = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
     results = [Sampled(int(token)) for token in tokens]
     if wanted:  # a log-softmax over the vocabulary costs as much as the rest of sampling
@@ -77,16 +77,25 @@ def sample(logits: np.ndarray, requests: list[SamplerRequest]) -> list[Sampled]:
 GREEDY, PLAIN, OTHER = range(3)
 
 
-def _constrained(logits: np.ndarray, requests: list[SamplerRequest]) -> np.ndarray:
-    """The logits to draw from: a copy with the tokens each row's grammar forbids at -inf (the
-    logits themselves when no row is constrained)."""
-    rows = [i for i, request in enumerate(requests) if request.allowed is not None]
-    if not rows:
-        return logits
-    drawn = logits.copy()
-    for i in rows:
-        drawn[i, ~requests[i].allowed[:logits.shape[1]]] = -np.inf
+def _constrained(logits: np.ndarray, requests: list[SamplerRequest], rows: list[int]) -> np.ndarray:
+    """Those rows' logits (a copy) with the tokens each row's grammar forbids at -inf."""
+    drawn = logits[rows]
+    for j, i in enumerate(rows):
+        if requests[i].allowed is not None:
+            drawn[j, ~allowed_tokens(requests[i].allowed, logits.shape[1])] = -np.inf
     return drawn
+
+
+def allowed_tokens(bits: np.ndarray, vocab_size: int) -> np.ndarray:
+    """[vocab_size] bool of a grammar's packed mask (little-endian bit order within int32 words)."""
+    return np.unpackbits(np.ascontiguousarray(bits).view(np.uint8), bitorder="little")[:vocab_size].view(bool)
+
+
+def pack_allowed(allowed: np.ndarray) -> np.ndarray:
+    """The packed form of a [vocab] bool mask (what llguidance fills and the Gumbel kernel reads)."""
+    words = np.zeros(-(-allowed.size // 32) * 32, dtype=bool)
+    words[:allowed.size] = allowed
+    return np.packbits(words, bitorder="little").view(np.int32)
 
 
 def _kind(request: SamplerRequest) -> int:
@@ -106,18 +115,28 @@ def _kind(request: SamplerRequest) -> int:
     return OTHER
 
 
-def _sample_plain(logits: np.ndarray, requests: list[SamplerRequest]) -> np.ndarray:
-    """Temperature sampling of many rows at once (Gumbel-max; the C++ kernel when built)."""
-    keys = np.asarray([_draw_key(r.params.seed, r.position) for r in requests], dtype=np.uint64)
-    inv_t = np.asarray([1.0 / r.params.temperature for r in requests], dtype=np.float32)
+def _sample_plain(logits: np.ndarray, requests: list[SamplerRequest], rows: list[int]) -> np.ndarray:
+    """Temperature sampling of many rows at once (Gumbel-max; the C++ kernel when built, which
+    reads the grammars' packed masks itself: no copy of the logits, no unpacked mask)."""
+    chosen = [requests[i] for i in rows]
+    keys = np.asarray([_draw_key(r.params.seed, r.position) for r in chosen], dtype=np.uint64)
+    inv_t = np.asarray([1.0 / r.params.temperature for r in chosen], dtype=np.float32)
     kernel = _gumbel_kernel()
     if kernel is not None:
         from fdcore.models.tensors import as_paddle
 
-        picks = kernel(as_paddle(np.ascontiguousarray(logits)), as_paddle(keys.view(np.int64)), as_paddle(inv_t))
+        allowed = None
+        if any(r.allowed is not None for r in chosen):
+            allowed = np.full((len(rows), (logits.shape[1] + 31) // 32), -1, dtype=np.int32)
+            for j, r in enumerate(chosen):
+                if r.allowed is not None:
+                    allowed[j] = r.allowed
+            allowed = as_paddle(allowed)
+        picks = kernel(as_paddle(np.ascontiguousarray(logits[rows])), as_paddle(keys.view(np.int64)),
+                       as_paddle(inv_t), allowed)
         return picks.numpy()
     return np.asarray([int(np.argmax(row * t + gumbel_noise(int(k), row.size)))
-                       for row, k, t in zip(logits, keys, inv_t, strict=True)])
+                       for row, k, t in zip(_constrained(logits, requests, rows), keys, inv_t, strict=True)])
 
 
 _kernels: list = []

@@ -109,10 +109,10 @@ def test_the_gumbel_kernel_draws_what_the_numpy_reference_draws():
     rng = np.random.default_rng(11)
     logits = rng.standard_normal((200, 4096)).astype(np.float32)
     requests = [req(prompt=[0] * i, temperature=0.7 + i % 3 * 0.2, seed=i) for i in range(200)]
-    fast = sampling._sample_plain(logits, requests)
+    fast = sampling._sample_plain(logits, requests, list(range(200)))
     sampling._kernels[0] = None
     try:
-        slow = sampling._sample_plain(logits, requests)
+        slow = sampling._sample_plain(logits, requests, list(range(200)))
     finally:
         sampling._kernels[0] = kernel
     assert (fast == slow).mean() > 0.99  # equal but for a float32 near-tie in log()

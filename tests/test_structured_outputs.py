@@ -21,7 +21,7 @@ from fdcore.core.structured import Grammars, grammar_of
 from fdcore.core.tokenizer import load_tokenizer
 from fdcore.core.validation import RequestError
 from fdcore.models import tiny
-from fdcore.sampling import SamplerRequest, sample
+from fdcore.sampling import SamplerRequest, allowed_tokens, pack_allowed, sample
 from tests.test_crash_resume import actor_pid, config, stream_all
 
 SCHEMAS = 200
@@ -129,12 +129,13 @@ def test_every_form_compiles_to_one_llguidance_grammar(grammars):
 def test_the_mask_is_what_the_matcher_allows_and_a_replayed_matcher_is_where_it_was(grammars):
     grammar = grammars.check(StructuredOutputs(choice=["yes", "no"])).llguidance
     fresh = grammars.matcher(grammar, [])
-    first = np.flatnonzero(grammars.allowed([fresh])[0])
+    first = np.flatnonzero(allowed_tokens(grammars.allowed([fresh])[0], grammars.vocab_size))
     words = {grammars.tokenizer.decode_str([t]) for t in first}
     assert words and all("yes".startswith(w) or "no".startswith(w) for w in words)
     yes = grammars.tokenizer.tokenize_str("yes")
     replayed = grammars.matcher(grammar, yes)
-    assert list(np.flatnonzero(grammars.allowed([replayed])[0])) == [tiny.CONFIG["eos_token_id"]]
+    assert list(np.flatnonzero(allowed_tokens(grammars.allowed([replayed])[0], grammars.vocab_size))) == [
+        tiny.CONFIG["eos_token_id"]]
 
 
 @pytest.mark.parametrize("params", [
@@ -146,7 +147,7 @@ def test_the_sampler_draws_only_allowed_tokens_and_reports_the_models_logprobs(p
     allowed = np.zeros((32, 512), dtype=bool)
     for row in range(32):
         allowed[row, rng.choice(512, size=3, replace=False)] = True
-    requests = [SamplerRequest(params, [1, 2], [3], allowed=allowed[i]) for i in range(32)]
+    requests = [SamplerRequest(params, [1, 2], [3], allowed=pack_allowed(allowed[i])) for i in range(32)]
     picks = sample(logits, requests)
     assert all(allowed[i, pick.token_id] for i, pick in enumerate(picks))
     if params.logprobs:
@@ -155,12 +156,28 @@ def test_the_sampler_draws_only_allowed_tokens_and_reports_the_models_logprobs(p
         assert picks[0].logprob == pytest.approx(float(expected[picks[0].token_id]), abs=1e-5)
 
 
+def test_the_gumbel_kernel_reads_the_packed_mask_as_the_numpy_path_does(monkeypatch):
+    """A plain temperature batch, half of it constrained (a vocabulary not a multiple of 32): the
+    kernel, reading the packed bits itself, draws what the numpy fallback draws from masked logits."""
+    import fdcore.sampling as sampling
+
+    rng = np.random.default_rng(5)
+    logits = rng.normal(size=(16, 4099)).astype(np.float32)
+    allowed = rng.random((16, 4099)) < 0.01
+    requests = [SamplerRequest(SamplingParams(temperature=0.9, seed=i), [1], [2],
+                               allowed=pack_allowed(allowed[i]) if i % 2 else None) for i in range(16)]
+    kernel = [p.token_id for p in sample(logits, requests)]
+    monkeypatch.setattr(sampling, "_gumbel_kernel", lambda: None)
+    assert kernel == [p.token_id for p in sample(logits, requests)]
+    assert all(allowed[i, t] for i, t in enumerate(kernel) if i % 2)
+
+
 def test_min_tokens_gives_way_to_a_grammar_that_is_complete():
     logits = np.zeros((1, 16), dtype=np.float32)
     allowed = np.zeros(16, dtype=bool)
     allowed[2] = True  # only EOS: the grammar is satisfied
     pick = sample(logits, [SamplerRequest(SamplingParams(temperature=1.0, seed=1, min_tokens=5), [1], [],
-                                          eos_token_ids=(2,), allowed=allowed)])
+                                          eos_token_ids=(2,), allowed=pack_allowed(allowed))])
     assert pick[0].token_id == 2
 
 

@@ -168,8 +168,9 @@ class Grammars:
         return matcher
 
     def allowed(self, matchers: list) -> np.ndarray:
-        """[len(matchers), vocab_size] bool: the tokens each matcher allows next (filled in parallel,
-        without the GIL)."""
+        """[len(matchers), (vocab_size + 31) // 32] int32: the tokens each matcher allows next, bit
+        t % 32 of word t // 32 (filled in parallel, without the GIL; :func:`fdcore.sampling.allowed_tokens`
+        unpacks a row)."""
         import llguidance
         from llguidance.numpy import fill_next_token_bitmask_par
 
@@ -177,8 +178,7 @@ class Grammars:
             self._executor = llguidance.LLExecutor(num_threads=max(1, os.cpu_count() or 1))
         bits = np.zeros((len(matchers), (self.vocab_size + 31) // 32), dtype=np.int32)
         fill_next_token_bitmask_par(self._executor, [(m, i) for i, m in enumerate(matchers)], bits)
-        allowed = np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little")[:, :self.vocab_size]
-        return allowed.view(bool)
+        return bits
 
 
 def _remember(cache: OrderedDict, key: str, value) -> None:

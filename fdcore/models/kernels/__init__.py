@@ -231,10 +231,15 @@ def _build():
                 from paddle.utils.cpp_extension import load_op_meta_info_and_register_op
 
                 load_op_meta_info_and_register_op(library)
+        import paddle
         from paddle import _C_ops
 
-        def gumbel(logits, keys, inv_temperature):
-            return _C_ops._run_custom_op("fdcore_gumbel_sample", logits, keys, inv_temperature)[0]
+        every_token = paddle.empty([0], dtype="int32")
+
+        def gumbel(logits, keys, inv_temperature, allowed=None):
+            """``allowed``: [rows, (vocab + 31) / 32] int32 bits of the tokens each row may draw, or None."""
+            return _C_ops._run_custom_op("fdcore_gumbel_sample", logits, keys, inv_temperature,
+                                         every_token if allowed is None else allowed)[0]
 
         def add_rms_norm(hidden, delta, weight, eps):
             return _C_ops._run_custom_op("fdcore_add_rms_norm", hidden, delta, weight, float(eps))

@@ -544,12 +544,14 @@ static inline __m512 Log16(__m512 x) {
 
 // One row's draw, 16 tokens at a time: the hash, u, the Gumbel score and a running argmax per lane
 // (the first index of the row's maximum, as a scalar scan finds it).
-static int64_t GumbelRow(const float* row, int64_t V, uint32_t k1, uint32_t k2, float inv_t) {
+static int64_t GumbelRow(const float* row, int64_t V, uint32_t k1, uint32_t k2, float inv_t,
+                         const uint32_t* allowed) {
   const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   __m512 best = _mm512_set1_ps(-INFINITY);
   __m512i best_at = _mm512_setzero_si512();
   for (int64_t i = 0; i < V; i += 16) {
-    const __mmask16 m = Tail(V - i);
+    __mmask16 m = Tail(V - i);
+    if (allowed) m &= static_cast<__mmask16>(allowed[i >> 5] >> (i & 31));  // this half-word's 16 bits
     const __m512i index = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(i)), lane);
     const __m512i h = Mix16(_mm512_add_epi32(
         Mix16(_mm512_xor_si512(_mm512_set1_epi32(static_cast<int>(k1)),
@@ -603,8 +605,10 @@ static inline __m256 Log8(__m256 x) {
 }
 
 // GumbelRow 8 tokens at a time: the same hash, u, score and first index of the maximum.
-static int64_t GumbelRow(const float* row, int64_t V, uint32_t k1, uint32_t k2, float inv_t) {
+static int64_t GumbelRow(const float* row, int64_t V, uint32_t k1, uint32_t k2, float inv_t,
+                         const uint32_t* allowed) {
   const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256i bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
   __m256 best = _mm256_set1_ps(-INFINITY);
   __m256i best_at = _mm256_setzero_si256();
   for (int64_t i = 0; i < V; i += 8) {
@@ -616,7 +620,11 @@ static int64_t GumbelRow(const float* row, int64_t V, uint32_t k1, uint32_t k2, 
     const __m256 u = _mm256_mul_ps(_mm256_add_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(h, 8)), _mm256_set1_ps(0.5f)),
                                    _mm256_set1_ps(1.0f / 16777216.0f));
     const __m256 noise = Log8(_mm256_sub_ps(_mm256_setzero_ps(), Log8(u)));
-    const __m256i real = Lanes(V - i >= 8 ? 8 : V - i);
+    __m256i real = Lanes(V - i >= 8 ? 8 : V - i);
+    if (allowed) {  // this byte's 8 bits, one per lane
+      const __m256i byte = _mm256_set1_epi32(static_cast<int>((allowed[i >> 5] >> (i & 31)) & 0xFFU));
+      real = _mm256_and_si256(real, _mm256_cmpeq_epi32(_mm256_and_si256(byte, bit), bit));
+    }
     const __m256 logits = _mm256_maskload_ps(row + i, real);
     const __m256 score = _mm256_fmsub_ps(logits, _mm256_set1_ps(inv_t), noise);
     const __m256 better = _mm256_and_ps(_mm256_cmp_ps(score, best, _CMP_GT_OQ), _mm256_castsi256_ps(real));
@@ -636,8 +644,12 @@ static int64_t GumbelRow(const float* row, int64_t V, uint32_t k1, uint32_t k2, 
 #endif
 
 std::vector<paddle::Tensor> GumbelSample(const paddle::Tensor& logits, const paddle::Tensor& keys,
-                                         const paddle::Tensor& inv_temperature) {
-  const int64_t R = logits.shape()[0], V = logits.shape()[1];
+                                         const paddle::Tensor& inv_temperature, const paddle::Tensor& allowed) {
+  const int64_t R = logits.shape()[0], V = logits.shape()[1], W = (V + 31) / 32;
+  // allowed: [R, W] int32, bit t % 32 of word t / 32 set when token t may be drawn (a structured
+  // output's grammar); empty: every token may
+  PD_CHECK(allowed.numel() == 0 || allowed.numel() == R * W, "gumbel_sample: allowed is not [rows, (vocab + 31) / 32]");
+  const uint32_t* A = allowed.numel() ? reinterpret_cast<const uint32_t*>(allowed.data<int32_t>()) : nullptr;
   auto out = paddle::empty({R}, paddle::DataType::INT64, paddle::CPUPlace());
   const float* X = logits.data<float>();
   const int64_t* KEY = keys.data<int64_t>();
@@ -650,13 +662,15 @@ std::vector<paddle::Tensor> GumbelSample(const paddle::Tensor& logits, const pad
     const uint64_t key = static_cast<uint64_t>(KEY[r]);
     const uint32_t k1 = static_cast<uint32_t>(key), k2 = static_cast<uint32_t>(key >> 32);
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
-    O[r] = GumbelRow(X + r * V, V, k1, k2, INV_T[r]);
+    O[r] = GumbelRow(X + r * V, V, k1, k2, INV_T[r], A ? A + r * W : nullptr);
 #else
     const float* row = X + r * V;
+    const uint32_t* ok = A ? A + r * W : nullptr;
     const float inv_t = INV_T[r];
     int64_t best = 0;
     float top = -INFINITY;
     for (int64_t i = 0; i < V; ++i) {
+      if (ok && !((ok[i >> 5] >> (i & 31)) & 1U)) continue;
       const uint32_t h = mix32(mix32(k1 ^ (static_cast<uint32_t>(i) * 0x9E3779B9U)) + k2);
       const float u = (static_cast<float>(h >> 8) + 0.5f) * (1.0f / 16777216.0f);  // (0, 1)
       const float score = row[i] * inv_t - logf(-logf(u));
@@ -669,7 +683,7 @@ std::vector<paddle::Tensor> GumbelSample(const paddle::Tensor& logits, const pad
 }
 
 PD_BUILD_OP(fdcore_gumbel_sample)
-    .Inputs({"Logits", "Keys", "InvTemperature"})
+    .Inputs({"Logits", "Keys", "InvTemperature", "Allowed"})
     .Outputs({"Out"})
     .SetKernelFn(PD_KERNEL(GumbelSample));
 
