@@ -75,6 +75,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from fdcore.models.gguf_file import GgufFile, GgufFormatError
 from fdcore.models.loader import CheckpointError
 
 if TYPE_CHECKING:
@@ -127,8 +128,7 @@ class _Metadata:
         return key in self.fields
 
     def get(self, key: str, default: Any = None) -> Any:
-        field = self.fields.get(key)
-        return default if field is None else field.contents()
+        return self.fields.get(key, default)
 
     def require(self, key: str) -> Any:
         if key not in self.fields:
@@ -136,9 +136,9 @@ class _Metadata:
         return self.get(key)
 
     def count(self, key: str) -> int | None:
-        """Length of an array value without decoding its elements (the vocabulary has ~10^5)."""
+        """Length of an array value."""
         field = self.fields.get(key)
-        return None if field is None else len(field.data)
+        return None if field is None else len(field)
 
     def integer(self, key: str, default: int | None = None) -> int:
         value = self.require(key) if default is None else self.get(key, default)
@@ -163,15 +163,13 @@ def _float32_value(value: float) -> float:
     return float(str(np.float32(value)))
 
 
-def _open(file: str):
-    """A GGUFReader over the memory-mapped file (tensors are read lazily, one at a time)."""
-    import gguf
-
+def _open(file: str) -> GgufFile:
+    """The file's metadata and tensor directory (tensors are read lazily, one at a time)."""
     if not os.path.isfile(file):
         raise CheckpointError(f"{file}: GGUF file does not exist")
     try:
-        return gguf.GGUFReader(file, "r")
-    except (ValueError, OSError, IndexError, KeyError, AssertionError) as exc:  # gguf's errors for bad bytes
+        return GgufFile(file)
+    except (GgufFormatError, OSError) as exc:
         raise CheckpointError(f"{file}: not a readable GGUF file ({exc})") from None
 
 
