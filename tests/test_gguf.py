@@ -23,6 +23,7 @@ from safetensors.numpy import load_file
 
 from fdcore.models import fetch, tiny
 from fdcore.models.gguf import gguf_tokenizer, read_gguf
+from fdcore.models.gguf_file import GgufFile
 from fdcore.models.loader import Checkpoint, CheckpointError, ModelArgs
 
 with open(os.path.join(os.path.dirname(__file__), "data", "gguf_reference.json"), encoding="utf-8") as _f:
@@ -251,6 +252,26 @@ def test_f32_round_trip_gives_the_same_tensors_and_config(tmp_path, tiny_models,
     assert eos == (config["eos_token_id"],)
     assert (ModelArgs.from_config(got_config, file).expected_shapes()
             == ModelArgs.from_config(config, "config.json").expected_shapes())
+
+
+def _same_as_the_reference_reader(file: str) -> None:
+    lean, reference = GgufFile(file), gguf.GGUFReader(file)
+    expected = {key: field.contents() for key, field in reference.fields.items() if not key.startswith("GGUF.")}
+    assert lean.fields == expected
+    assert [t.name for t in lean.tensors] == [t.name for t in reference.tensors]
+    for mine, theirs in zip(lean.tensors, reference.tensors):
+        assert mine.tensor_type == theirs.tensor_type and list(mine.shape) == list(theirs.shape), mine.name
+        assert mine.data.dtype == theirs.data.dtype and mine.data.shape == theirs.data.shape, mine.name
+        np.testing.assert_array_equal(mine.data, theirs.data, err_msg=mine.name)
+
+
+def test_the_lean_reader_reads_what_ggufs_reference_reader_reads(smollm2, tmp_path, tiny_models):
+    """The real file (49k-entry string arrays, Q4_1 blocks) and synthetic ones of every type fdcore
+    reads: the same metadata values and the same tensor bytes, shapes and types."""
+    _same_as_the_reference_reader(smollm2)
+    config, tensors = tiny_models["qwen2"]
+    for qtype in (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_1):
+        _same_as_the_reference_reader(write_gguf(str(tmp_path / f"{qtype.name}.gguf"), config, tensors, qtype))
 
 
 def test_the_permutation_is_really_undone(tmp_path, tiny_models):
