@@ -241,7 +241,10 @@ def gumbel_noise(key: int, size: int) -> np.ndarray:
     with np.errstate(over="ignore"):
         ids = np.arange(size, dtype=np.uint32) * np.uint32(0x9E3779B9)
         h = _mix32(_mix32(ids ^ k1) + k2)
-    u = ((h >> np.uint32(8)).astype(np.float32) + np.float32(0.5)) * np.float32(1.0 / 16777216.0)
+    # NOTE: 23 bits, not 24: (2^24 - 1 + 0.5) / 2^24 rounds to 1.0 in float32, whose noise is +inf, so
+    # the token hashed there won ~1 draw in 340 over a 49,152-token vocabulary whatever its probability.
+    # (k + 0.5) / 2^23 is exact for every 23-bit k: u stays inside (0, 1).
+    u = ((h >> np.uint32(9)).astype(np.float32) + np.float32(0.5)) * np.float32(1.0 / 8388608.0)
     return -np.log(-np.log(u))
 
 

@@ -149,3 +149,19 @@ def test_the_gumbel_kernel_draws_the_same_tokens_on_one_and_two_threads(on_threa
     one, two = on_threads(_GUMBEL_ON_THREADS, given, threads=1), on_threads(_GUMBEL_ON_THREADS, given, threads=2)
     assert np.array_equal(one["tokens"], two["tokens"])
     assert len(set(one["tokens"].tolist())) > 32  # 64 draws from 4,099 tokens: not one repeated answer
+
+
+@pytest.mark.parametrize("path", ["kernel", "numpy"])
+def test_no_token_wins_a_draw_by_its_hash_alone(path, monkeypatch):
+    """One token 30 nats above 49,151 others: the others' total probability is 5e-9, so 2,000 seeded
+    draws all pick it. (With 24-bit uniforms the hash value 2^24 - 1 rounded u to 1.0, whose noise is
+    +inf: about one draw in 340 went to whichever token hashed there.)"""
+    from fdcore import sampling
+
+    if path == "numpy":
+        monkeypatch.setattr(sampling, "_gumbel_kernel", lambda: None)
+    vocab, draws = 49152, 2000
+    logits = np.zeros((draws, vocab), dtype=np.float32)
+    logits[:, 1234] = 30.0
+    picks = sample(logits, [req(prompt=[0] * (i % 7 + 1), temperature=1.0, seed=i) for i in range(draws)])
+    assert {p.token_id for p in picks} == {1234}

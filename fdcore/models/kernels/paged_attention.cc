@@ -557,8 +557,8 @@ static int64_t GumbelRow(const float* row, int64_t V, uint32_t k1, uint32_t k2, 
         Mix16(_mm512_xor_si512(_mm512_set1_epi32(static_cast<int>(k1)),
                                _mm512_mullo_epi32(index, _mm512_set1_epi32(static_cast<int>(0x9E3779B9U))))),
         _mm512_set1_epi32(static_cast<int>(k2))));
-    const __m512 u = _mm512_mul_ps(_mm512_add_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(h, 8)), _mm512_set1_ps(0.5f)),
-                                   _mm512_set1_ps(1.0f / 16777216.0f));
+    const __m512 u = _mm512_mul_ps(_mm512_add_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(h, 9)), _mm512_set1_ps(0.5f)),
+                                   _mm512_set1_ps(1.0f / 8388608.0f));
     const __m512 noise = Log16(_mm512_sub_ps(_mm512_setzero_ps(), Log16(u)));
     const __m512 score = _mm512_fmsub_ps(_mm512_maskz_loadu_ps(m, row + i), _mm512_set1_ps(inv_t), noise);
     const __mmask16 better = _mm512_mask_cmp_ps_mask(m, score, best, _CMP_GT_OQ);
@@ -617,8 +617,8 @@ static int64_t GumbelRow(const float* row, int64_t V, uint32_t k1, uint32_t k2, 
         Mix8(_mm256_xor_si256(_mm256_set1_epi32(static_cast<int>(k1)),
                               _mm256_mullo_epi32(index, _mm256_set1_epi32(static_cast<int>(0x9E3779B9U))))),
         _mm256_set1_epi32(static_cast<int>(k2))));
-    const __m256 u = _mm256_mul_ps(_mm256_add_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(h, 8)), _mm256_set1_ps(0.5f)),
-                                   _mm256_set1_ps(1.0f / 16777216.0f));
+    const __m256 u = _mm256_mul_ps(_mm256_add_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(h, 9)), _mm256_set1_ps(0.5f)),
+                                   _mm256_set1_ps(1.0f / 8388608.0f));
     const __m256 noise = Log8(_mm256_sub_ps(_mm256_setzero_ps(), Log8(u)));
     __m256i real = Lanes(V - i >= 8 ? 8 : V - i);
     if (allowed) {  // this byte's 8 bits, one per lane
@@ -672,7 +672,7 @@ std::vector<paddle::Tensor> GumbelSample(const paddle::Tensor& logits, const pad
     for (int64_t i = 0; i < V; ++i) {
       if (ok && !((ok[i >> 5] >> (i & 31)) & 1U)) continue;
       const uint32_t h = mix32(mix32(k1 ^ (static_cast<uint32_t>(i) * 0x9E3779B9U)) + k2);
-      const float u = (static_cast<float>(h >> 8) + 0.5f) * (1.0f / 16777216.0f);  // (0, 1)
+      const float u = (static_cast<float>(h >> 9) + 0.5f) * (1.0f / 8388608.0f);  // (0, 1): see gumbel_noise
       const float score = row[i] * inv_t - logf(-logf(u));
       if (score > top) top = score, best = i;
     }
