@@ -86,6 +86,11 @@ def _constrained(logits: np.ndarray, requests: list[SamplerRequest], rows: list[
     return drawn
 
 
+def mask_words(vocab_size: int) -> int:
+    """int32 words of a packed mask over ``vocab_size`` tokens (bit t % 32 of word t // 32)."""
+    return (vocab_size + 31) // 32
+
+
 def allowed_tokens(bits: np.ndarray, vocab_size: int) -> np.ndarray:
     """[vocab_size] bool of a grammar's packed mask (little-endian bit order within int32 words)."""
     return np.unpackbits(np.ascontiguousarray(bits).view(np.uint8), bitorder="little")[:vocab_size].view(bool)
@@ -93,7 +98,7 @@ def allowed_tokens(bits: np.ndarray, vocab_size: int) -> np.ndarray:
 
 def pack_allowed(allowed: np.ndarray) -> np.ndarray:
     """The packed form of a [vocab] bool mask (what llguidance fills and the Gumbel kernel reads)."""
-    words = np.zeros(-(-allowed.size // 32) * 32, dtype=bool)
+    words = np.zeros(mask_words(allowed.size) * 32, dtype=bool)
     words[:allowed.size] = allowed
     return np.packbits(words, bitorder="little").view(np.int32)
 
@@ -127,7 +132,7 @@ def _sample_plain(logits: np.ndarray, requests: list[SamplerRequest], rows: list
 
         allowed = None
         if any(r.allowed is not None for r in chosen):
-            allowed = np.full((len(rows), (logits.shape[1] + 31) // 32), -1, dtype=np.int32)
+            allowed = np.full((len(rows), mask_words(logits.shape[1])), -1, dtype=np.int32)
             for j, r in enumerate(chosen):
                 if r.allowed is not None:
                     allowed[j] = r.allowed

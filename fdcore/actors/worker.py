@@ -41,8 +41,13 @@ class SeqState:
     params: SamplingParams
     eos: tuple[int, ...]
     blocks: list[int] = field(default_factory=list)
-    grammar: str | None = None  # structured outputs: llguidance's grammar (the engine compiled it)
-    matcher: object = None      # its matcher, built (replaying ``output``) when first needed
+    matcher: object = None  # structured outputs: the grammar's matcher, built (replaying ``output``) when first needed
+
+    @property
+    def grammar(self) -> str | None:
+        """Structured outputs: llguidance's grammar (the engine compiled every form to it)."""
+        structured = self.params.structured_outputs
+        return structured and structured.llguidance
 
     @property
     def num_tokens(self) -> int:
@@ -104,9 +109,8 @@ class WorkerActor(Actor):
         for new in step.new:
             self.handling = [new.seq]
             faults.check(self.poison, new.seq, new.prompt_token_ids)
-            structured = new.params.structured_outputs
             self.seqs[new.seq] = SeqState(list(new.prompt_token_ids), list(new.output_token_ids), new.params,
-                                          tuple(new.eos_token_ids), grammar=structured and structured.llguidance)
+                                          tuple(new.eos_token_ids))
         self.handling = [item.seq for item in step.items]  # a failing forward names the whole batch
         token_ids, starts, tables, prompt_lengths, sampling = [], [], [], [], []
         for row, item in enumerate(step.items):

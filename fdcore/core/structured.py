@@ -30,6 +30,7 @@ import numpy as np
 
 from fdcore.core.validation import RequestError
 from fdcore.protocol import StructuredOutputs
+from fdcore.sampling import mask_words
 
 FIELD = "structured_outputs"
 FORMS = ("json", "regex", "choice", "grammar", "json_object", "llguidance")
@@ -176,7 +177,7 @@ class Grammars:
 
         if self._executor is None:
             self._executor = llguidance.LLExecutor(num_threads=max(1, os.cpu_count() or 1))
-        bits = np.zeros((len(matchers), (self.vocab_size + 31) // 32), dtype=np.int32)
+        bits = np.zeros((len(matchers), mask_words(self.vocab_size)), dtype=np.int32)
         fill_next_token_bitmask_par(self._executor, [(m, i) for i, m in enumerate(matchers)], bits)
         return bits
 

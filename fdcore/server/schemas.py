@@ -174,17 +174,16 @@ GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice"
 def structured_outputs(body: _Body) -> tuple[StructuredOutputs | None, str | None]:
     """The request's output constraint and the field that gave it (one of response_format,
     structured_outputs, guided_*: more than one is refused, naming the second)."""
+    response = None if body.response_format is None else _response_format(body.response_format)
     given = [name for name in ("response_format", "structured_outputs", *GUIDED_FIELDS)
-             if getattr(body, name) is not None]
-    if given and given[0] == "response_format" and _response_format(body.response_format) is None:
-        given = given[1:]  # {"type": "text"}: no constraint
-    if not given:
+             if getattr(body, name) is not None and (name != "response_format" or response is not None)]
+    if not given:  # ({"type": "text"} is no constraint)
         return None, None
     if len(given) > 1:
         raise BadRequest(f"give only one of {', '.join(given)}", given[1])
     source = given[0]
     if source == "response_format":
-        return _response_format(body.response_format), "response_format"
+        return response, source
     if source == "structured_outputs":
         try:
             return msgspec.convert(body.structured_outputs, StructuredOutputs), source

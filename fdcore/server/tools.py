@@ -183,5 +183,4 @@ class ToolStream:
 
 def _may_open(text: str) -> bool:
     """Could an answer that starts so be a Llama 3 call (``{"name"...`` or ``<|python_tag|>``)?"""
-    return bool(text) and (text.startswith("{") or text.startswith(PYTHON_TAG[:len(text)])
-                           or text.startswith(PYTHON_TAG))
+    return bool(text) and (text.startswith("{") or text.startswith(PYTHON_TAG[:len(text)]))
