@@ -768,3 +768,47 @@ def test_the_servers_connections_send_without_waiting_for_acks():
         return value
 
     assert asyncio.run(accepted_nodelay()) != 0
+
+
+def test_choices_started_before_their_client_left_are_aborted_and_counted():
+    """n = 3: one choice has its first output, two wait for theirs, and the client leaves. The started
+    choice's stream is closed (aborting it in the engine), and all three are counted as aborts."""
+    import asyncio
+    import types
+
+    from fdcore.server.app import _Api
+    from fdcore.server.metrics import Metrics
+
+    closed: list[int] = []
+
+    class OneAnswersLLM:
+        def __init__(self):
+            self.answered = asyncio.Event()
+
+        def generate(self, prompt, index):
+            return self.stream(index)
+
+        async def stream(self, index):
+            try:
+                if index != 0:
+                    await asyncio.Event().wait()  # no first output before the client leaves
+                self.answered.set()  # start() returns in this same step: nothing is awaited in between
+                yield types.SimpleNamespace(finished=False, outputs=types.SimpleNamespace(finish_reason=None))
+                await asyncio.Event().wait()
+            finally:
+                closed.append(index)
+
+    metrics = Metrics()
+
+    async def scenario():
+        llm = OneAnswersLLM()
+        api = _Api(llm, settings=None, tokenizer=None, metrics=metrics)
+        work = asyncio.ensure_future(api.start_all([("p", 0), ("p", 1), ("p", 2)]))
+        await llm.answered.wait()
+        work.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await work
+
+    asyncio.run(scenario())
+    assert sorted(closed) == [0, 1, 2]
+    assert metrics.requests.labels("abort")._value.get() == 3

@@ -196,11 +196,16 @@ class _Api:
 
     async def start_all(self, requests: list) -> list:
         """start() for each (prompt, params) at once (each choice's first token is not waited for before
-        the next is sent); if any is refused, the others are closed (aborted) and its error raised."""
+        the next is sent); if any is refused, or the caller is cancelled, the others are closed (aborted)."""
         if len(requests) == 1:
             return [await self.start(*requests[0])]
-        started = await asyncio.gather(*(self.start(prompt, params) for prompt, params in requests),
-                                       return_exceptions=True)
+        tasks = [asyncio.ensure_future(self.start(prompt, params)) for prompt, params in requests]
+        try:
+            started = await asyncio.gather(*tasks, return_exceptions=True)
+        except asyncio.CancelledError:  # the client left: choices already started must be aborted too
+            await self.abandon([result for result in await asyncio.gather(*tasks, return_exceptions=True)
+                                if not isinstance(result, BaseException)])
+            raise
         failed = [result for result in started if isinstance(result, BaseException)]
         if failed:
             await self.abandon([result for result in started if not isinstance(result, BaseException)])
