@@ -59,6 +59,7 @@ from fdcore.protocol import (
     ClientMessage,
     Hello,
     Metrics,
+    PromptLogprob,
     SamplingParams,
     ServingStats,
     StatsQuery,
@@ -66,7 +67,8 @@ from fdcore.protocol import (
     Welcome,
 )
 
-__all__ = ["LLM", "AsyncLLM", "CompletionOutput", "EngineDeadError", "EngineError", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "AsyncLLM", "CompletionOutput", "EngineDeadError", "EngineError", "PromptLogprob", "RequestOutput",
+           "SamplingParams"]
 
 _ENCODE = msgspec.msgpack.Encoder().encode
 ENGINE_CHECK_INTERVAL = 0.2  # seconds between looks at whether the engine (and the tree) still live
@@ -111,6 +113,8 @@ class RequestOutput:
     metrics: Metrics | None = None
     error_code: int = 0
     error_msg: str = ""
+    # prompt_logprobs: how the model scored each prompt token given those before it (the first: None)
+    prompt_logprobs: list[PromptLogprob | None] | None = None
 
 
 # --------------------------------------------------------------------- tree
@@ -346,7 +350,8 @@ def _output(request_id: str, prompt, update: Update, prompt_token_ids) -> Reques
     return RequestOutput(request_id, prompt, prompt_token_ids,
                          CompletionOutput(0, update.text, list(update.token_ids), update.logprobs,
                                           update.finish_reason),
-                         update.finish_reason is not None, update.metrics, update.error_code, update.error_msg)
+                         update.finish_reason is not None, update.metrics, update.error_code, update.error_msg,
+                         update.prompt_logprobs)
 
 
 def check_health(tree: _Tree, stale_after: float = 10.0) -> tuple[bool, str]:
@@ -904,6 +909,8 @@ def _accumulate(out: RequestOutput, update: Update) -> None:
         c.logprobs = (c.logprobs or []) + update.logprobs
     if update.prompt_token_ids is not None:
         out.prompt_token_ids = list(update.prompt_token_ids)
+    if update.prompt_logprobs is not None:
+        out.prompt_logprobs = update.prompt_logprobs
     if update.finish_reason is not None:
         c.finish_reason = update.finish_reason
         out.finished = True

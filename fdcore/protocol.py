@@ -65,6 +65,9 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, om
     ``min_p == 0`` switch those filters off. ``seed`` makes sampling a pure
     function of (seed, position): the same tokens whatever shares the batch and
     however often the request is recomputed. ``logprobs = N`` returns the top-N.
+    ``prompt_logprobs = N`` scores the prompt too: each of its tokens after the first gets its logprob
+    and rank under the model given the tokens before it, and the top-N there (vLLM's field). Such a
+    request computes its whole prompt (no prefix-cache hits).
     ``logit_bias`` adds to the given tokens' logits before anything else decides (100 forces a token,
     -100 bans it); logprobs stay the model's own. ``structured_outputs`` lets only tokens that keep
     the output inside a language be drawn (logprobs, again, stay the model's own).
@@ -92,6 +95,7 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, om
     logprobs: int | None = None
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit (OpenAI's, -100 to 100)
     structured_outputs: StructuredOutputs | None = None  # the output must match this (JSON schema, regex...)
+    prompt_logprobs: int | None = None  # each prompt token's logprob (after the first), and the top-N there
 
     def with_defaults(self, defaults: dict | None = None) -> "SamplingParams":
         """Every unset field filled: from ``defaults`` (the model's) where it has one, else neutral."""
@@ -167,6 +171,24 @@ class RequestBody(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True
     chat_template: str | None = None  # the name of one of the model's templates (e.g. "tool_use")
 
 
+class PromptLogprob(msgspec.Struct, array_like=True, frozen=True, gc=False):
+    """How the model scored one prompt token given the tokens before it."""
+
+    token_id: int
+    logprob: float
+    rank: int  # 1 + how many tokens the model found likelier there
+    top: list[tuple[int, float]]  # the top-N (id, logprob) there, best first
+
+
+class PromptScores(msgspec.Struct, array_like=True, frozen=True, gc=False):
+    """Prompt tokens ``first``, ``first + 1``, ... of sequence ``seq``, scored in one step (a
+    prefill chunk scores the tokens its positions predict)."""
+
+    seq: int
+    first: int
+    scores: list[PromptLogprob]
+
+
 class Metrics(msgspec.Struct, array_like=True, omit_defaults=True):
     arrival_time: float = 0.0
     first_token_time: float = 0.0
@@ -188,6 +210,7 @@ class Update(Message):
     metrics: Metrics | None = None  # last update only
     error_code: int = 0
     error_msg: str = ""
+    prompt_logprobs: list[PromptLogprob | None] | None = None  # first update only, if asked: one per prompt token
 
 
 # -------------------------------------------------------- engine <-> scheduler
@@ -218,6 +241,7 @@ class SeqTokens(Message):
     token_ids: list[int]
     finish_reasons: list[str | None]
     logprobs: list[list[tuple[int, float]] | None] | None = None
+    prompt_scores: list[PromptScores] | None = None  # of requests that asked for prompt_logprobs
 
 
 class Resync(Message):
@@ -254,6 +278,7 @@ class Allocate(Message):
     seq: int
     token_ids: list[int]
     max_new_tokens: int
+    reuse_prefix: bool = True  # False: compute every token (a request scoring its prompt)
 
 
 class Grow(Message):
@@ -382,6 +407,7 @@ class StepResult(Message):
     token_ids: list[int]
     logprobs: list[list[tuple[int, float]] | None] | None = None
     seconds: float = 0.0
+    prompt_scores: list[PromptScores] | None = None
 
 
 ControlMessage = Stop | Ping | Pong

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from fdcore.protocol import SamplingParams
+from fdcore.protocol import PromptLogprob, SamplingParams
 
 
 @dataclass
@@ -251,6 +251,23 @@ def gumbel_noise(key: int, size: int) -> np.ndarray:
     # (k + 0.5) / 2^23 is exact for every 23-bit k: u stays inside (0, 1).
     u = ((h >> np.uint32(9)).astype(np.float32) + np.float32(0.5)) * np.float32(1.0 / 8388608.0)
     return -np.log(-np.log(u))
+
+
+def score_tokens(logits: np.ndarray, token_ids, top_n: int) -> list[PromptLogprob]:
+    """How each row of ``logits`` scored the token that came next (``token_ids``, one per row): its
+    logprob, its rank (1 + the tokens scored strictly higher) and the top-N (id, logprob) there."""
+    logprobs = _log_softmax(np.asarray(logits, dtype=np.float32))
+    ids = np.asarray(token_ids, dtype=np.int64)
+    chosen = logprobs[np.arange(len(ids)), ids]
+    ranks = 1 + (logprobs > chosen[:, None]).sum(axis=1)
+    tops = [[] for _ in ids]
+    if top_n:
+        candidates = np.argpartition(-logprobs, top_n - 1, axis=1)[:, :top_n]
+        for row, (found, values) in enumerate(zip(candidates, logprobs, strict=True)):
+            best = found[np.lexsort((found, -values[found]))]  # best first; a tie: the lower id first
+            tops[row] = [(int(t), float(values[t])) for t in best]
+    return [PromptLogprob(int(t), float(lp), int(rank), top)
+            for t, lp, rank, top in zip(ids, chosen, ranks, tops, strict=True)]
 
 
 def _log_softmax(logits: np.ndarray) -> np.ndarray:

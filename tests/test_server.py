@@ -155,7 +155,11 @@ MALFORMED = [
     ("n too many", "/v1/completions", {**OK, "n": 65}, None, 400, "n"),
     ("prompts x n too many", "/v1/completions", {**OK, "prompt": ["a"] * 33, "n": 2}, None, 400, "n"),
     ("a prompt of the list not a prompt", "/v1/completions", {**OK, "prompt": ["a", 5]}, None, 400, "prompt[1]"),
-    ("echo with logprobs", "/v1/completions", {**OK, "echo": True, "logprobs": 1}, None, 400, "echo"),
+    ("prompt_logprobs streamed", "/v1/completions", {**OK, "prompt_logprobs": 1, "stream": True}, None, 400,
+     "prompt_logprobs"),
+    ("prompt_logprobs too many", "/v1/completions", {**OK, "prompt_logprobs": 21}, None, 400, "prompt_logprobs"),
+    ("chat prompt_logprobs negative", "/v1/chat/completions", {**CHAT, "prompt_logprobs": -1}, None, 400,
+     "prompt_logprobs"),
     ("logit_bias key not a token id", "/v1/completions", {**OK, "logit_bias": {"abc": 1}}, None, 400, "logit_bias"),
     ("logit_bias above 100", "/v1/completions", {**OK, "logit_bias": {"5": 101}}, None, 400, "logit_bias[5]"),
     ("logit_bias not a number", "/v1/completions", {**OK, "logit_bias": {"5": "x"}}, None, 400, "logit_bias[5]"),
@@ -401,6 +405,52 @@ def test_echo_puts_the_prompt_first(server, client):
     ids = _post(server, "/tokenize", {"prompt": "def main():"}).json()["tokens"]
     echoed = client.completions.create(**{**ask, "prompt": ids}, echo=True).choices[0].text
     assert echoed == _post(server, "/detokenize", {"tokens": ids}).json()["prompt"] + plain
+
+
+def test_prompt_logprobs_score_every_prompt_token_in_vllms_shape(server, client):
+    """prompt_logprobs = 2 with n = 2: each choice has vLLM's list (null, then per prompt token its
+    own entry with logprob, rank and decoded text, and the top 2), the same for both choices; the
+    chat form scores its rendered prompt, once."""
+    prompt = "def main(): return 42"
+    ids = _post(server, "/tokenize", {"prompt": prompt}).json()["tokens"]
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 2, "temperature": 0, "n": 2, "prompt_logprobs": 2}
+    choices = _post(server, "/v1/completions", body).json()["choices"]
+    scores = choices[0]["prompt_logprobs"]
+    assert choices[1]["prompt_logprobs"] == scores
+    assert len(scores) == len(ids) and scores[0] is None
+    for token, entry in zip(ids[1:], scores[1:], strict=True):
+        own = entry[str(token)]
+        assert own["decoded_token"] == _post(server, "/detokenize", {"tokens": [token]}).json()["prompt"]
+        assert own["logprob"] <= 0 and own["rank"] >= 1
+        best = sorted(entry.values(), key=lambda e: e["rank"])
+        assert [e["rank"] for e in best][:2] == [1, 2] and best[0]["logprob"] >= own["logprob"]
+        assert len(entry) in (2, 3)  # the top 2, and the prompt's own token unless it is one of them
+    assert "prompt_logprobs" not in _post(server, "/v1/completions", {**body, "prompt_logprobs": None}).json()["choices"][0]
+    chat = _post(server, "/v1/chat/completions", {**CHAT, "prompt_logprobs": 1}).json()
+    assert len(chat["prompt_logprobs"]) == chat["usage"]["prompt_tokens"] and chat["prompt_logprobs"][0] is None
+
+
+def test_echo_with_logprobs_scores_the_prompt_too(server, client):
+    """OpenAI's legacy echo + logprobs: the prompt's tokens first (the first without a logprob), then
+    the answer's, with text offsets across both; streamed, the echo chunk brings the same scores."""
+    ask = {"model": MODEL, "prompt": "def main(): return 42", "max_tokens": 3, "temperature": 0, "logprobs": 2}
+    ids = _post(server, "/tokenize", {"prompt": ask["prompt"]}).json()["tokens"]
+    plain = client.completions.create(**ask).choices[0]
+    echoed = client.completions.create(**ask, echo=True).choices[0]
+    lp = echoed.logprobs
+    assert echoed.text == ask["prompt"] + plain.text
+    assert len(lp.tokens) == len(ids) + len(plain.logprobs.tokens)
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(p <= 0 for p in lp.token_logprobs[1:])
+    assert lp.token_logprobs[len(ids):] == plain.logprobs.token_logprobs
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+    assert lp.text_offset[len(ids)] == len(ask["prompt"])
+    scored = _post(server, "/v1/completions", {**ask, "prompt_logprobs": 2}).json()["choices"][0]["prompt_logprobs"]
+    assert lp.token_logprobs[1:len(ids)] == [entry[str(t)]["logprob"] for t, entry in zip(ids[1:], scored[1:])]
+    chunks = [c.choices[0] for c in client.completions.create(**ask, echo=True, stream=True) if c.choices]
+    assert chunks[0].text == ask["prompt"]
+    assert chunks[0].logprobs.token_logprobs == lp.token_logprobs[:len(ids)]
+    assert "".join(c.text for c in chunks) == echoed.text
 
 
 def test_several_prompts_in_one_completions_request(client):

@@ -35,10 +35,10 @@ class CacheActor(Actor):
         if self.epoch is None and not isinstance(message, (CacheReset, Stop, Ping)):
             return  # a call of a scheduler (or an epoch) that is gone
         match message:
-            case Allocate(seq=seq, token_ids=token_ids, max_new_tokens=max_new):
+            case Allocate(seq=seq, token_ids=token_ids, max_new_tokens=max_new, reuse_prefix=reuse):
                 self.handling = [seq]
                 faults.check(self.poison, seq, token_ids)
-                cached = self.kv.allocate(seq, token_ids, max_new)
+                cached = self.kv.allocate(seq, token_ids, max_new, reuse)
                 blocks = self.kv.block_table(seq) if cached is not None else []
                 self._reply(seq, cached is not None, blocks, -1 if cached is None else cached)
             case Grow(seq=seq, num_tokens=num_tokens):

@@ -71,6 +71,7 @@ class TrackedRequest:
     output_token_ids: list[int] = field(default_factory=list)
     first_token_time: float = 0.0
     announced: bool = False  # the client has been sent the prompt token ids
+    prompt_scores: list | None = None  # prompt_logprobs: a PromptLogprob per prompt token (the first: None)
 
 
 @dataclass(eq=False)
@@ -226,6 +227,12 @@ class EngineActor(Actor):
         check_length(len(prompt_ids), params, self.limits)
         resumed = list(m.resume_token_ids)
         check_token_ids(resumed, self.limits, "resume_token_ids")
+        scores = None
+        if params.prompt_logprobs is not None:
+            if resumed:  # the client had them with its first update: not computed again
+                params = msgspec.structs.replace(params, prompt_logprobs=None)
+            else:
+                scores = [None] * len(prompt_ids)
         seq, self.next_seq = self.next_seq, self.next_seq + 1
         detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop)
         for token in resumed:
@@ -233,7 +240,7 @@ class EngineActor(Actor):
         # what the client has shown already (text held back then is still to come)
         detokenizer.emitted = min(m.resume_text_chars, len(detokenizer.text)) if resumed else 0
         return TrackedRequest(seq, slot.index, m.request_id, prompt_ids, params, detokenizer, m.arrival_time,
-                              resumed, announced=bool(resumed))
+                              resumed, announced=bool(resumed), prompt_scores=scores)
 
     def _body(self, raw) -> RequestBody:
         try:
@@ -259,6 +266,10 @@ class EngineActor(Actor):
         if m.epoch != self.epoch:
             return  # computed before a restart: the new epoch recomputes these tokens
         now = time.time()
+        for scores in m.prompt_scores or ():
+            tracked = self.table.get(scores.seq)
+            if tracked is not None and tracked.prompt_scores is not None:
+                tracked.prompt_scores[scores.first:scores.first + len(scores.scores)] = scores.scores
         by_client: dict[int, list[Update]] = {}
         for i, seq in enumerate(m.seqs):
             tracked = self.table.get(seq)
@@ -278,6 +289,10 @@ class EngineActor(Actor):
     def _render(self, tracked: TrackedRequest, m: SeqTokens, i: int, now: float) -> Update:
         """One request's new token: appended, detokenized, checked for stop strings."""
         faults.check(self.poison, tracked.seq, tracked.prompt_token_ids)
+        if tracked.prompt_scores is not None and None in tracked.prompt_scores[1:]:
+            missing = tracked.prompt_scores[1:].count(None)
+            raise RuntimeError(f"prompt_logprobs: {missing} prompt tokens were not scored (backend "
+                               f"{self.config.model.backend!r})")
         token, reason = m.token_ids[i], m.finish_reasons[i]
         tracked.output_token_ids.append(token)
         tracked.first_token_time = tracked.first_token_time or now
@@ -310,14 +325,17 @@ class EngineActor(Actor):
 
     def _update(self, t: TrackedRequest, tokens: list[int], text: str, reason: str | None,
                 logprobs, now: float) -> Update:
-        prompt_ids = None
+        prompt_ids, scores = None, None
         if not t.announced:
             prompt_ids, t.announced = t.prompt_token_ids, True
+            if t.prompt_scores is not None:  # delivered now: a re-submission (restart) need not score again
+                scores, t.prompt_scores = t.prompt_scores, None
+                t.params = msgspec.structs.replace(t.params, prompt_logprobs=None)
         metrics = None
         if reason is not None:
             metrics = Metrics(t.arrival_time, t.first_token_time, now, len(t.prompt_token_ids),
                               len(t.output_token_ids))
-        return Update(t.request_id, tokens, text, reason, logprobs, prompt_ids, metrics)
+        return Update(t.request_id, tokens, text, reason, logprobs, prompt_ids, metrics, prompt_logprobs=scores)
 
     def _drop(self, tracked: TrackedRequest) -> None:
         del self.table[tracked.seq]

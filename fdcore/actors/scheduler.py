@@ -82,8 +82,8 @@ class RemoteBlocks:
         for (seq, _), table in zip(needed[:reply.granted], reply.tables, strict=True):
             self.tables[seq] = table
 
-    def allocate(self, seq: int, token_ids: list[int], max_new_tokens: int) -> int | None:
-        reply = self._call(Allocate(seq, token_ids, max_new_tokens))
+    def allocate(self, seq: int, token_ids: list[int], max_new_tokens: int, reuse_prefix: bool = True) -> int | None:
+        reply = self._call(Allocate(seq, token_ids, max_new_tokens, reuse_prefix))
         if not reply.ok:
             return None
         self.tables[seq] = reply.blocks
@@ -196,12 +196,13 @@ class SchedulerActor(Actor):
         _, scheduled = self.in_flight.popleft()
         self.handling = list(result.seqs)
         live = [i for i, seq in enumerate(result.seqs) if seq in self.policy.requests]
+        scores = result.prompt_scores and [s for s in result.prompt_scores if s.seq in self.policy.requests]
         finished = self.policy.update(scheduled, dict(zip(result.seqs, result.token_ids, strict=True)))
         reasons = {r.request_id: r.finish_reason for r in finished}
         logprobs = [result.logprobs[i] for i in live] if result.logprobs else None
         seqs = [result.seqs[i] for i in live]
         self.send("engine", SeqTokens(self.epoch, seqs, [result.token_ids[i] for i in live],
-                                      [reasons.get(s) for s in seqs], logprobs))
+                                      [reasons.get(s) for s in seqs], logprobs, scores or None))
         for request in finished:
             self._forget(request.request_id)
 

@@ -29,9 +29,10 @@ from fdcore.actors import faults, health
 from fdcore.actors.runtime import Actor
 from fdcore.config import model_path
 from fdcore.core.batch import BatchInput
-from fdcore.protocol import SamplingParams, Step, StepResult, WorkerMessage, WorkerSync
+from fdcore.protocol import PromptScores, SamplingParams, Step, StepResult, WorkerMessage, WorkerSync
 
 GRAMMAR_GRACE = 3  # hang timeouts a step may wait for its grammar masks while the heartbeat ticks
+SCORE_ROWS = 256  # prompt positions scored per LM-head call (their logits: rows x vocab floats)
 
 
 @dataclass(eq=False)
@@ -52,6 +53,13 @@ class SeqState:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt) + len(self.output)
+
+    def scored_in(self, start: int, end: int) -> int:
+        """How many prompt tokens positions start..end-1 score (prompt_logprobs): position p scores
+        prompt token p + 1."""
+        if self.params.prompt_logprobs is None:
+            return 0
+        return max(0, min(end, len(self.prompt) - 1) - start)
 
     def tokens(self, start: int, end: int) -> list[int]:
         n = len(self.prompt)
@@ -112,7 +120,7 @@ class WorkerActor(Actor):
             self.seqs[new.seq] = SeqState(list(new.prompt_token_ids), list(new.output_token_ids), new.params,
                                           tuple(new.eos_token_ids))
         self.handling = [item.seq for item in step.items]  # a failing forward names the whole batch
-        token_ids, starts, tables, prompt_lengths, sampling = [], [], [], [], []
+        token_ids, starts, tables, prompt_lengths, sampling, scoring = [], [], [], [], [], []
         for row, item in enumerate(step.items):
             state = self.seqs[item.seq]
             if item.blocks is not None:
@@ -124,6 +132,8 @@ class WorkerActor(Actor):
             prompt_lengths.append(len(state.prompt))
             if end == state.num_tokens:
                 sampling.append((row, item.seq, state))
+            if state.scored_in(item.start, end):
+                scoring.append((row, item, state))
         seqs = [seq for _, seq, _ in sampling]
         if self.cache is None:  # the null model: a token per position, nothing computed
             tokens = [self.model.next_token(state.num_tokens) for _, _, state in sampling]
@@ -132,9 +142,11 @@ class WorkerActor(Actor):
             return StepResult(step.step, step.epoch, seqs, tokens, None, time.perf_counter() - started)
         constrained = [state for _, _, state in sampling if state.grammar is not None]
         masks = self.masks.submit(self._allowed, constrained) if constrained else None  # beside the forward
-        logits = self.model.forward(BatchInput(token_ids, starts, tables, prompt_lengths), self.cache)
+        batch = BatchInput(token_ids, starts, tables, prompt_lengths)
+        logits, hidden = self.model.forward_rows(batch, self.cache, tuple(row for row, _, _ in scoring))
+        scores = [self._score_prompt(item, state, hidden[row]) for row, item, state in scoring] or None
         if not sampling:
-            return StepResult(step.step, step.epoch, [], [], None, time.perf_counter() - started)
+            return StepResult(step.step, step.epoch, [], [], None, time.perf_counter() - started, scores)
         requests = [SamplerRequest(s.params, s.prompt, s.output, s.eos) for _, _, s in sampling]
         if masks is not None:
             _constrain(requests, sampling, self._await(masks))
@@ -148,7 +160,18 @@ class WorkerActor(Actor):
             if state.matcher is not None:
                 state.matcher.consume_token(pick.token_id)  # (a token the mask allowed: it cannot fail)
         return StepResult(step.step, step.epoch, seqs, [p.token_id for p in picks], logprobs,
-                          time.perf_counter() - started)
+                          time.perf_counter() - started, scores)
+
+    def _score_prompt(self, item, state: SeqState, hidden) -> PromptScores:
+        """prompt_logprobs: how this step's positions of the sequence scored the prompt tokens after them."""
+        from fdcore.sampling import score_tokens
+
+        count, scores = state.scored_in(item.start, item.start + item.num_tokens), []
+        for first in range(0, count, SCORE_ROWS):
+            last = min(first + SCORE_ROWS, count)
+            following = state.prompt[item.start + first + 1:item.start + last + 1]
+            scores += score_tokens(self.model.logits(hidden[first:last]), following, state.params.prompt_logprobs)
+        return PromptScores(item.seq, item.start + 1, scores)
 
     def _await(self, masks: Future) -> np.ndarray:
         """The mask thread's answer. The first constrained sequence a worker sees builds the grammar

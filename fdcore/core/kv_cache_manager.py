@@ -78,8 +78,10 @@ class KVCacheManager:
                                len(self._cached), self._queried, self._hits)
 
     # ------------------------------------------------------------- allocation
-    def allocate(self, request_id: str, token_ids: list[int], max_new_tokens: int) -> int | None:
-        """Start a request: reuse cached prefix blocks, then room for up to ``max_new_tokens`` more.
+    def allocate(self, request_id: str, token_ids: list[int], max_new_tokens: int,
+                 reuse_prefix: bool = True) -> int | None:
+        """Start a request: reuse cached prefix blocks (unless ``reuse_prefix`` is False: a request
+        that scores its prompt computes all of it), then room for up to ``max_new_tokens`` more.
 
         Returns the number of tokens already computed (a multiple of the block
         size, at most ``len(token_ids) - 1``: the last token is always recomputed
@@ -87,7 +89,7 @@ class KVCacheManager:
         """
         if request_id in self._requests:
             raise ValueError(f"request {request_id!r} already holds blocks")
-        hits = self._cached_prefix(token_ids) if self.enable_prefix_caching else []
+        hits = self._cached_prefix(token_ids) if self.enable_prefix_caching and reuse_prefix else []
         num_tokens = min(len(token_ids), len(hits) * self.block_size + max_new_tokens)
         needed = self._blocks_for(num_tokens) - len(hits)
         free_after_hits = len(self._free) - sum(1 for b in hits if b.ref_count == 0)

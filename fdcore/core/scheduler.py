@@ -142,7 +142,8 @@ class Scheduler:
                                 self.kv.block_table(request.request_id))
 
     def _schedule_waiting(self, request: Request, budget: int) -> ScheduledRequest | None:
-        cached = self.kv.allocate(request.request_id, request.all_token_ids, budget)
+        cached = self.kv.allocate(request.request_id, request.all_token_ids, budget,
+                                  reuse_prefix=request.params.prompt_logprobs is None)
         if cached is None:
             return None
         request.num_computed_tokens = cached

@@ -148,6 +148,8 @@ def check_sampling(params: SamplingParams, limits: ModelLimits) -> SamplingParam
         _integer("seed", params.seed, 0, 2**63 - 1)
     if params.logprobs is not None:
         _integer("logprobs", params.logprobs, 0, MAX_LOGPROBS)
+    if params.prompt_logprobs is not None:
+        _integer("prompt_logprobs", params.prompt_logprobs, 0, MAX_LOGPROBS)
     if len(params.stop) > MAX_STOP_STRINGS:
         raise RequestError("stop", f"{len(params.stop)} stop strings, at most {MAX_STOP_STRINGS} allowed")
     for i, stop in enumerate(params.stop):

@@ -208,22 +208,38 @@ class LlamaModel:
     @paddle.no_grad()
     def forward(self, batch: BatchInput, cache: PagedKVCache) -> np.ndarray:
         """Logits of each sequence's last new token, [num_seqs, vocab] float32, caller's order."""
+        return self.forward_rows(batch, cache, ())[0]
+
+    def forward_rows(self, batch: BatchInput, cache: PagedKVCache,
+                     every_row_of: tuple[int, ...]) -> tuple[np.ndarray, dict[int, paddle.Tensor]]:
+        """:meth:`forward`'s logits, and for each sequence (index into ``batch``) in ``every_row_of``
+        the final hidden state of every new token, [tokens, hidden] (prompt scoring turns them
+        into logits a slice at a time with :meth:`logits`: a long prompt's logits at once would
+        be tokens x vocab floats)."""
         order = sorted(range(batch.num_seqs), key=lambda s: len(batch.token_ids[s]) != 1)
         plan = _Plan(batch, order, cache, masks=self.fused is None, windows=self.windows)
         hidden = self._embed(plan.token_ids)
         cos, sin = self.args.rope.tables(plan.positions, plan.rope_lengths(batch, order)
                                          if self.args.rope.is_dynamic else None)
+        rows = {s: plan.rows_of(order.index(s)) for s in every_row_of}
         if self.fused is not None:
             normed = self._fused_layers(hidden, cos, sin, plan, cache)
             logits = linear(paddle.index_select(normed, paddle.to_tensor(plan.last_rows)), self.lm_head)
+            states = {s: normed[first:end] for s, (first, end) in rows.items()}
         else:
             for index, layer in enumerate(self.layers):
                 hidden = self._layer_forward(hidden, layer, index, cos, sin, plan, cache)
             last = paddle.index_select(hidden, paddle.to_tensor(plan.last_rows))
             logits = linear(_rms_norm(last, self.norm, self.args.rms_norm_eps), self.lm_head)
+            states = {s: _rms_norm(hidden[first:end], self.norm, self.args.rms_norm_eps)
+                      for s, (first, end) in rows.items()}
         out = np.empty((batch.num_seqs, self.args.vocab_size), dtype=np.float32)
         out[order] = logits.numpy()
-        return out
+        return out, states
+
+    def logits(self, states: paddle.Tensor) -> np.ndarray:
+        """The LM head over final hidden states (from :meth:`forward_rows`), [rows, vocab] float32."""
+        return linear(states, self.lm_head).numpy()
 
     def _fused_layers(self, hidden, cos, sin, plan, cache) -> paddle.Tensor:
         """Every layer with fdcore's fused operators: each residual add travels with the next
@@ -335,10 +351,16 @@ class _Plan:
         self.positions = np.asarray(positions, dtype=np.int64)
         self.write_slots = np.fromiter((slot for part in write for slot in part), dtype=np.int64)
         self.last_rows = np.asarray(last, dtype=np.int64)
+        self._counts = [len(batch.token_ids[s]) for s in order]
         decode = [s for s in order if len(batch.token_ids[s]) == 1]
         self.num_decode = len(decode)
         if decode and masks:
             self._plan_decode(batch, decode, cache.block_size, windows)
+
+    def rows_of(self, place: int) -> tuple[int, int]:
+        """The rows (first, end) of the ``place``-th sequence in row order."""
+        end = int(self.last_rows[place]) + 1
+        return end - self._counts[place], end
 
     def rope_lengths(self, batch: BatchInput, order: list[int]) -> np.ndarray:
         """Per row, the sequence length its rotary frequencies are for (dynamic scaling):

@@ -17,6 +17,7 @@ import json
 import time
 import uuid
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -43,6 +44,16 @@ from fdcore.server.schemas import (
 )
 from fdcore.server.reasoning import REASONING, ReasoningStream, split_reasoning
 from fdcore.server.tools import ToolPlan, ToolStream, plan_of
+
+class Collected(NamedTuple):
+    """One choice's whole answer."""
+
+    text: str
+    tokens: list[int]
+    logprobs: list
+    last: object  # its last RequestOutput
+    prompt_logprobs: list | None  # prompt_logprobs asked of it: a PromptLogprob per prompt token (the first: None)
+
 
 CLIENT_CLOSED = 499  # nginx's status for "the client closed the connection": logged, never sent
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
@@ -271,17 +282,18 @@ class _Api:
                 self.metrics.finished("abort", None)
             raise
 
-    async def collect(self, stream, first):
-        """A whole (not streamed) answer: its text, token ids, logprobs and last output."""
-        text, tokens, logprobs, out = "", [], [], first
+    async def collect(self, stream, first) -> Collected:
+        """A whole (not streamed) answer."""
+        text, tokens, logprobs, out, scores = "", [], [], first, None
         async for out in self.outputs(stream, first):
             text += out.outputs.text
             tokens += out.outputs.token_ids
             logprobs += out.outputs.logprobs or []
+            scores = out.prompt_logprobs or scores
         self.metrics.finished(out.outputs.finish_reason, out.metrics)
         if out.outputs.finish_reason == "error":
             raise BadRequest(out.error_msg, status=out.error_code or 500)
-        return text, tokens, logprobs, out
+        return Collected(text, tokens, logprobs, out, scores)
 
     async def collect_all(self, started: list) -> list:
         """collect() of every choice; one that fails cancels (aborts) the others."""
@@ -314,6 +326,30 @@ class _Api:
 
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
+
+    def vllm_prompt_logprobs(self, scores: list) -> list:
+        """vLLM's prompt_logprobs: per prompt token (the first: null) {token id: {logprob, rank,
+        decoded_token}}, the prompt's own token first, then the top-N there."""
+        def entry(token, logprob, rank):
+            return {"logprob": logprob, "rank": rank, "decoded_token": self.token_text(token)}
+
+        shown = []
+        for score in scores:
+            if score is None:
+                shown.append(None)
+                continue
+            tokens = {str(score.token_id): entry(score.token_id, score.logprob, score.rank)}
+            for rank, (token, logprob) in enumerate(score.top, 1):
+                tokens.setdefault(str(token), entry(token, logprob, rank))
+            shown.append(tokens)
+        return shown
+
+    def echo_logprobs(self, prompt_ids: list[int], scores: list, top_n: int) -> dict:
+        """OpenAI's completion logprobs of an echoed prompt: its first token has none (null)."""
+        texts = [self.token_text(t) for t in prompt_ids]
+        return {"tokens": texts, "token_logprobs": [s and s.logprob for s in scores],
+                "top_logprobs": [s and {self.token_text(t): p for t, p in s.top[:top_n]} for s in scores],
+                "text_offset": _offsets(texts, 0)}
 
     # ------------------------------------------------- tokenize / detokenize
     def limits(self) -> ModelLimits:
@@ -351,7 +387,7 @@ class _Api:
         self.check_model(body.model)
         params = completion_params(body)
         prompts = prompts_of(body)
-        per_prompt = choice_params(params, body.n, len(prompts))
+        per_prompt = choice_params(params, body.n, len(prompts), share_prompt_scores=not body.stream)
         try:
             started = await self.start_all([(prompt, p) for prompt in prompts for p in per_prompt])
         except BadRequest as exc:
@@ -360,21 +396,44 @@ class _Api:
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         if body.stream:
             usage = _include_usage(body)
-            return _sse(self._completion_chunks(started, rid, created, body.model, usage, body.n, echoed))
+            echo_scored = body.logprobs if body.echo else None
+            return _sse(self._completion_chunks(started, rid, created, body.model, usage, body.n, echoed, echo_scored))
         results = await self.collect_all(started)
-        choices = [{"index": i, "text": echoed[i] + text, "finish_reason": out.outputs.finish_reason,
-                    "logprobs": self._completion_logprobs(tokens, logprobs, 0) if body.logprobs is not None else None}
-                   for i, (text, tokens, logprobs, out) in enumerate(results)]
+        choices = [self._completion_choice(i, result, echoed[i], results[i - i % body.n].prompt_logprobs, body)
+                   for i, result in enumerate(results)]
         return JSONResponse({"id": rid, "object": "text_completion", "created": created, "model": body.model,
-                             "choices": choices, "usage": _usage(started, body.n, [len(r[1]) for r in results])})
+                             "choices": choices, "usage": _usage(started, body.n, [len(r.tokens) for r in results])})
 
-    async def _completion_chunks(self, started, rid, created, model, include_usage, n, echoed):
-        produced, offsets = [0] * len(started), [0] * len(started)
+    def _completion_choice(self, index: int, result: Collected, echoed: str, scores, body) -> dict:
+        """One whole choice; ``scores``: its prompt's prompt_logprobs (the prompt's first choice scored it)."""
+        choice = {"index": index, "text": echoed + result.text, "finish_reason": result.last.outputs.finish_reason,
+                  "logprobs": None}
+        if body.logprobs is not None:
+            choice["logprobs"] = self._completion_logprobs(result.tokens, result.logprobs, len(echoed))
+            if body.echo:
+                prompt = self.echo_logprobs(result.last.prompt_token_ids, scores, body.logprobs)
+                choice["logprobs"] = _joined(prompt, choice["logprobs"])
+        if body.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = self.vllm_prompt_logprobs(scores)
+        return choice
+
+    async def _completion_chunks(self, started, rid, created, model, include_usage, n, echoed, echo_scored):
+        """``echo_scored``: echo with logprobs (top-N): each echoed prompt comes with its scores, in
+        front of its choice's first output (which brings them); else the echoed prompts come first."""
+        produced, offsets = [0] * len(started), [len(text) for text in echoed]
+        pending_echo = [bool(text) for text in echoed]
         for index, text in enumerate(echoed):
-            if text:  # echo: the prompt first
+            if text and echo_scored is None:  # echo: the prompt first
+                pending_echo[index] = False
                 yield {"id": rid, "object": "text_completion", "created": created, "model": model,
                        "choices": [{"index": index, "text": text, "logprobs": None, "finish_reason": None}]}
         async for index, out in self.merged(started):
+            if pending_echo[index]:
+                pending_echo[index] = False
+                logprobs = self.echo_logprobs(out.prompt_token_ids, out.prompt_logprobs, echo_scored)
+                yield {"id": rid, "object": "text_completion", "created": created, "model": model,
+                       "choices": [{"index": index, "text": echoed[index], "logprobs": logprobs,
+                                    "finish_reason": None}]}
             produced[index] += len(out.outputs.token_ids)
             logprobs = None
             if out.outputs.logprobs:
@@ -392,13 +451,9 @@ class _Api:
 
     def _completion_logprobs(self, tokens, logprobs, offset):
         texts = [self.token_text(t) for t in tokens]
-        offsets, at = [], offset
-        for text in texts:
-            offsets.append(at)
-            at += len(text)
         return {"tokens": texts, "token_logprobs": [lp[0][1] for lp in logprobs],
                 "top_logprobs": [{self.token_text(t): p for t, p in lp[1:]} for lp in logprobs],
-                "text_offset": offsets}
+                "text_offset": _offsets(texts, offset)}
 
     # ----------------------------------------------------------------- chat
     async def chat(self, raw: bytes) -> Response:
@@ -417,7 +472,7 @@ class _Api:
             return _sse(self._chat_chunks(started, rid, created, body.model, usage, body.logprobs, body.n, plan))
         results = await self.collect_all(started)
         choices = []
-        for i, (text, tokens, logprobs, out) in enumerate(results):
+        for i, (text, tokens, logprobs, out, _) in enumerate(results):
             reasoning, answer = split_reasoning(self.settings.reasoning_parser, text)
             content, calls = plan.split(answer) if answer or reasoning is None else (None, [])  # all thought
             message = {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {}),
@@ -425,8 +480,11 @@ class _Api:
             choices.append({"index": i, "message": message,
                             "finish_reason": _tool_finish(out.outputs.finish_reason, plan, bool(calls)),
                             "logprobs": {"content": self._chat_logprobs(tokens, logprobs)} if body.logprobs else None})
-        return JSONResponse({"id": rid, "object": "chat.completion", "created": created, "model": body.model,
-                             "choices": choices, "usage": _usage(started, body.n, [len(r[1]) for r in results])})
+        answer = {"id": rid, "object": "chat.completion", "created": created, "model": body.model,
+                  "choices": choices, "usage": _usage(started, body.n, [len(r.tokens) for r in results])}
+        if body.prompt_logprobs is not None:  # vLLM's: the rendered prompt's, once for every choice
+            answer["prompt_logprobs"] = self.vllm_prompt_logprobs(results[0].prompt_logprobs)
+        return JSONResponse(answer)
 
     async def _chat_chunks(self, started, rid, created, model, include_usage, want_logprobs, n, plan):
         base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
@@ -466,6 +524,20 @@ class _Api:
                             "top_logprobs": [{"token": self.token_text(t), "logprob": p,
                                               "bytes": list(self.token_text(t).encode())} for t, p in lp[1:]]})
         return entries
+
+
+def _offsets(texts: list[str], start: int) -> list[int]:
+    """Where each of these consecutive texts starts, the first at ``start``."""
+    offsets, at = [], start
+    for text in texts:
+        offsets.append(at)
+        at += len(text)
+    return offsets
+
+
+def _joined(first: dict, then: dict) -> dict:
+    """Two OpenAI completion logprobs objects as one (the echoed prompt's, then the answer's)."""
+    return {key: first[key] + then[key] for key in first}
 
 
 async def _disconnected(request: Request) -> None:

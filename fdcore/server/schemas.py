@@ -38,6 +38,7 @@ class _Body(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     min_tokens: int = 0
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    prompt_logprobs: int | None = None  # each prompt token's logprob, rank and the top-N there (not streamed)
     # structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields
     response_format: dict | None = None
     structured_outputs: dict | None = None
@@ -157,7 +158,8 @@ def decode(raw: bytes, schema):
         raise BadRequest(f"The request body is not valid JSON ({exc})") from None
 
 
-def sampling_params(body: _Body, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+def sampling_params(body: _Body, max_tokens: int | None, logprobs: int | None,
+                    prompt_logprobs: int | None = None) -> SamplingParams:
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     return SamplingParams(
         temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p,
@@ -165,7 +167,13 @@ def sampling_params(body: _Body, max_tokens: int | None, logprobs: int | None) -
         frequency_penalty=body.frequency_penalty or 0.0, seed=body.seed, max_tokens=max_tokens,
         min_tokens=body.min_tokens, stop=stop, stop_token_ids=list(body.stop_token_ids or []),
         ignore_eos=body.ignore_eos, logprobs=logprobs, logit_bias=_logit_bias(body.logit_bias),
-        structured_outputs=structured_outputs(body)[0])
+        structured_outputs=structured_outputs(body)[0], prompt_logprobs=prompt_logprobs)
+
+
+def _check_prompt_logprobs(body: _Body) -> None:
+    """vLLM's rule: prompt_logprobs come whole with the answer, so a streamed request cannot have them."""
+    if body.prompt_logprobs is not None and body.stream:
+        raise BadRequest("prompt_logprobs are not available when stream is true", "prompt_logprobs")
 
 
 GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
@@ -260,14 +268,15 @@ def tokenize_body(body: TokenizeRequest) -> RequestBody:
 
 def completion_params(body: CompletionRequest) -> SamplingParams:
     check_neutral(body, COMPLETION_NEUTRAL)
-    if body.echo and body.logprobs is not None:
-        raise BadRequest("echo with logprobs is not supported (it asks for the prompt's logprobs)", "echo")
+    _check_prompt_logprobs(body)
     if body.best_of not in (None, 1):
         raise BadRequest(f"best_of is {body.best_of}: only 1 is supported", "best_of")
     if body.suffix:
         raise BadRequest("suffix is not supported", "suffix")
     # No max_tokens: the model's default (generation_config.json), else 16, the engine decides.
-    return sampling_params(body, body.max_tokens, body.logprobs)
+    # echo with logprobs scores the echoed prompt too (OpenAI's legacy completions).
+    scored = [n for n in (body.prompt_logprobs, body.logprobs if body.echo else None) if n is not None]
+    return sampling_params(body, body.max_tokens, body.logprobs, max(scored, default=None))
 
 
 def chat_params(body: ChatCompletionRequest, default_max_tokens: int,
@@ -276,11 +285,12 @@ def chat_params(body: ChatCompletionRequest, default_max_tokens: int,
     limit: the scheduler ends the answer with "length" when the context is full). ``tool_constraint``:
     what tool_choice "required" or a named function holds the output to."""
     check_neutral(body, CHAT_NEUTRAL)
+    _check_prompt_logprobs(body)
     limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     if body.top_logprobs and not body.logprobs:
         raise BadRequest("top_logprobs requires logprobs to be true", "top_logprobs")
-    params = sampling_params(body, default_max_tokens if limit is None else limit, logprobs)
+    params = sampling_params(body, default_max_tokens if limit is None else limit, logprobs, body.prompt_logprobs)
     if tool_constraint is None:
         return params
     if params.structured_outputs is not None:
@@ -308,15 +318,20 @@ def prompts_of(body: CompletionRequest) -> list:
     return list(prompt)
 
 
-def choice_params(params: SamplingParams, n: int, prompts: int = 1) -> list[SamplingParams]:
+def choice_params(params: SamplingParams, n: int, prompts: int = 1,
+                  share_prompt_scores: bool = True) -> list[SamplingParams]:
     """Each of a prompt's n choices' parameters: choice i seeded ``seed + i`` when a seed is given
-    (distinct and reproducible); checked against MAX_CHOICES."""
+    (distinct and reproducible); checked against MAX_CHOICES. With ``share_prompt_scores`` only the
+    first choice scores the prompt (prompt_logprobs): the others are given its scores."""
     if n < 1:
         raise BadRequest(f"n is {n}: at least 1", "n")
     if n * prompts > MAX_CHOICES:
         field = "n" if n > 1 else "prompt"
         raise BadRequest(f"{prompts} prompt(s) x n = {n} is {n * prompts} choices, more than the {MAX_CHOICES} "
                          "one request may ask for", field)
+    others = params
+    if share_prompt_scores and params.prompt_logprobs is not None:
+        others = msgspec.structs.replace(params, prompt_logprobs=None)
     if params.seed is None:
-        return [params] * n
-    return [msgspec.structs.replace(params, seed=params.seed + i) for i in range(n)]
+        return [params] + [others] * (n - 1)
+    return [msgspec.structs.replace(params if i == 0 else others, seed=params.seed + i) for i in range(n)]
