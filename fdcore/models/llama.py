@@ -494,10 +494,11 @@ class Bf16Matrix:
 class Int8Matrix:
     """A weight ``[out, in]`` quantized to int8 per output row and block of 32 inputs (wint8, llama.cpp's
     Q8_0 grouping: ``w ~= scale[row, block] * q``), stored as ``q + 128`` and packed for fdcore's
-    kernel (linear_int8.cc): groups of 64 output rows, each ``[in / 4, 4, 16, 4]`` (16 rows x 4
-    inputs per 64-byte load), zero-padded to whole groups and to a multiple of 32 inputs; scales
-    ``[groups, in / 32, 64]`` in float16 (as int16 bits: 2 bytes a block as Q8_0's, where float32 scales
-    added 12.5 % to the bytes a batch-1 step streams)."""
+    kernel (linear_int8.cc): groups of 64 output rows (32 on AVX2: kernels.int8_group_rows), each
+    ``[in / 4, rows / 16, 16, 4]`` (16 rows x 4 inputs per 64-byte load), zero-padded to whole groups
+    and to a multiple of 32 inputs; scales ``[groups, in / 32, group rows]`` in float16 (as int16
+    bits: 2 bytes a block as Q8_0's, where float32 scales added 12.5 % to the bytes a batch-1 step
+    streams)."""
 
     __slots__ = ("packed", "scales", "rows")
 
@@ -520,15 +521,18 @@ class Int8Matrix:
 
     @classmethod
     def pack(cls, weight: np.ndarray) -> "Int8Matrix":
+        from fdcore.models.kernels import int8_group_rows
+
         q, scale = cls.quantize(weight)
         rows, cols = q.shape
-        padded = np.full((-(-rows // 64) * 64, cols), 128, dtype=np.uint8)
+        group = int8_group_rows()  # the kernel path's (64 rows for AVX512-VNNI, 32 for AVX2)
+        padded = np.full((-(-rows // group) * group, cols), 128, dtype=np.uint8)
         padded[:rows] = (q.astype(np.int16) + 128).astype(np.uint8)
-        groups, quads = padded.shape[0] // 64, cols // 4
-        blocks = padded.reshape(groups, 4, 16, quads, 4).transpose(0, 3, 1, 2, 4)
+        groups, quads = padded.shape[0] // group, cols // 4
+        blocks = padded.reshape(groups, group // 16, 16, quads, 4).transpose(0, 3, 1, 2, 4)
         scales = np.zeros((padded.shape[0], cols // 32), dtype=np.float32)
         scales[:rows] = scale
-        scales = scales.reshape(groups, 64, cols // 32).transpose(0, 2, 1).astype(np.float16).view(np.int16)
+        scales = scales.reshape(groups, group, cols // 32).transpose(0, 2, 1).astype(np.float16).view(np.int16)
         return cls(paddle.to_tensor(np.ascontiguousarray(blocks)), paddle.to_tensor(np.ascontiguousarray(scales)),
                    rows)
 

@@ -150,6 +150,13 @@ def kernel_path(kind: str) -> str | None:
     return None
 
 
+def int8_group_rows() -> int:
+    """The output rows of one packed group of the int8 kernel (linear_int8.cc's kGroup for the path
+    built here): 64 for AVX512-VNNI (4 x 16-lane vectors), 32 for AVX2, whose 16 registers hold 32
+    rows' accumulators. A group's bytes are contiguous, so each thread streams whole groups."""
+    return 64 if kernel_path("wint8") == "AVX512-VNNI" else 32
+
+
 def needed_cpu_feature(kind: str) -> tuple[str, str]:
     """The least the kernel for ``kind`` needs: (its /proc/cpuinfo flags, joined; its usual name)."""
     needed, name = KERNEL_PATHS[kind][-1]

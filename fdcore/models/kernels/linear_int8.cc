@@ -12,8 +12,10 @@
 // (u = q + 128, in [1, 255]) so that they are the unsigned operand and the activations the signed one;
 // sum_k u[n, k] x[k] = sum_k q[n, k] x[k] + 128 * sum_k x[k], and the second term (one number per row
 // of X and block, the same for every output) is subtracted per block. Packing, as for bfloat16, in
-// groups of 64 output rows: packed[g][kq][b][lane][j] = u[64 g + 16 b + lane][4 kq + j], so one 64-byte
-// load holds 16 rows x 4 inputs against a broadcast quad of x.
+// groups of kGroup output rows: packed[g][kq][b][lane][j] = u[kGroup g + 16 b + lane][4 kq + j], so one
+// 64-byte load holds 16 rows x 4 inputs against a broadcast quad of x. kGroup is the path's (64 for
+// AVX512-VNNI, 32 for AVX2: fdcore.models.kernels.int8_group_rows packs to match), and a group's bytes
+// are contiguous: the threads share out whole groups, each streaming its own range of memory.
 #include <immintrin.h>
 
 #include <algorithm>
@@ -25,8 +27,6 @@
 
 namespace {
 
-constexpr int kGroup = 64;
-constexpr int kBlocks = kGroup / 16;
 constexpr int kQuant = 32;  // inputs per activation scale
 
 // x rows -> int8 per block of 32 (padded with zeros to Kp), their scales and 128 * their sums.
@@ -55,13 +55,14 @@ void QuantizeRows(const float* X, int64_t M, int64_t K, int64_t Kp, std::vector<
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+constexpr int kGroup = 64;
+constexpr int kBlocks = kGroup / 16;
 constexpr int kRowsPerPass = 2;
-constexpr int kUnits = 1;  // parts of a group the threads share out
 
 // MB rows of x against one group of 64 output rows (ws: the group's scales, [blocks][64] float16 bits).
 template <int MB>
 void GroupRows(const int8_t* Xq, const float* xs, const int32_t* xo, int64_t Kp, const uint8_t* Wg,
-               const uint16_t* ws, int64_t N, int64_t g, int, int64_t m0, float* Y) {
+               const uint16_t* ws, int64_t N, int64_t g, int64_t m0, float* Y) {
   const int64_t blocks = Kp / kQuant;
   __m512 acc[MB][kBlocks];
   for (int j = 0; j < MB; ++j)
@@ -99,28 +100,27 @@ void GroupRows(const int8_t* Xq, const float* xs, const int32_t* xo, int64_t Kp,
   }
 }
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+constexpr int kGroup = 32;
+constexpr int kBlocks = kGroup / 16;
 constexpr int kRowsPerPass = 2;
-constexpr int kUnits = 2;  // a group's two halves of 32 rows: what the threads share out
-constexpr int kHalf = kGroup / kUnits;
 
 // AVX2 has no vpdpbusd. Per 32 bytes (8 rows x 4 inputs): the signed weights q = u ^ 0x80, then
 // llama.cpp's pairing: |q| (unsigned) times x carrying q's sign (vpsignb), pairs summed to int16
 // (vpmaddubsw: at most 2 x 127 x 127, never saturated) and pairs of those to int32 (vpmaddwd by ones).
 // That is q . x itself (no offset to subtract): the same integers as the VNNI path, then the same
-// float32 arithmetic, so the same bits. A call takes one half of the group (32 rows: 4 integer
-// accumulators a row of x, within AVX2's 16 registers for 2 rows), reading its 128 bytes of every 256;
-// halves, not groups, are shared out over the threads (SmolLM2's 576-row projections are 9 groups: 5
-// and 4 on 2 threads, where 18 halves split evenly).
+// float32 arithmetic, so the same bits. A group is 32 rows: 4 integer accumulators a row of x, within
+// AVX2's 16 registers for 2 rows. (Groups of 64 read as two halves of 128 bytes in every 256 streamed
+// 11.3 GB/s from memory on 2 threads of an EPYC, where contiguous groups of 32 stream 16.5.)
 template <int MB>
 void GroupRows(const int8_t* Xq, const float* xs, const int32_t*, int64_t Kp, const uint8_t* Wg,
-               const uint16_t* ws, int64_t N, int64_t g, int half, int64_t m0, float* Y) {
-  constexpr int R = kHalf / 8;  // 8-row vectors
+               const uint16_t* ws, int64_t N, int64_t g, int64_t m0, float* Y) {
+  constexpr int R = kGroup / 8;  // 8-row vectors
   const int64_t blocks = Kp / kQuant;
   const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80)), ones = _mm256_set1_epi16(1);
   __m256 acc[MB][R];
   for (int j = 0; j < MB; ++j)
     for (int r = 0; r < R; ++r) acc[j][r] = _mm256_setzero_ps();
-  const uint8_t* w = Wg + half * R * 32;
+  const uint8_t* w = Wg;
   for (int64_t blk = 0; blk < blocks; ++blk) {
     __m256i dot[MB][R];
     for (int j = 0; j < MB; ++j)
@@ -145,13 +145,13 @@ void GroupRows(const int8_t* Xq, const float* xs, const int32_t*, int64_t Kp, co
       const __m256 x_scale = _mm256_set1_ps(xs[(m0 + j) * blocks + blk]);
       for (int r = 0; r < R; ++r) {
         const __m256 w_scale = _mm256_cvtph_ps(
-            _mm_loadu_si128(reinterpret_cast<const __m128i*>(ws + blk * kGroup + half * kHalf + r * 8)));
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(ws + blk * kGroup + r * 8)));
         acc[j][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[j][r]), _mm256_mul_ps(x_scale, w_scale), acc[j][r]);
       }
     }
   }
   for (int r = 0; r < R; ++r) {
-    const int64_t first = g * kGroup + half * kHalf + r * 8;
+    const int64_t first = g * kGroup + r * 8;
     if (first >= N) break;
     for (int j = 0; j < MB; ++j) {
       float* y = Y + (m0 + j) * N + first;
@@ -166,11 +166,12 @@ void GroupRows(const int8_t* Xq, const float* xs, const int32_t*, int64_t Kp, co
   }
 }
 #else
+constexpr int kGroup = 64;
+constexpr int kBlocks = kGroup / 16;
 constexpr int kRowsPerPass = 1;
-constexpr int kUnits = 1;
 template <int MB>
 void GroupRows(const int8_t*, const float*, const int32_t*, int64_t, const uint8_t*, const uint16_t*, int64_t,
-               int64_t, int, int64_t, float*) {
+               int64_t, int64_t, float*) {
   PD_CHECK(false, "linear_int8: built for a CPU without AVX2 (the caller must check its flags)");
 }
 #endif
@@ -187,24 +188,21 @@ void Linear(const float* X, int64_t M, int64_t K, const uint8_t* Wp, const uint1
   const float* xs = scales.data();
   const int32_t* xo = offsets.data();
   const int64_t group_size = Kp * kGroup;
-  const bool parallel = G * kUnits > 1 && M * N * K >= (1 << 18);
+  const bool parallel = G > 1 && M * N * K >= (1 << 18);
 #pragma omp parallel for schedule(static) if (parallel)
-  for (int64_t part = 0; part < G * kUnits; ++part) {
-    const int64_t g = part / kUnits;
-    const int unit = static_cast<int>(part % kUnits);
-    if (g * kGroup + unit * (kGroup / kUnits) >= N) continue;  // the last group's padding
+  for (int64_t g = 0; g < G; ++g) {
     const uint8_t* Wg = Wp + g * group_size;
     const uint16_t* wsg = ws + g * (Kp / kQuant) * kGroup;
     int64_t m0 = 0;
-    for (; m0 + kRowsPerPass <= M; m0 += kRowsPerPass)
-      GroupRows<kRowsPerPass>(xq, xs, xo, Kp, Wg, wsg, N, g, unit, m0, Y);
-    for (; m0 < M; ++m0) GroupRows<1>(xq, xs, xo, Kp, Wg, wsg, N, g, unit, m0, Y);
+    for (; m0 + kRowsPerPass <= M; m0 += kRowsPerPass) GroupRows<kRowsPerPass>(xq, xs, xo, Kp, Wg, wsg, N, g, m0, Y);
+    for (; m0 < M; ++m0) GroupRows<1>(xq, xs, xo, Kp, Wg, wsg, N, g, m0, Y);
   }
 }
 
 }  // namespace
 
-// x [M, K] float32; w [G, Kp / 4, 4, 16, 4] uint8 (q + 128, packed); scales [G, Kp / 32, 64] float16 as int16;
+// x [M, K] float32; w [G, Kp / 4, kBlocks, 16, 4] uint8 (q + 128, packed); scales [G, Kp / 32, kGroup] float16
+// as int16;
 // rows = N.
 std::vector<paddle::Tensor> LinearInt8(const paddle::Tensor& x, const paddle::Tensor& w, const paddle::Tensor& scales,
                                        int64_t rows) {
