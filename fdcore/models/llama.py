@@ -99,8 +99,12 @@ class LlamaModel:
     for the 4096-wide head at batch 64).
     """
 
-    def __init__(self, checkpoint: Checkpoint, dtype: str = "float32", quantization: str = "none"):
+    def __init__(self, checkpoint: Checkpoint, dtype: str = "float32", quantization: str = "none",
+                 group: "TensorGroup | None" = None):
+        """``group``: this rank's place in a tensor-parallel worker group (its shard of a checkpoint cut by
+        fdcore.models.tensor_parallel, and the group's communicator); None: the whole model here."""
         self.args = args = checkpoint.args
+        self.group = group
         self.dtype = paddle.float32
         self.matrix_dtype = _matrix_kind(dtype, quantization)  # projections: float32, bfloat16, wint8, wint4
         self.f32_kernel = self.matrix_dtype == "float32" and _f32_kernel()  # float32 as F32Matrix
@@ -132,7 +136,8 @@ class LlamaModel:
             for layer in self.layers:
                 layer["in_norm_t"] = self._tensor(layer["in_norm"])
                 layer["post_norm_t"] = self._tensor(layer["post_norm"])
-        self.decoder = self._decoder_plan() if self.fused is not None else None
+        # the one-call decoder has no all-reduce between layers: a rank of a group runs them one by one
+        self.decoder = self._decoder_plan() if self.fused is not None and group is None else None
 
     def _decoder_plan(self):
         """``(op, weights, meta, kind)`` for the one-call decoder (kernels/decoder.cc: every layer of a step
@@ -173,9 +178,24 @@ class LlamaModel:
 
     def _embed(self, token_ids: np.ndarray) -> paddle.Tensor:
         """The embedding's rows for these tokens, [tokens, hidden]."""
+        if self.group is not None:
+            return as_paddle(self.group.embed(lambda local: self._embed_rows(local).numpy(), token_ids))
+        return self._embed_rows(token_ids)
+
+    def _embed_rows(self, token_ids: np.ndarray) -> paddle.Tensor:
         if isinstance(self.embed, F32Matrix):
             return as_paddle(self.embed.take_rows(token_ids))
         return paddle.index_select(self.embed, paddle.to_tensor(token_ids))
+
+    def _head(self, states: paddle.Tensor) -> np.ndarray:
+        """The LM head's logits, [rows, vocab] float32 (a group's rank: its slice, then everyone's gathered)."""
+        logits = linear(states, self.lm_head).numpy()
+        return logits if self.group is None else self.group.comm.gather(logits)
+
+    def _row_parallel(self, x: paddle.Tensor, matrix, bias) -> paddle.Tensor:
+        """An output projection (o, down): in a group, each rank's partial product, summed."""
+        y = linear(x, matrix, bias)
+        return y if self.group is None else as_paddle(self.group.comm.all_reduce(y.numpy()))
 
     def _layer(self, t: dict, i: int) -> dict:
         p = f"model.layers.{i}."
@@ -224,22 +244,22 @@ class LlamaModel:
         rows = {s: plan.rows_of(order.index(s)) for s in every_row_of}
         if self.fused is not None:
             normed = self._fused_layers(hidden, cos, sin, plan, cache)
-            logits = linear(paddle.index_select(normed, paddle.to_tensor(plan.last_rows)), self.lm_head)
+            logits = self._head(paddle.index_select(normed, paddle.to_tensor(plan.last_rows)))
             states = {s: normed[first:end] for s, (first, end) in rows.items()}
         else:
             for index, layer in enumerate(self.layers):
                 hidden = self._layer_forward(hidden, layer, index, cos, sin, plan, cache)
             last = paddle.index_select(hidden, paddle.to_tensor(plan.last_rows))
-            logits = linear(_rms_norm(last, self.norm, self.args.rms_norm_eps), self.lm_head)
+            logits = self._head(_rms_norm(last, self.norm, self.args.rms_norm_eps))
             states = {s: _rms_norm(hidden[first:end], self.norm, self.args.rms_norm_eps)
                       for s, (first, end) in rows.items()}
         out = np.empty((batch.num_seqs, self.args.vocab_size), dtype=np.float32)
-        out[order] = logits.numpy()
+        out[order] = logits
         return out, states
 
     def logits(self, states: paddle.Tensor) -> np.ndarray:
         """The LM head over final hidden states (from :meth:`forward_rows`), [rows, vocab] float32."""
-        return linear(states, self.lm_head).numpy()
+        return self._head(states)
 
     def _fused_layers(self, hidden, cos, sin, plan, cache) -> paddle.Tensor:
         """Every layer with fdcore's fused operators: each residual add travels with the next
@@ -262,9 +282,10 @@ class LlamaModel:
             k, v = cache.tensors(index)
             attn = attention_block(qkv, cos_t, sin_t, slots, k, v, tables, lengths, layer.get("q_norm_t", none),
                                    layer.get("k_norm_t", none), a.num_heads, self.scale, layer["window"], eps)
-            hidden, x = add_rms_norm(hidden, linear(attn, layer["o"], layer.get("o_bias")), layer["post_norm_t"], eps)
+            hidden, x = add_rms_norm(hidden, self._row_parallel(attn, layer["o"], layer.get("o_bias")),
+                                     layer["post_norm_t"], eps)
             gate_up = linear(x, layer["gate_up"], layer.get("gate_up_bias"))
-            delta = linear(silu_mul(gate_up), layer["down"], layer.get("down_bias"))
+            delta = self._row_parallel(silu_mul(gate_up), layer["down"], layer.get("down_bias"))
         return add_rms_norm(hidden, delta, self.norm_t, eps)[1]
 
     def _layer_forward(self, hidden, layer, index, cos, sin, plan, cache):
@@ -282,10 +303,10 @@ class LlamaModel:
         q = qk[:, :a.num_heads] * np.float32(self.scale)
         cache.write(index, plan.write_slots, qk[:, a.num_heads:], heads[:, a.num_heads + a.num_kv_heads:])
         attn = as_paddle(self._attention(q, index, cache, plan, layer["window"]))
-        hidden = hidden + linear(attn, layer["o"], layer.get("o_bias"))
+        hidden = hidden + self._row_parallel(attn, layer["o"], layer.get("o_bias"))
         x = _rms_norm(hidden, layer["post_norm"], a.rms_norm_eps)
         gate, up = paddle.split(linear(x, layer["gate_up"], layer.get("gate_up_bias")), 2, axis=-1)
-        return hidden + linear(paddle.nn.functional.silu(gate) * up, layer["down"], layer.get("down_bias"))
+        return hidden + self._row_parallel(paddle.nn.functional.silu(gate) * up, layer["down"], layer.get("down_bias"))
 
     def _attention(self, q: np.ndarray, layer: int, cache: PagedKVCache, plan, window: int) -> np.ndarray:
         """Attention output [tokens, heads * head_dim] for scaled queries ``q`` [tokens, heads, dim]

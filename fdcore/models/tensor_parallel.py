@@ -1,0 +1,124 @@
+"""How a checkpoint is split over the ranks of a tensor-parallel worker group (issue 17).
+
+Megatron's split, as vLLM and FastDeploy do it: each rank holds
+- a contiguous share of the attention heads, cut at KV-group boundaries (its query heads, and the
+  KV heads they read: no KV head is split, and a rank's heads share KV heads in equal groups, which
+  is what the attention kernel runs); with fewer KV heads than ranks, each KV head is copied to
+  ``world / kv_heads`` ranks, which split its query heads;
+- a contiguous share of the MLP's intermediate columns (gate and up rows, down's columns);
+- a contiguous share of the vocabulary (embedding rows, LM head rows).
+
+The output projections (o, down) are row-parallel: each rank's product is a partial sum, and the
+group adds them with an all-reduce (their biases are added by rank 0 alone). A token's embedding
+is the row of the one rank that holds it (the others give zeros), summed the same way; the logits
+are each rank's vocabulary slice, gathered. Shares may be unequal (SmolLM2's 3 KV groups over 2
+ranks: 2 and 1): every split is ``n * r // world`` to ``n * (r + 1) // world``.
+
+Pure functions of shapes and arrays: tested without processes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from fdcore.models.loader import Checkpoint, CheckpointError
+
+
+@dataclasses.dataclass(frozen=True)
+class Shard:
+    """What one rank holds: query heads, KV heads, intermediate columns and vocabulary rows."""
+
+    rank: int
+    world: int
+    heads: range
+    kv_heads: range
+    intermediate: range
+    vocab: range
+
+
+def share(total: int, rank: int, world: int) -> range:
+    """Rank ``rank``'s contiguous share of ``total`` items split over ``world`` ranks."""
+    return range(total * rank // world, total * (rank + 1) // world)
+
+
+def head_shares(num_heads: int, num_kv_heads: int, world: int) -> list[tuple[range, range]]:
+    """(query heads, KV heads) of each rank."""
+    group = num_heads // num_kv_heads
+    if num_kv_heads >= world:
+        kv = [share(num_kv_heads, rank, world) for rank in range(world)]
+        return [(range(k.start * group, k.stop * group), k) for k in kv]
+    copies = world // num_kv_heads  # ranks holding each KV head
+    if world % num_kv_heads or group % copies:
+        raise CheckpointError(f"tensor_parallel_size {world}: {num_heads} query heads in {num_kv_heads} KV groups "
+                              f"cannot be split over {world} ranks (with fewer KV heads than ranks, each KV head's "
+                              f"{group} query heads must split evenly over the ranks that copy it)")
+    per = group // copies
+    shares = []
+    for rank in range(world):
+        kv_head, part = divmod(rank, copies)
+        first = kv_head * group + part * per
+        shares.append((range(first, first + per), range(kv_head, kv_head + 1)))
+    return shares
+
+
+def shard_of(checkpoint: Checkpoint, rank: int, world: int) -> Shard:
+    a = checkpoint.args
+    if world > a.num_heads:
+        raise CheckpointError(f"tensor_parallel_size {world}: more ranks than the model's {a.num_heads} attention heads")
+    heads, kv_heads = head_shares(a.num_heads, a.num_kv_heads, world)[rank]
+    return Shard(rank, world, heads, kv_heads, share(a.intermediate_size, rank, world), share(a.vocab_size, rank, world))
+
+
+def shard_checkpoint(checkpoint: Checkpoint, rank: int, world: int) -> tuple[Checkpoint, Shard]:
+    """This rank's part of the checkpoint: its tensors (sliced copies; the whole ones are dropped as
+    they are cut, so loading peaks at one tensor more than the shard) and its architecture (its
+    head, KV-head and intermediate counts; ``vocab_size`` stays the model's: the logits are
+    gathered whole)."""
+    shard = shard_of(checkpoint, rank, world)
+    a, t = checkpoint.args, checkpoint.tensors
+    d = a.head_dim
+    rows = lambda heads: slice(heads.start * d, heads.stop * d)  # noqa: E731  a head range's rows
+    cut = {"q_proj": (0, rows(shard.heads)), "k_proj": (0, rows(shard.kv_heads)), "v_proj": (0, rows(shard.kv_heads)),
+           "o_proj": (1, rows(shard.heads)), "gate_proj": (0, _slice(shard.intermediate)),
+           "up_proj": (0, _slice(shard.intermediate)), "down_proj": (1, _slice(shard.intermediate))}
+    out = {}
+    for name in list(t):
+        array = t.pop(name)
+        module = name.rsplit(".", 2)[-2] if name.count(".") >= 2 else ""
+        if name in ("model.embed_tokens.weight", "lm_head.weight"):
+            array = array[_slice(shard.vocab)]
+        elif module in cut and name.endswith(".weight"):
+            axis, part = cut[module]
+            array = array[part] if axis == 0 else array[:, part]
+        elif module in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj") and name.endswith(".bias"):
+            array = array[cut[module][1]]
+        elif module in ("o_proj", "down_proj") and name.endswith(".bias") and rank != 0:
+            array = np.zeros_like(array)  # a row-parallel bias is added once, by rank 0
+        out[name] = np.ascontiguousarray(array)
+    args = dataclasses.replace(a, num_heads=len(shard.heads), num_kv_heads=len(shard.kv_heads),
+                               intermediate_size=len(shard.intermediate))
+    return dataclasses.replace(checkpoint, args=args, tensors=out), shard
+
+
+def _slice(items: range) -> slice:
+    return slice(items.start, items.stop)
+
+
+class TensorGroup:
+    """A rank's place in its group, as its model uses it: its shard, and the communicator (for
+    example fdcore.ipc.allreduce.ShmCommunicator) the group sums and gathers through."""
+
+    def __init__(self, shard: Shard, comm):
+        self.shard, self.comm = shard, comm
+
+    def embed(self, rows_of, token_ids: np.ndarray) -> np.ndarray:
+        """The embeddings of ``token_ids`` [tokens, hidden]: each rank looks up the tokens of its
+        vocabulary share (``rows_of(local ids)``, numpy) and gives zeros for the others'; the group
+        sums them."""
+        local = np.asarray(token_ids, dtype=np.int64) - self.shard.vocab.start
+        held = (local >= 0) & (local < len(self.shard.vocab))
+        rows = np.array(rows_of(np.where(held, local, 0)), dtype=np.float32)
+        rows[~held] = 0.0
+        return self.comm.all_reduce(rows)

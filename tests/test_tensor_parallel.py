@@ -1,0 +1,170 @@
+"""Tensor-parallel ranks (issue 17): the split of heads, MLP columns and vocabulary, and two or three
+rank processes summing through the shared-memory communicator giving TP=1's greedy tokens and, within
+float rounding, its logits."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import posix_ipc
+import pytest
+
+from fdcore.ipc import names
+from fdcore.ipc.allreduce import ShmCommunicator
+from fdcore.ipc.shm import unlink_quietly
+from fdcore.models import tiny
+from fdcore.models.loader import CheckpointError, load_checkpoint
+from fdcore.models.tensor_parallel import head_shares, shard_checkpoint, share
+
+CAPACITY = 8 << 20
+STEPS = 12
+
+# One rank: its shard of the checkpoint, a model on it, and a run of continuous batching in
+# miniature (3 prompts; prefill in chunks, then greedy decode), saving the tokens and last logits.
+RANK = textwrap.dedent("""
+    import sys
+    import numpy as np
+    from fdcore.core.batch import BatchInput
+    from fdcore.ipc.allreduce import ShmCommunicator
+    from fdcore.models.llama import LlamaModel, PagedKVCache
+    from fdcore.models.loader import load_checkpoint
+    from fdcore.models.tensor_parallel import TensorGroup, shard_checkpoint
+
+    path, quantization, name, rank, world, capacity, steps, out = sys.argv[1:9]
+    rank, world, steps = int(rank), int(world), int(steps)
+    checkpoint = load_checkpoint(path, progress=lambda *_: None)
+    group = None
+    if world > 1:
+        checkpoint, shard = shard_checkpoint(checkpoint, rank, world)
+        group = TensorGroup(shard, ShmCommunicator.attach(name, rank, world, int(capacity), timeout=60))
+    model = LlamaModel(checkpoint, "float32", quantization, group)
+    cache = PagedKVCache(checkpoint.args, 24, 16)
+    prompts = [[5 + (i * 37 + j * 11) % 4000 for j in range(20 + 9 * i)] for i in range(3)]
+    tables = [list(range(8 * i, 8 * i + 8)) for i in range(3)]
+    done, outputs, last = [0, 0, 0], [[], [], []], []
+    while any(len(o) < steps for o in outputs):
+        batch = BatchInput([], [], [], [])
+        members = []
+        for i, prompt in enumerate(prompts):
+            seq = prompt + outputs[i]
+            if len(outputs[i]) >= steps:
+                continue
+            ids = seq[done[i]:done[i] + 16]
+            batch.token_ids.append(ids); batch.start_positions.append(done[i])
+            batch.block_tables.append(tables[i]); batch.prompt_lengths.append(len(prompt))
+            members.append(i)
+        logits = model.forward(batch, cache)
+        for row, i in enumerate(members):
+            done[i] += len(batch.token_ids[row])
+            if done[i] == len(prompts[i]) + len(outputs[i]):
+                outputs[i].append(int(np.argmax(logits[row])))
+        last = logits
+    np.savez(out, tokens=np.array(outputs), logits=last)
+""")
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tp")
+    return {"llama-gqa": tiny.make_tiny_model(str(root / "llama")),
+            "qwen2-bias-tied": tiny.make_tiny_model(str(root / "qwen2"), arch="qwen2")}
+
+
+def run_group(path: str, world: int, tmp_path, quantization: str = "none") -> list[dict]:
+    name = names.object_name(names.new_instance_id(), "tp")
+    ShmCommunicator.create(name, world, CAPACITY).close()
+    outs = [tmp_path / f"rank{world}-{rank}.npz" for rank in range(world)]
+    procs = [subprocess.Popen([sys.executable, "-c", RANK, path, quantization, name, str(rank), str(world),
+                               str(CAPACITY), str(STEPS), str(out)], stderr=subprocess.PIPE, text=True,
+                              start_new_session=True, env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+             for rank, out in enumerate(outs)]
+    try:
+        errors = [proc.communicate(timeout=300)[1] for proc in procs]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        unlink_quietly(posix_ipc.unlink_shared_memory, name)
+    for proc, err in zip(procs, errors, strict=True):
+        assert proc.returncode == 0, err[-3000:]
+    return [dict(np.load(out)) for out in outs]
+
+
+# ------------------------------------------------------------------- split
+def test_shares_cover_everything_once():
+    for total in (1, 7, 1536, 49152):
+        for world in (1, 2, 3, 4):
+            parts = [share(total, rank, world) for rank in range(world)]
+            assert [i for part in parts for i in part] == list(range(total))
+
+
+@pytest.mark.parametrize("heads, kv, world, want", [
+    (4, 2, 2, [(range(0, 2), range(0, 1)), (range(2, 4), range(1, 2))]),
+    (9, 3, 2, [(range(0, 3), range(0, 1)), (range(3, 9), range(1, 3))]),  # SmolLM2: 1 and 2 KV groups
+    (8, 2, 4, [(range(0, 2), range(0, 1)), (range(2, 4), range(0, 1)), (range(4, 6), range(1, 2)),
+               (range(6, 8), range(1, 2))]),  # fewer KV heads than ranks: each copied to 2 ranks
+    (8, 8, 3, [(range(0, 2), range(0, 2)), (range(2, 5), range(2, 5)), (range(5, 8), range(5, 8))]),
+])
+def test_heads_are_split_at_kv_group_boundaries(heads, kv, world, want):
+    assert head_shares(heads, kv, world) == want
+
+
+def test_a_split_that_cannot_keep_kv_groups_whole_is_refused():
+    with pytest.raises(CheckpointError, match="tensor_parallel_size 4: 6 query heads in 2 KV groups"):
+        head_shares(6, 2, 4)
+
+
+def test_each_rank_holds_its_slices(checkpoints):
+    whole = load_checkpoint(checkpoints["qwen2-bias-tied"], progress=lambda *_: None)
+    tensors = dict(whole.tensors)
+    part, shard = shard_checkpoint(load_checkpoint(checkpoints["qwen2-bias-tied"], progress=lambda *_: None), 1, 2)
+    d = whole.args.head_dim
+    assert (part.args.num_heads, part.args.num_kv_heads) == (len(shard.heads), len(shard.kv_heads)) == (2, 1)
+    q = "model.layers.0.self_attn.q_proj"
+    np.testing.assert_array_equal(part.tensors[q + ".weight"], tensors[q + ".weight"][2 * d:4 * d])
+    np.testing.assert_array_equal(part.tensors[q + ".bias"], tensors[q + ".bias"][2 * d:4 * d])
+    o = "model.layers.0.self_attn.o_proj.weight"
+    np.testing.assert_array_equal(part.tensors[o], tensors[o][:, 2 * d:4 * d])
+    down = "model.layers.0.mlp.down_proj.weight"
+    np.testing.assert_array_equal(part.tensors[down], tensors[down][:, shard.intermediate.start:shard.intermediate.stop])
+    embed = "model.embed_tokens.weight"
+    np.testing.assert_array_equal(part.tensors[embed], tensors[embed][shard.vocab.start:shard.vocab.stop])
+    assert part.args.vocab_size == whole.args.vocab_size
+
+
+# ------------------------------------------------------------------- ranks
+@pytest.mark.parametrize("name", ["llama-gqa", "qwen2-bias-tied"])
+def test_two_ranks_give_one_ranks_tokens(checkpoints, tmp_path, name):
+    solo = run_group(checkpoints[name], 1, tmp_path)[0]
+    ranks = run_group(checkpoints[name], 2, tmp_path)
+    for rank in ranks:
+        assert rank["tokens"].tolist() == solo["tokens"].tolist()
+        np.testing.assert_allclose(rank["logits"], solo["logits"], atol=1e-4)
+    np.testing.assert_array_equal(ranks[0]["logits"], ranks[1]["logits"])  # every rank: the same bits
+    assert not np.array_equal(ranks[0]["logits"], solo["logits"])  # computed apart, summed: not TP=1's bits
+
+
+def test_two_ranks_with_wint8_weights(checkpoints, tmp_path):
+    """Each rank quantizes its own slices (per row and block of 32 inputs, as the whole matrix's
+    would be: the blocks do not straddle a cut at a multiple of 32): the same greedy tokens."""
+    path = checkpoints["llama-gqa"]
+    solo = run_group(path, 1, tmp_path, "wint8")[0]
+    ranks = run_group(path, 2, tmp_path, "wint8")
+    assert all(rank["tokens"].tolist() == solo["tokens"].tolist() for rank in ranks)
+    assert not np.array_equal(ranks[0]["logits"], solo["logits"])  # computed apart, summed: not TP=1's bits
+
+
+def test_two_ranks_of_the_real_model_give_its_tokens(tmp_path):
+    """SmolLM2-135M (9 heads in 3 KV groups: shares of 1 and 2 groups; 49,152-token vocabulary)."""
+    from fdcore.models import fetch
+
+    path = fetch.fetch_smollm2()
+    solo = run_group(path, 1, tmp_path)[0]
+    ranks = run_group(path, 2, tmp_path)
+    for rank in ranks:
+        assert rank["tokens"].tolist() == solo["tokens"].tolist()
+        np.testing.assert_allclose(rank["logits"], solo["logits"], atol=2e-3)
