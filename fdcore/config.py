@@ -37,7 +37,8 @@ Example (every key shown with its default)::
 
     [workers]
     count = 1
-    omp_threads = 0           # a worker's math threads; 0: $OMP_NUM_THREADS when set, else every core it may run on
+    tensor_parallel_size = 1  # ranks of the one worker group (fdcore:worker:0..N-1), each 1/N of the model
+    omp_threads = 0           # a worker's math threads; 0: $OMP_NUM_THREADS when set, else the cores shared out
     standby = true            # keep a loaded spare per worker: a crashed worker is replaced in ~0.1 s
                               # instead of a fresh start (import + weights); costs its memory
 
@@ -113,6 +114,7 @@ class EngineConfig(_Section):
 
 class WorkersConfig(_Section):
     count: int = 1
+    tensor_parallel_size: int = 1  # ranks of the worker group (fdcore.models.tensor_parallel)
     omp_threads: int = 0  # 0: see worker_threads()
     standby: bool = True
 
@@ -120,14 +122,14 @@ class WorkersConfig(_Section):
 def worker_threads(workers: WorkersConfig, environ=os.environ) -> int:
     """The math threads each worker runs (its OpenMP / MKL threads): ``workers.omp_threads`` when
     set; else ``OMP_NUM_THREADS`` when the environment sets it (the tests pin 1); else the cores
-    this process may run on, shared among the workers. The other actors need little CPU beside a
+    this process may run on, shared among the workers (the group's ranks). The other actors need little CPU beside a
     worker's matrix products, and those products are most of the work at every batch size."""
     if workers.omp_threads > 0:
         return workers.omp_threads
     pinned = environ.get("OMP_NUM_THREADS", "")
     if pinned.isdigit() and int(pinned) > 0:
         return int(pinned)
-    return max(1, len(os.sched_getaffinity(0)) // workers.count)
+    return max(1, len(os.sched_getaffinity(0)) // (workers.count * workers.tensor_parallel_size))
 
 
 class SupervisorConfig(_Section):
@@ -174,7 +176,7 @@ _MINIMA = [
     ("scheduler", "max_num_seqs", 1), ("scheduler", "max_num_batched_tokens", 1),
     ("scheduler", "max_model_len", 1), ("engine", "max_clients", 1),
     ("engine", "max_pending_requests", 1), ("engine", "client_stall_timeout", 0.001),
-    ("workers", "count", 1), ("workers", "omp_threads", 0),
+    ("workers", "count", 1), ("workers", "tensor_parallel_size", 1), ("workers", "omp_threads", 0),
     ("supervisor", "max_restarts", 0), ("supervisor", "period", 0.001),
     ("supervisor", "start_timeout", 0.001), ("supervisor", "shutdown_timeout", 0.0),
     ("supervisor", "heartbeat_interval", 0.001), ("supervisor", "hang_timeout", 0.001),
@@ -266,8 +268,9 @@ def _check_ranges(config: Config, source: str) -> None:
         if value < lowest:
             raise ConfigError(f"{source}: key '{section}.{key}' is {value}, must be >= {lowest}")
     if config.workers.count != 1:
-        raise ConfigError(f"{source}: key 'workers.count' is {config.workers.count}; this version "
-                          "runs exactly 1 worker (tensor parallelism across workers is not built yet)")
+        raise ConfigError(f"{source}: key 'workers.count' is {config.workers.count}; this version runs exactly 1 "
+                          "worker group (data-parallel groups are not built yet); for several worker processes "
+                          "on one model use workers.tensor_parallel_size")
     _check_compute(config.model, source)
     if config.server.port > 65535:
         raise ConfigError(f"{source}: key 'server.port' is {config.server.port}, must be <= 65535")

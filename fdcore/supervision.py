@@ -55,14 +55,20 @@ class RestartPlan(msgspec.Struct, frozen=True):
     start: list[str]  # children to start again, in start order (the failed one among them)
 
 
-def plan_restart(strategy: Strategy, order: list[str], failed: str, running) -> RestartPlan:
+def plan_restart(strategy: Strategy, order: list[str], failed: str, running,
+                 groups: list[list[str]] = ()) -> RestartPlan:
     """The restart of ``failed`` (no longer running) under ``strategy``: as OTP, siblings the
     strategy takes along are stopped in reverse start order, then everything is started again in
-    start order. ``order`` is the start order of the children that may be restarted."""
+    start order. ``order`` is the start order of the children that may be restarted. A child of one
+    of ``groups`` (a tensor-parallel worker group: its ranks share state no rank can rebuild alone)
+    fails as its whole group, as if the group's first child had failed."""
     if failed in running:
         raise ValueError(f"{failed!r} is still running: only a child that is gone is restarted")
-    affected = to_restart(strategy, order, failed)
-    return RestartPlan([c for c in reversed(affected) if c in running], affected)
+    group = next((g for g in groups if failed in g), [failed])
+    members = [c for c in order if c in group]
+    affected = set(members) | set(to_restart(strategy, order, members[0]))
+    start = [c for c in order if c in affected]
+    return RestartPlan([c for c in reversed(start) if c in running], start)
 
 
 def should_restart(restart: RestartType, abnormal: bool) -> bool:

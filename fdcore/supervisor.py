@@ -85,6 +85,7 @@ class Supervisor:
         self.standby_semaphores: dict = {}
         self.standby_backoff: dict[str, Backoff] = {}  # by child: pauses between respawns of crashing spares
         self.senders: dict[str, Sender] = {}
+        self.group_comm = None  # the worker group's communicator segment (tensor_parallel_size > 1)
 
     # ------------------------------------------------------------------ main
     def run(self) -> int:
@@ -148,11 +149,14 @@ class Supervisor:
         if not should_restart(child.spec.restart, abnormal) or not self._count_restart(child.spec.id):
             return
         order = [s.id for s in self.specs if s.id in self.children or s.id == child.spec.id]
-        plan = plan_restart(self.config.supervisor.strategy, order, child.spec.id, self.children)
+        plan = plan_restart(self.config.supervisor.strategy, order, child.spec.id, self.children,
+                            [topology.worker_ids(self.config)])
         for cid in plan.stop:
             self._stop_for_restart(self.children.pop(cid), child.spec.id)
         if self.stopping:
             return  # a sibling found dead on its own was one crash too many
+        if self.group_comm is not None and any(topology.kind_of(cid) == "worker" for cid in plan.start):
+            self.group_comm.reset()  # every rank is gone: the new group counts its collectives from 0
         self.generation += 1
         for cid in plan.start:
             self.restart_counts[cid] = self.restart_counts.get(cid, 0) + 1
@@ -183,7 +187,20 @@ class Supervisor:
             if sibling.proc.returncode != 0:
                 self._count_restart(sibling.spec.id)
             return
+        if topology.kind_of(sibling.spec.id) == topology.kind_of(failed) == "worker":
+            self._terminate(sibling)  # a rank of the failed one's group: it waits in a collective, reading nothing
+            return
         self._stop_child(sibling, Stop(f"restarting with {failed}", restart=True))
+
+    def _terminate(self, child: Child) -> None:
+        """SIGTERM, then SIGKILL after ``shutdown_timeout``: for a child that cannot read a Stop."""
+        t0 = time.monotonic()
+        _killpg(child.proc.pid, signal.SIGTERM)
+        how = "SIGTERM"
+        if not self._wait_exit(child, child.spec.shutdown_timeout):
+            how = "SIGKILL"
+            self._kill(child)
+        log("child_stopped", id=child.spec.id, pid=child.proc.pid, by=how, seconds=f"{time.monotonic() - t0:.2f}")
 
     def _restart(self, cid: str) -> None:
         spec = next(s for s in self.specs if s.id == cid)
@@ -420,6 +437,19 @@ class Supervisor:
         for client in topology.client_ids(self.config):
             self.inboxes.append(Inbox.create(topology.inbox_name(self.instance, client), ["engine"],
                                              capacity=capacity))
+        if self.config.workers.tensor_parallel_size > 1:
+            self._create_group_comm()
+
+    def _create_group_comm(self) -> None:
+        """The worker group's communicator segment, sized from the checkpoint's shapes (its headers
+        only: no weights are read here)."""
+        from fdcore.ipc.allreduce import ShmCommunicator
+        from fdcore.models.loader import inspect_checkpoint
+        from fdcore.models.tensor_parallel import communicator_capacity
+
+        world = self.config.workers.tensor_parallel_size
+        capacity = communicator_capacity(inspect_checkpoint(model_path(self.config)), self.config.scheduler, world)
+        self.group_comm = ShmCommunicator.create(topology.group_name(self.instance), world, capacity)
 
     def _destroy_ipc(self) -> None:
         for semaphore in self.standby_semaphores.values():
@@ -430,6 +460,8 @@ class Supervisor:
             inbox.close()
         if self.board is not None:
             self.board.close()
+        if self.group_comm is not None:
+            self.group_comm.close()
         names.unlink_instance(self.instance)
 
 

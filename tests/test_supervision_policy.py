@@ -37,6 +37,22 @@ def test_a_restart_stops_running_siblings_in_reverse_order_then_starts_in_order(
     assert plan == RestartPlan(stop, to_restart(strategy, ORDER, failed))
 
 
+GROUP_ORDER = ["cache", "worker0", "worker1", "scheduler", "engine"]
+
+
+@pytest.mark.parametrize("strategy, failed, stop, start", [
+    ("one_for_one", "worker1", ["worker0"], ["worker0", "worker1"]),  # a rank takes its group along
+    ("one_for_one", "worker0", ["worker1"], ["worker0", "worker1"]),
+    ("rest_for_one", "worker1", ["engine", "scheduler", "worker0"],  # as if rank 0 had failed
+     ["worker0", "worker1", "scheduler", "engine"]),
+    ("one_for_all", "worker1", ["engine", "scheduler", "worker0", "cache"], GROUP_ORDER),
+    ("one_for_one", "scheduler", [], ["scheduler"]),  # outside the group: as before
+])
+def test_a_worker_group_fails_as_a_whole(strategy, failed, stop, start):
+    running = {c for c in GROUP_ORDER if c != failed}
+    assert plan_restart(strategy, GROUP_ORDER, failed, running, [["worker0", "worker1"]]) == RestartPlan(stop, start)
+
+
 def test_a_running_child_cannot_be_planned_for_restart():
     with pytest.raises(ValueError, match="still running"):
         plan_restart("one_for_all", ORDER, "engine", {"engine"})

@@ -168,3 +168,67 @@ def test_two_ranks_of_the_real_model_give_its_tokens(tmp_path):
     for rank in ranks:
         assert rank["tokens"].tolist() == solo["tokens"].tolist()
         np.testing.assert_allclose(rank["logits"], solo["logits"], atol=2e-3)
+
+
+# ------------------------------------------------------------------- the tree
+def group_config(path: str, world: int, standby: bool = True):
+    from fdcore.config import parse_config
+
+    return parse_config(f'[model]\npath = "{path}"\n[scheduler]\nmax_num_batched_tokens = 64\n'
+                        f'[workers]\ntensor_parallel_size = {world}\nstandby = {str(standby).lower()}\n'
+                        '[supervisor]\nmax_restarts = 100\nperiod = 60.0\n')
+
+
+def test_a_group_serves_one_workers_tokens(checkpoints):
+    from fdcore import LLM, SamplingParams
+
+    prompts = [{"prompt_token_ids": [5 + (i * 37 + j * 11) % 4000 for j in range(20 + 9 * i)]} for i in range(4)]
+    params = [SamplingParams(max_tokens=16, temperature=0, ignore_eos=True),
+              SamplingParams(max_tokens=16, temperature=0.8, seed=7, ignore_eos=True)]
+    tokens = {}
+    for world in (1, 2):
+        with LLM(group_config(checkpoints["llama-gqa"], world, standby=False)) as llm:
+            tokens[world] = [[o.outputs.token_ids for o in llm.generate(prompts, p, use_tqdm=False)] for p in params]
+    assert tokens[2] == tokens[1]  # greedy and seeded sampling alike
+
+
+@pytest.mark.parametrize("rank", [1, 0])
+def test_sigkill_of_a_rank_restarts_the_group_and_changes_no_token(checkpoints, rank):
+    """SIGKILL of one rank mid-generation: the whole group is restarted (the other rank too: its
+    share of the KV cache is no use alone), every stream completes with the tokens of a run without
+    the crash, and afterwards each actor is one process."""
+    import asyncio
+
+    from fdcore import AsyncLLM
+    from fdcore.actors import topology
+    from fdcore.supervisor import actor_census, actor_pid
+    from tests.test_crash_resume import requests, stream_all
+
+    config = group_config(checkpoints["llama-gqa"], 2)
+    prompts, params = requests()
+
+    async def main():
+        async with AsyncLLM(config) as client:
+            clean = await stream_all(client, prompts, params)
+            supervisor = client._tree.proc.pid
+            before = {cid: actor_pid(supervisor, cid) for cid in ("worker0", "worker1")}
+            killed = []
+
+            async def kill_once(total):
+                if not killed and total >= 100:
+                    killed.append(before[f"worker{rank}"])
+                    __import__("os").kill(killed[0], __import__("signal").SIGKILL)
+
+            crashed = await stream_all(client, prompts, params, kill_once)
+            after = {cid: actor_pid(supervisor, cid) for cid in ("worker0", "worker1")}
+            census = actor_census(supervisor, topology.child_ids(config))
+            return clean, crashed, killed, before, after, census, await client.check_health()
+
+    clean, crashed, killed, before, after, census, health = asyncio.run(main())
+    assert killed, "the kill did not happen"
+    assert all(after[cid] != before[cid] for cid in after), f"not the whole group was restarted: {before} -> {after}"
+    assert census == "", census
+    assert health == (True, "")
+    for i, (want, got) in enumerate(zip(clean, crashed, strict=True)):
+        assert got[3] == "", f"request {i} failed: {got[3]}"
+        assert got[:3] == want[:3], f"request {i} differs after the crash"

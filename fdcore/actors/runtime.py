@@ -134,6 +134,10 @@ class Actor:
         """Send to another actor's inbox (or the supervisor's) over this actor's link."""
         self._sender(to).send(message)
 
+    def send_to_each(self, receivers: list[str], message) -> None:
+        """One message to several actors (a worker group's ranks), encoded once."""
+        self._sender(receivers[0]).send_also([self._sender(to) for to in receivers[1:]], message)
+
     def send_many(self, to: str, messages: list) -> None:
         """Several messages as one record: one copy, one publish, one wake-up."""
         if len(messages) == 1:

@@ -36,13 +36,18 @@ KINDS = {
 
 
 def worker_ids(config: Config) -> list[str]:
-    return [f"worker{i}" for i in range(config.workers.count)]
+    """The worker group's ranks, rank 0 first."""
+    return [f"worker{i}" for i in range(config.workers.tensor_parallel_size)]
 
 
-def step_worker(config: Config) -> str:
-    """The worker the scheduler sends its steps to: the first (and, while ``workers.count`` must
-    be 1, the only) one; named here so the scheduler never spells a child id by hand."""
-    return worker_ids(config)[0]
+def worker_rank(child_id: str) -> int:
+    """A worker's rank in its group ("worker1" -> 1)."""
+    return int(child_id.removeprefix("worker"))
+
+
+def group_name(instance_id: str) -> str:
+    """The worker group's shared-memory communicator (fdcore.ipc.allreduce)."""
+    return names.object_name(instance_id, "group")
 
 
 def child_ids(config: Config) -> list[str]:

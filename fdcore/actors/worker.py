@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from fdcore.actors import faults, health
+from fdcore.actors import faults, health, topology
 from fdcore.actors.runtime import Actor
 from fdcore.config import model_path
 from fdcore.core.batch import BatchInput
@@ -80,6 +80,7 @@ class WorkerActor(Actor):
         self.poison = faults.poison_for("worker")
         self.grammars = None  # built on the first constrained sequence
         self.masks = ThreadPoolExecutor(1, thread_name_prefix="fdcore-masks")
+        self.rank, self.world = topology.worker_rank(self.child_id), self.config.workers.tensor_parallel_size
         if self.config.model.backend == "null":
             from fdcore.models.null import NullModel
 
@@ -88,10 +89,24 @@ class WorkerActor(Actor):
         from fdcore.models.llama import LlamaModel, PagedKVCache
 
         checkpoint = load_checkpoint(model_path(self.config), progress=self._loading)
+        checkpoint, group = self._join_group(checkpoint) if self.world > 1 else (checkpoint, None)
         dtype = "float32" if self.config.model.dtype == "auto" else self.config.model.dtype
-        self.model = LlamaModel(checkpoint, dtype, self.config.model.quantization)
+        self.model = LlamaModel(checkpoint, dtype, self.config.model.quantization, group)
         cache = self.config.cache
         self.cache = PagedKVCache(checkpoint.args, cache.num_blocks, cache.block_size)
+
+    def _join_group(self, checkpoint):
+        """A rank of a tensor-parallel group: its shard of the checkpoint, and the group's communicator
+        (the supervisor's segment; a rank that waits for a peer longer than the hang timeout fails,
+        and the supervisor restarts the whole group)."""
+        from fdcore.ipc.allreduce import ShmCommunicator
+        from fdcore.models.tensor_parallel import TensorGroup, communicator_capacity, shard_checkpoint
+
+        capacity = communicator_capacity(checkpoint.args, self.config.scheduler, self.world)
+        checkpoint, shard = shard_checkpoint(checkpoint, self.rank, self.world)
+        comm = ShmCommunicator.attach(topology.group_name(self.instance_id), self.rank, self.world, capacity,
+                                      timeout=self.config.supervisor.hang_timeout)
+        return checkpoint, TensorGroup(shard, comm)
 
     def _loading(self, done: int, total: int) -> None:
         if not self.standby:  # a spare's slot belongs to the worker it may replace
@@ -101,14 +116,16 @@ class WorkerActor(Actor):
     def handle(self, message) -> None:
         if isinstance(message, Step):
             if message.epoch == self.epoch:  # else: a step of an epoch that ended (or of our predecessor)
-                self.send("scheduler", self.run_step(message))
+                result = self.run_step(message)
+                if result is not None:  # (rank 0 answers for its group)
+                    self.send("scheduler", result)
         elif isinstance(message, WorkerSync):
             self.seqs.clear()
             self.epoch = message.epoch
         else:
             super().handle(message)
 
-    def run_step(self, step: Step) -> StepResult:
+    def run_step(self, step: Step) -> StepResult | None:
         from fdcore.sampling import SamplerRequest, sample
 
         started = time.perf_counter()
@@ -135,16 +152,21 @@ class WorkerActor(Actor):
             if state.scored_in(item.start, end):
                 scoring.append((row, item, state))
         seqs = [seq for _, seq, _ in sampling]
+        if self.cache is None and self.rank > 0:
+            return None  # the null model computes nothing: rank 0 answers alone
         if self.cache is None:  # the null model: a token per position, nothing computed
             tokens = [self.model.next_token(state.num_tokens) for _, _, state in sampling]
             for (_, _, state), token in zip(sampling, tokens, strict=True):
                 state.output.append(token)
             return StepResult(step.step, step.epoch, seqs, tokens, None, time.perf_counter() - started)
-        constrained = [state for _, _, state in sampling if state.grammar is not None]
+        constrained = [state for _, _, state in sampling if state.grammar is not None and self.rank == 0]
         masks = self.masks.submit(self._allowed, constrained) if constrained else None  # beside the forward
         batch = BatchInput(token_ids, starts, tables, prompt_lengths)
         logits, hidden = self.model.forward_rows(batch, self.cache, tuple(row for row, _, _ in scoring))
         scores = [self._score_prompt(item, state, hidden[row]) for row, item, state in scoring] or None
+        if self.rank > 0:
+            self._follow(sampling)
+            return None
         if not sampling:
             return StepResult(step.step, step.epoch, [], [], None, time.perf_counter() - started, scores)
         requests = [SamplerRequest(s.params, s.prompt, s.output, s.eos) for _, _, s in sampling]
@@ -155,12 +177,20 @@ class WorkerActor(Actor):
         if any(s.params.logprobs is not None for _, _, s in sampling):
             logprobs = [None if p.logprob is None else [(p.token_id, p.logprob), *(p.top_logprobs or [])]
                         for p in picks]
+        if self.world > 1:  # the other ranks append them too (their next steps' inputs)
+            self.model.group.comm.broadcast(np.asarray([p.token_id for p in picks], dtype=np.int64))
         for (_, _, state), pick in zip(sampling, picks, strict=True):
             state.output.append(pick.token_id)
             if state.matcher is not None:
                 state.matcher.consume_token(pick.token_id)  # (a token the mask allowed: it cannot fail)
         return StepResult(step.step, step.epoch, seqs, [p.token_id for p in picks], logprobs,
                           time.perf_counter() - started, scores)
+
+    def _follow(self, sampling: list) -> None:
+        """A rank above 0: the tokens rank 0 drew this step, appended as if drawn here."""
+        if sampling:
+            for (_, _, state), token in zip(sampling, self.model.group.comm.broadcast(None), strict=True):
+                state.output.append(int(token))
 
     def _score_prompt(self, item, state: SeqState, hidden) -> PromptScores:
         """prompt_logprobs: how this step's positions of the sequence scored the prompt tokens after them."""

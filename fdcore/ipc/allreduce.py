@@ -52,7 +52,7 @@ class ShmCommunicator:
         header = np.frombuffer(mm, dtype=np.int64, count=2 * world * LINE_WORDS).reshape(2, world, LINE_WORDS)
         self._header = header            # [set, rank, (generation, nbytes, ndim, dims...)]
         self._data = np.frombuffer(mm, dtype=np.uint8, offset=2 * world * LINE).reshape(2, world, capacity)
-        self._generation = int(header[:, rank, 0].max())
+        self._generation: int | None = None  # read at the first collective (see reset)
 
     @staticmethod
     def segment_size(world: int, capacity: int) -> int:
@@ -105,6 +105,8 @@ class ShmCommunicator:
             raise ValueError(f"{x.nbytes} bytes do not fit the communicator's {self.capacity}-byte slots")
         if x.ndim > MAX_DIMS:
             raise ValueError(f"an array of {x.ndim} dimensions; at most {MAX_DIMS}")
+        if self._generation is None:  # a rank attached before the group's reset (a warm spare) counts from it
+            self._generation = int(self._header[:, self.rank, 0].max())
         generation = self._generation + 1
         part = generation % 2
         self._data[part, self.rank, :x.nbytes] = x.reshape(-1).view(np.uint8)
@@ -134,6 +136,10 @@ class ShmCommunicator:
         return self._data[part, rank, :int(line[1])].view(dtype).reshape(shape)
 
     # ------------------------------------------------------------------- life
+    def reset(self) -> None:
+        """Zero every rank's generation: a new group starts counting (only while no rank runs)."""
+        self._header[:] = 0
+
     def close(self) -> None:
         self._header = self._data = None
         self._mm.close()

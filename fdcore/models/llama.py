@@ -189,8 +189,12 @@ class LlamaModel:
 
     def _head(self, states: paddle.Tensor) -> np.ndarray:
         """The LM head's logits, [rows, vocab] float32 (a group's rank: its slice, then everyone's gathered)."""
-        logits = linear(states, self.lm_head).numpy()
-        return logits if self.group is None else self.group.comm.gather(logits)
+        if self.group is None:
+            return linear(states, self.lm_head).numpy()
+        from fdcore.models.tensor_parallel import GATHER_ROWS
+
+        return np.concatenate([self.group.comm.gather(linear(states[first:first + GATHER_ROWS], self.lm_head).numpy())
+                               for first in range(0, max(states.shape[0], 1), GATHER_ROWS)])
 
     def _row_parallel(self, x: paddle.Tensor, matrix, bias) -> paddle.Tensor:
         """An output projection (o, down): in a group, each rank's partial product, summed."""

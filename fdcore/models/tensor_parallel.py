@@ -23,7 +23,9 @@ import dataclasses
 
 import numpy as np
 
-from fdcore.models.loader import Checkpoint, CheckpointError
+from fdcore.models.loader import Checkpoint, CheckpointError, ModelArgs
+
+GATHER_ROWS = 32  # logits rows gathered at once (a slot holds GATHER_ROWS x the vocabulary share)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,6 +106,16 @@ def shard_checkpoint(checkpoint: Checkpoint, rank: int, world: int) -> tuple[Che
 
 def _slice(items: range) -> slice:
     return slice(items.start, items.stop)
+
+
+def communicator_capacity(args: ModelArgs, scheduler, world: int) -> int:
+    """Bytes of each rank's slot in the group's communicator: a step's hidden states (up to
+    ``scheduler.max_num_batched_tokens`` rows), ``GATHER_ROWS`` rows of a vocabulary share's logits,
+    or a step's drawn tokens, whichever is largest. The supervisor (which makes the segment) and
+    every rank compute it from the same whole-model shapes and configuration."""
+    hidden = scheduler.max_num_batched_tokens * args.hidden_size * 4
+    logits = GATHER_ROWS * -(-args.vocab_size // world) * 4
+    return max(hidden, logits, scheduler.max_num_seqs * 8)
 
 
 class TensorGroup:
