@@ -7,7 +7,9 @@ N prompts of random token ids (seeded), fixed input and output lengths,
 
 - fdcore: ``LLM`` over the whole actor tree (engine, scheduler, cache manager,
   worker), in each ``--settings`` entry (float32, bfloat16, wint8, wint4: model.dtype or
-  model.quantization; default float32), the worker on every core (fdcore's default);
+  model.quantization; default float32), the worker on every core (fdcore's default); with
+  ``--tp 1,2`` each setting once per tensor-parallel size (TP=N: N worker ranks, the cores
+  shared out among them: on 2 cores, TP=2 is one thread per rank beside TP=1's two threads);
 - fdcore with the null model (``--null``): the worker answers without
   computing, so what is left is fdcore's own cost per step (scheduling, IPC,
   detokenizing, streaming); reported per step at the given batch;
@@ -18,7 +20,7 @@ Ratios are against vLLM's best dtype in the same run.
 
 Usage: python benchmarks/bench_throughput.py [--prompts 64] [--input-len 32] [--output-len 64]
            [--null] [--peer-dir /tmp/vllm-peer] [--no-peer] [--bf16] [--model DIR]
-           [--settings float32,bfloat16,wint8,wint4]
+           [--settings float32,bfloat16,wint8,wint4] [--tp 1,2]
 """
 
 from __future__ import annotations
@@ -48,9 +50,11 @@ def make_prompts(count: int, length: int, vocab: int, seed: int = 0) -> list[lis
     return [[rng.randrange(3, vocab) for _ in range(length)] for _ in range(count)]
 
 
-def fdcore_config(model: str, args, backend: str, setting: str = "float32") -> Config:
+def fdcore_config(model: str, args, backend: str, setting: str = "float32", tp: int = 1) -> Config:
     dtype, quantization = (setting, "none") if setting in ("float32", "bfloat16") else ("float32", setting)
     return parse_config(f"""
+[workers]
+tensor_parallel_size = {tp}
 [model]
 path = "{model}"
 backend = "{backend}"
@@ -65,12 +69,12 @@ num_blocks = {max(1024, args.prompts * (-(-(args.input_len + args.output_len) //
 """)
 
 
-def run_fdcore(model: str, args, backend: str = "paddle", setting: str = "float32") -> dict:
+def run_fdcore(model: str, args, backend: str = "paddle", setting: str = "float32", tp: int = 1) -> dict:
     vocab = json.load(open(os.path.join(model, "config.json")))["vocab_size"]
     prompts = make_prompts(args.prompts, args.input_len, vocab)
     params = SamplingParams(temperature=1.0, seed=0, max_tokens=args.output_len, ignore_eos=True)
     t0 = time.perf_counter()
-    with LLM(fdcore_config(model, args, backend, setting)) as llm:
+    with LLM(fdcore_config(model, args, backend, setting, tp)) as llm:
         init_s = time.perf_counter() - t0
         llm.generate(prompts[:4], SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
         rates, per_step = [], []
@@ -132,12 +136,15 @@ def main(argv=None) -> int:
     parser.add_argument("--bf16", action="store_true", help="also run vLLM in bfloat16 (the stretch goal)")
     parser.add_argument("--peer-dir", default="/tmp/vllm-peer")
     parser.add_argument("--settings", default="float32", help="fdcore settings, comma-separated")
+    parser.add_argument("--tp", default="1", help="tensor-parallel sizes, comma-separated (e.g. 1,2)")
     args = parser.parse_args(argv)
     model = args.model or ensure_tiny_model(default_model_path())
     rows = []
     for setting in args.settings.split(","):
-        fd = run_fdcore(model, args, setting=setting)
-        rows.append((f"fdcore ({setting})", fd["gen_tok_per_s"], f"{fd['ms_per_step']:.2f} ms/step"))
+        for tp in (int(n) for n in args.tp.split(",")):
+            fd = run_fdcore(model, args, setting=setting, tp=tp)
+            label = setting if tp == 1 and args.tp == "1" else f"{setting}, TP={tp}"
+            rows.append((f"fdcore ({label})", fd["gen_tok_per_s"], f"{fd['ms_per_step']:.2f} ms/step"))
     if args.null:
         null_args = argparse.Namespace(**{**vars(args), "output_len": args.null_output_len})
         null = run_fdcore(model, null_args, backend="null")

@@ -38,6 +38,7 @@ Example (every key shown with its default)::
     [workers]
     count = 1
     tensor_parallel_size = 1  # ranks of the one worker group (fdcore:worker:0..N-1), each 1/N of the model
+    communicator = "shm"      # how the ranks sum: "shm" (one machine) or "paddle" (paddle.distributed: gloo / NCCL)
     omp_threads = 0           # a worker's math threads; 0: $OMP_NUM_THREADS when set, else the cores shared out
     standby = true            # keep a loaded spare per worker: a crashed worker is replaced in ~0.1 s
                               # instead of a fresh start (import + weights); costs its memory
@@ -115,6 +116,7 @@ class EngineConfig(_Section):
 class WorkersConfig(_Section):
     count: int = 1
     tensor_parallel_size: int = 1  # ranks of the worker group (fdcore.models.tensor_parallel)
+    communicator: Literal["shm", "paddle"] = "shm"
     omp_threads: int = 0  # 0: see worker_threads()
     standby: bool = True
 
@@ -272,6 +274,11 @@ def _check_ranges(config: Config, source: str) -> None:
                           "worker group (data-parallel groups are not built yet); for several worker processes "
                           "on one model use workers.tensor_parallel_size")
     _check_compute(config.model, source)
+    w = config.workers
+    if w.communicator == "paddle" and w.standby and w.tensor_parallel_size > 1:
+        raise ConfigError(f"{source}: key 'workers.standby' is true with workers.communicator = \"paddle\": a "
+                          "paddle.distributed group is joined by all its ranks at once, which warm spares cannot do; "
+                          "set workers.standby = false (or use the \"shm\" communicator)")
     if config.server.port > 65535:
         raise ConfigError(f"{source}: key 'server.port' is {config.server.port}, must be <= 65535")
 

@@ -86,6 +86,7 @@ class Supervisor:
         self.standby_backoff: dict[str, Backoff] = {}  # by child: pauses between respawns of crashing spares
         self.senders: dict[str, Sender] = {}
         self.group_comm = None  # the worker group's communicator segment (tensor_parallel_size > 1)
+        self.group_master = ""  # a paddle.distributed group's rendezvous host:port
 
     # ------------------------------------------------------------------ main
     def run(self) -> int:
@@ -155,8 +156,8 @@ class Supervisor:
             self._stop_for_restart(self.children.pop(cid), child.spec.id)
         if self.stopping:
             return  # a sibling found dead on its own was one crash too many
-        if self.group_comm is not None and any(topology.kind_of(cid) == "worker" for cid in plan.start):
-            self.group_comm.reset()  # every rank is gone: the new group counts its collectives from 0
+        if any(topology.kind_of(cid) == "worker" for cid in plan.start):
+            self._renew_group()
         self.generation += 1
         for cid in plan.start:
             self.restart_counts[cid] = self.restart_counts.get(cid, 0) + 1
@@ -338,6 +339,8 @@ class Supervisor:
         env["OMP_NUM_THREADS"] = str(worker_threads(self.config.workers))
         package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
+        if self.group_master:
+            env[topology.GROUP_MASTER_ENV] = self.group_master
         return env
 
     # -------------------------------------------------------------- stopping
@@ -438,7 +441,20 @@ class Supervisor:
             self.inboxes.append(Inbox.create(topology.inbox_name(self.instance, client), ["engine"],
                                              capacity=capacity))
         if self.config.workers.tensor_parallel_size > 1:
+            self._renew_group()
+
+    def _renew_group(self) -> None:
+        """Before a worker group starts (no rank runs): a fresh communicator. The shared-memory one's
+        generations are zeroed (the new group counts its collectives from 0); a paddle.distributed
+        group gets a new rendezvous port (FDCORE_GROUP_MASTER in the ranks' environment)."""
+        if self.config.workers.tensor_parallel_size == 1:
+            return
+        if self.config.workers.communicator == "paddle":
+            self.group_master = f"127.0.0.1:{free_port_block(self.config.workers.tensor_parallel_size + 1)}"
+        elif self.group_comm is None:
             self._create_group_comm()
+        else:
+            self.group_comm.reset()
 
     def _create_group_comm(self) -> None:
         """The worker group's communicator segment, sized from the checkpoint's shapes (its headers
@@ -492,6 +508,28 @@ def actor_census(supervisor_pid: int, child_ids: list[str]) -> str:
     found = actor_processes(supervisor_pid)
     wrong = [(title, found.get(title, [])) for title in map(topology.title_of, child_ids)]
     return ", ".join(f"{len(pids)} {title} (pids {pids})" for title, pids in wrong if len(pids) != 1)
+
+
+def free_port_block(count: int) -> int:
+    """A port p with p .. p + count - 1 free now on 127.0.0.1 (a paddle.distributed group's store
+    and rank endpoints)."""
+    import socket
+
+    def free(port: int) -> bool:
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+                return True
+            except OSError:
+                return False
+
+    for _ in range(100):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            base = probe.getsockname()[1]
+        if base + count < 65535 and all(free(port) for port in range(base, base + count)):
+            return base
+    raise RuntimeError("no block of free ports on 127.0.0.1")
 
 
 def _killpg(pgid: int, sig: int) -> None:

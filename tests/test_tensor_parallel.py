@@ -31,7 +31,7 @@ RANK = textwrap.dedent("""
     from fdcore.ipc.allreduce import ShmCommunicator
     from fdcore.models.llama import LlamaModel, PagedKVCache
     from fdcore.models.loader import load_checkpoint
-    from fdcore.models.tensor_parallel import TensorGroup, shard_checkpoint
+    from fdcore.models.tensor_parallel import PaddleCommunicator, TensorGroup, shard_checkpoint
 
     path, quantization, name, rank, world, capacity, steps, out = sys.argv[1:9]
     rank, world, steps = int(rank), int(world), int(steps)
@@ -39,7 +39,9 @@ RANK = textwrap.dedent("""
     group = None
     if world > 1:
         checkpoint, shard = shard_checkpoint(checkpoint, rank, world)
-        group = TensorGroup(shard, ShmCommunicator.attach(name, rank, world, int(capacity), timeout=60))
+        comm = (PaddleCommunicator(rank, world, name.removeprefix("paddle:")) if name.startswith("paddle:")
+                else ShmCommunicator.attach(name, rank, world, int(capacity), timeout=60))
+        group = TensorGroup(shard, comm)
     model = LlamaModel(checkpoint, "float32", quantization, group)
     cache = PagedKVCache(checkpoint.args, 24, 16)
     prompts = [[5 + (i * 37 + j * 11) % 4000 for j in range(20 + 9 * i)] for i in range(3)]
@@ -73,9 +75,14 @@ def checkpoints(tmp_path_factory):
             "qwen2-bias-tied": tiny.make_tiny_model(str(root / "qwen2"), arch="qwen2")}
 
 
-def run_group(path: str, world: int, tmp_path, quantization: str = "none") -> list[dict]:
-    name = names.object_name(names.new_instance_id(), "tp")
-    ShmCommunicator.create(name, world, CAPACITY).close()
+def run_group(path: str, world: int, tmp_path, quantization: str = "none", comm: str = "shm") -> list[dict]:
+    if comm == "paddle":
+        from fdcore.supervisor import free_port_block
+
+        name = f"paddle:127.0.0.1:{free_port_block(world + 1)}"
+    else:
+        name = names.object_name(names.new_instance_id(), "tp")
+        ShmCommunicator.create(name, world, CAPACITY).close()
     outs = [tmp_path / f"rank{world}-{rank}.npz" for rank in range(world)]
     procs = [subprocess.Popen([sys.executable, "-c", RANK, path, quantization, name, str(rank), str(world),
                                str(CAPACITY), str(STEPS), str(out)], stderr=subprocess.PIPE, text=True,
@@ -88,7 +95,8 @@ def run_group(path: str, world: int, tmp_path, quantization: str = "none") -> li
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-        unlink_quietly(posix_ipc.unlink_shared_memory, name)
+        if comm == "shm":
+            unlink_quietly(posix_ipc.unlink_shared_memory, name)
     for proc, err in zip(procs, errors, strict=True):
         assert proc.returncode == 0, err[-3000:]
     return [dict(np.load(out)) for out in outs]
@@ -146,6 +154,18 @@ def test_two_ranks_give_one_ranks_tokens(checkpoints, tmp_path, name):
         np.testing.assert_allclose(rank["logits"], solo["logits"], atol=1e-4)
     np.testing.assert_array_equal(ranks[0]["logits"], ranks[1]["logits"])  # every rank: the same bits
     assert not np.array_equal(ranks[0]["logits"], solo["logits"])  # computed apart, summed: not TP=1's bits
+
+
+def test_paddle_distributed_ranks_give_the_shared_memory_ranks_tokens(checkpoints, tmp_path):
+    """The other communicator: paddle.distributed over gloo (what a group across machines uses), two
+    processes on this one: the same tokens as the shared-memory group, and TP=1's."""
+    path = checkpoints["llama-gqa"]
+    shm = run_group(path, 2, tmp_path)
+    gloo = run_group(path, 2, tmp_path, comm="paddle")
+    solo = run_group(path, 1, tmp_path)[0]
+    for rank in gloo:
+        assert rank["tokens"].tolist() == shm[0]["tokens"].tolist() == solo["tokens"].tolist()
+        np.testing.assert_allclose(rank["logits"], shm[0]["logits"], atol=1e-5)
 
 
 def test_two_ranks_with_wint8_weights(checkpoints, tmp_path):
@@ -232,3 +252,27 @@ def test_sigkill_of_a_rank_restarts_the_group_and_changes_no_token(checkpoints, 
     for i, (want, got) in enumerate(zip(clean, crashed, strict=True)):
         assert got[3] == "", f"request {i} failed: {got[3]}"
         assert got[:3] == want[:3], f"request {i} differs after the crash"
+
+
+def test_a_paddle_distributed_group_in_the_tree(checkpoints):
+    """workers.communicator = "paddle": the tree's group sums through paddle.distributed (gloo)."""
+    from fdcore import LLM, SamplingParams
+    from fdcore.config import parse_config
+
+    path = checkpoints["llama-gqa"]
+    prompts = [{"prompt_token_ids": [5 + (i * 37 + j * 11) % 4000 for j in range(20 + 9 * i)]} for i in range(3)]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    text = (f'[model]\npath = "{path}"\n[workers]\ntensor_parallel_size = 2\ncommunicator = "paddle"\n'
+            'standby = false\n')
+    with LLM(parse_config(text)) as llm:
+        gloo = [o.outputs.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    with LLM(group_config(path, 1, standby=False)) as llm:
+        solo = [o.outputs.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert gloo == solo
+
+
+def test_a_paddle_group_with_spares_is_refused():
+    from fdcore.config import ConfigError, parse_config
+
+    with pytest.raises(ConfigError, match="workers.standby' is true with workers.communicator"):
+        parse_config('[workers]\ntensor_parallel_size = 2\ncommunicator = "paddle"\n', check_model=False)

@@ -45,6 +45,9 @@ def worker_rank(child_id: str) -> int:
     return int(child_id.removeprefix("worker"))
 
 
+GROUP_MASTER_ENV = "FDCORE_GROUP_MASTER"  # a paddle.distributed worker group's rendezvous host:port
+
+
 def group_name(instance_id: str) -> str:
     """The worker group's shared-memory communicator (fdcore.ipc.allreduce)."""
     return names.object_name(instance_id, "group")

@@ -99,13 +99,18 @@ class WorkerActor(Actor):
         """A rank of a tensor-parallel group: its shard of the checkpoint, and the group's communicator
         (the supervisor's segment; a rank that waits for a peer longer than the hang timeout fails,
         and the supervisor restarts the whole group)."""
+        import os
+
         from fdcore.ipc.allreduce import ShmCommunicator
-        from fdcore.models.tensor_parallel import TensorGroup, communicator_capacity, shard_checkpoint
+        from fdcore.models.tensor_parallel import PaddleCommunicator, TensorGroup, communicator_capacity, shard_checkpoint
 
         capacity = communicator_capacity(checkpoint.args, self.config.scheduler, self.world)
         checkpoint, shard = shard_checkpoint(checkpoint, self.rank, self.world)
-        comm = ShmCommunicator.attach(topology.group_name(self.instance_id), self.rank, self.world, capacity,
-                                      timeout=self.config.supervisor.hang_timeout)
+        if self.config.workers.communicator == "paddle":
+            comm = PaddleCommunicator(self.rank, self.world, os.environ[topology.GROUP_MASTER_ENV])
+        else:
+            comm = ShmCommunicator.attach(topology.group_name(self.instance_id), self.rank, self.world, capacity,
+                                          timeout=self.config.supervisor.hang_timeout)
         return checkpoint, TensorGroup(shard, comm)
 
     def _loading(self, done: int, total: int) -> None:

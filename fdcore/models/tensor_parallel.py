@@ -134,3 +134,69 @@ class TensorGroup:
         rows = np.array(rows_of(np.where(held, local, 0)), dtype=np.float32)
         rows[~held] = 0.0
         return self.comm.all_reduce(rows)
+
+
+class PaddleCommunicator:
+    """The group's collectives through ``paddle.distributed`` (gloo on CPU, NCCL on GPU): what a group
+    spanning machines uses, where no segment can be shared (the shared-memory one is fdcore.ipc's
+    ShmCommunicator; both give ``all_reduce``, ``gather`` and ``broadcast`` with the same meaning).
+
+    Joined at the first collective, not at start: ``init_parallel_env`` waits for every rank, and the
+    supervisor starts ranks one by one, each reporting ready before the next starts. ``master`` is
+    the host:port of the group's rendezvous store (rank 0 serves it)."""
+
+    def __init__(self, rank: int, world: int, master: str):
+        self.rank, self.world, self.master = rank, world, master
+        self._dist = None
+
+    def _join(self):
+        import os
+
+        import paddle.distributed as dist
+
+        host, port = self.master.rsplit(":", 1)
+        endpoints = ",".join(f"{host}:{int(port) + 1 + rank}" for rank in range(self.world))
+        os.environ.update({"PADDLE_DISTRI_BACKEND": "gloo", "PADDLE_TRAINER_ID": str(self.rank),
+                           "PADDLE_TRAINERS_NUM": str(self.world), "PADDLE_MASTER": self.master,
+                           "PADDLE_TRAINER_ENDPOINTS": endpoints,
+                           "PADDLE_CURRENT_ENDPOINT": endpoints.split(",")[self.rank]})
+        dist.init_parallel_env()
+        self._dist = dist
+        return dist
+
+    def all_reduce(self, x: np.ndarray) -> np.ndarray:
+        import paddle
+
+        dist = self._dist or self._join()
+        tensor = paddle.to_tensor(np.ascontiguousarray(x, dtype=np.float32))
+        dist.all_reduce(tensor)
+        return tensor.numpy()
+
+    def gather(self, x: np.ndarray) -> np.ndarray:
+        """Every rank's ``x`` joined along the last axis (widths may differ: padded to the widest)."""
+        import paddle
+
+        dist = self._dist or self._join()
+        widths = []
+        dist.all_gather(widths, paddle.to_tensor([x.shape[-1]], dtype="int64"))
+        widths = [int(w.numpy()[0]) for w in widths]
+        padded = np.zeros(x.shape[:-1] + (max(widths),), dtype=x.dtype)
+        padded[..., :x.shape[-1]] = x
+        parts = []
+        dist.all_gather(parts, paddle.to_tensor(padded))
+        return np.concatenate([part.numpy()[..., :width] for part, width in zip(parts, widths, strict=True)], axis=-1)
+
+    def broadcast(self, x: np.ndarray | None) -> np.ndarray:
+        """Rank 0's int64 ``x`` on every rank (its length sent first)."""
+        import paddle
+
+        dist = self._dist or self._join()
+        count = paddle.to_tensor([0 if x is None else len(x)], dtype="int64")
+        dist.broadcast(count, src=0)
+        data = paddle.to_tensor(np.asarray(x, dtype=np.int64) if self.rank == 0 else
+                                np.zeros(int(count.numpy()[0]), dtype=np.int64))
+        dist.broadcast(data, src=0)
+        return data.numpy()
+
+    def close(self) -> None:
+        pass
