@@ -7,7 +7,8 @@ N prompts of random token ids (seeded), fixed input and output lengths,
 
 - fdcore: ``LLM`` over the whole actor tree (engine, scheduler, cache manager,
   worker), in each ``--settings`` entry (float32, bfloat16, wint8, wint4: model.dtype or
-  model.quantization; default float32), the worker on every core (fdcore's default); with
+  model.quantization; default float32), the worker on every core (fdcore's default; no warm
+  spares: none loads beside the measured runs); with
   ``--tp 1,2`` each setting once per tensor-parallel size (TP=N: N worker ranks, the cores
   shared out among them: on 2 cores, TP=2 is one thread per rank beside TP=1's two threads);
 - fdcore with the null model (``--null``): the worker answers without
@@ -55,6 +56,7 @@ def fdcore_config(model: str, args, backend: str, setting: str = "float32", tp: 
     return parse_config(f"""
 [workers]
 tensor_parallel_size = {tp}
+standby = false
 [model]
 path = "{model}"
 backend = "{backend}"
