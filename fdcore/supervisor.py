@@ -152,6 +152,8 @@ class Supervisor:
         order = [s.id for s in self.specs if s.id in self.children or s.id == child.spec.id]
         plan = plan_restart(self.config.supervisor.strategy, order, child.spec.id, self.children,
                             [topology.worker_ids(self.config)])
+        if self.group_comm is not None and topology.kind_of(child.spec.id) == "worker":
+            self.group_comm.abort()  # the other ranks wait for the dead one in a collective: they give up and exit
         for cid in plan.stop:
             self._stop_for_restart(self.children.pop(cid), child.spec.id)
         if self.stopping:

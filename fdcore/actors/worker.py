@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from fdcore.actors import faults, health, topology
-from fdcore.actors.runtime import Actor
+from fdcore.actors.runtime import Actor, StopRequested
 from fdcore.config import model_path
 from fdcore.core.batch import BatchInput
 from fdcore.protocol import PromptScores, SamplingParams, Step, StepResult, WorkerMessage, WorkerSync
@@ -121,7 +121,7 @@ class WorkerActor(Actor):
     def handle(self, message) -> None:
         if isinstance(message, Step):
             if message.epoch == self.epoch:  # else: a step of an epoch that ended (or of our predecessor)
-                result = self.run_step(message)
+                result = self._group_step(message)
                 if result is not None:  # (rank 0 answers for its group)
                     self.send("scheduler", result)
         elif isinstance(message, WorkerSync):
@@ -129,6 +129,16 @@ class WorkerActor(Actor):
             self.epoch = message.epoch
         else:
             super().handle(message)
+
+    def _group_step(self, step: Step) -> StepResult | None:
+        """run_step; a rank whose group the supervisor aborted (a peer died) stops, to be restarted with it."""
+        try:
+            return self.run_step(step)
+        except Exception:
+            group = getattr(self.model, "group", None)
+            if group is not None and getattr(group.comm, "aborted", lambda: False)():
+                raise StopRequested("the worker group was aborted: a rank is gone") from None
+            raise
 
     def run_step(self, step: Step) -> StepResult | None:
         from fdcore.sampling import SamplerRequest, sample

@@ -19,8 +19,8 @@ last user of that set. So one barrier per collective is enough, not two.
 
 NOTE: the data is written before the generation number, and read after it, by ordinary stores and
 loads: x86-64's total store order keeps them in that order (fdcore's kernels are x86-64 only).
-Waiting spins (a collective takes microseconds, and a sleep costs more than it saves) and yields the
-core after ``SPINS`` checks; a rank that waits longer than ``timeout`` (a peer died or hangs) raises
+Waiting spins ``SPINS`` checks (a collective whose peers are there takes microseconds), then naps
+between checks (a peer still computing its share needs the core more than the waiter does); a rank that waits longer than ``timeout`` (a peer died or hangs) raises
 :class:`PeerGone`, so the supervisor restarts the group instead of leaving it stuck.
 """
 
@@ -37,12 +37,20 @@ from fdcore.ipc.shm import map_segment, unlink_quietly
 
 LINE = 64                    # bytes of a rank's header line
 LINE_WORDS = LINE // 8       # generation, byte count (the rest: padding to the cache line)
-SPINS = 2000                 # checks before each yield of the core
+SPINS = 2000                 # checks (~100 us) before each nap
+NAP = 20e-6                  # a nap between checks once spinning has not paid: the core goes to others
 _NOTHING = np.zeros(0, dtype=np.uint8)
 
 
 class PeerGone(RuntimeError):
     """A peer rank did not take part in a collective within the timeout."""
+
+
+class GroupAborted(PeerGone):
+    """The supervisor aborted the group (a rank died): the waiting ranks stop, to be restarted with it."""
+
+
+ABORT_WORD = 2  # in set 0 rank 0's line: the supervisor's abort flag (decoder.cc reads it too)
 
 
 class ShmCommunicator:
@@ -56,7 +64,6 @@ class ShmCommunicator:
         self._bytes = [[self._data[part, rank] for rank in range(world)] for part in (0, 1)]  # each slot, flat
         self._floats = [[slot.view(np.float32) for slot in slots] for slots in self._bytes]
         self._lines = [[(part * world + rank) * LINE_WORDS for rank in range(world)] for part in (0, 1)]
-        self._generation: int | None = None  # read at the first collective (see reset)
 
     @staticmethod
     def segment_size(world: int, capacity: int) -> int:
@@ -118,15 +125,14 @@ class ShmCommunicator:
         if x.nbytes > self.capacity:
             raise ValueError(f"{x.nbytes} bytes do not fit the communicator's {self.capacity}-byte slots")
         words = self._words
-        if self._generation is None:  # a rank attached before the group's reset (a warm spare) counts from it
-            self._generation = max(words[lines[self.rank]] for lines in self._lines)
-        generation = self._generation + 1
+        # The rank's own words are the count (the C++ decoder's collectives advance them too; a warm
+        # spare attached before the group's reset reads them after it)
+        generation = max(words[self._lines[0][self.rank]], words[self._lines[1][self.rank]]) + 1
         part = generation & 1
         self._bytes[part][self.rank][:x.nbytes] = x.reshape(-1).view(np.uint8)
         line = self._lines[part][self.rank]
         words[line + 1] = x.nbytes
         words[line] = generation  # last: publishes the byte count and the slot
-        self._generation = generation
         for other in self._lines[part]:
             if words[other] < generation:
                 self._wait(other, generation)
@@ -136,8 +142,10 @@ class ShmCommunicator:
         words, deadline, spins = self._words, None, 0
         while words[word] < generation:
             spins += 1
-            if spins % SPINS == 0:
-                os.sched_yield()
+            if spins >= SPINS:  # the peer is computing: nap, leaving the core to it and the other actors
+                if words[ABORT_WORD]:
+                    raise GroupAborted(f"{self.name}: the group was aborted (a rank is gone)")
+                time.sleep(NAP)
                 now = time.monotonic()
                 deadline = deadline or now + self.timeout
                 if now > deadline:
@@ -145,6 +153,17 @@ class ShmCommunicator:
                     raise PeerGone(f"{self.name}: rank(s) {late} missed generation {generation} for {self.timeout:g} s")
 
     # ------------------------------------------------------------------- life
+    def segment(self) -> np.ndarray:
+        """The whole segment as bytes (zero-copy): what the C++ decoder's collectives run on."""
+        return np.frombuffer(self._mm, dtype=np.uint8)
+
+    def aborted(self) -> bool:
+        return bool(self._words[ABORT_WORD])
+
+    def abort(self) -> None:
+        """Tell every waiting rank to give up (the supervisor, when a rank of the group died)."""
+        self._words[ABORT_WORD] = 1
+
     def reset(self) -> None:
         """Zero every rank's generation: a new group starts counting (only while no rank runs)."""
         for index in range(len(self._words)):

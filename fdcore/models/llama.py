@@ -136,8 +136,13 @@ class LlamaModel:
             for layer in self.layers:
                 layer["in_norm_t"] = self._tensor(layer["in_norm"])
                 layer["post_norm_t"] = self._tensor(layer["post_norm"])
-        # the one-call decoder has no all-reduce between layers: a rank of a group runs them one by one
-        self.decoder = self._decoder_plan() if self.fused is not None and group is None else None
+        # the one-call decoder sums a rank's o and down products itself through a shared-memory communicator;
+        # a rank of another communicator (paddle.distributed) runs the layers one by one
+        self.decoder = self._decoder_plan() if self.fused is not None else None
+        self.decoder_group = None
+        if group is not None:
+            self.decoder_group = group.decoder_args()
+            self.decoder = self.decoder if self.decoder_group is not None else None
 
     def _decoder_plan(self):
         """``(op, weights, meta, kind)`` for the one-call decoder (kernels/decoder.cc: every layer of a step
@@ -278,7 +283,7 @@ class LlamaModel:
         if self.decoder is not None:
             op, weights, meta, kind = self.decoder
             return op(hidden, cos_t, sin_t, slots, tables, lengths, *cache.all_tensors(), weights, self.norm_t, meta,
-                      kind, a.num_heads, self.scale, eps)
+                      kind, a.num_heads, self.scale, eps, self.decoder_group)
         delta, none = self.no_tensor, self.no_tensor
         for index, layer in enumerate(self.layers):
             hidden, x = add_rms_norm(hidden, delta, layer["in_norm_t"], eps)

@@ -125,6 +125,16 @@ class TensorGroup:
     def __init__(self, shard: Shard, comm):
         self.shard, self.comm = shard, comm
 
+    def decoder_args(self):
+        """(segment tensor, rank, world, capacity, timeout) for the one-call decoder's in-kernel sums, when
+        the communicator is the shared-memory one; None otherwise (the layers then run one by one)."""
+        if not hasattr(self.comm, "segment"):
+            return None
+        from fdcore.models.tensors import as_paddle
+
+        return (as_paddle(self.comm.segment()), self.comm.rank, self.comm.world, self.comm.capacity,
+                self.comm.timeout)
+
     def embed(self, rows_of, token_ids: np.ndarray) -> np.ndarray:
         """The embeddings of ``token_ids`` [tokens, hidden]: each rank looks up the tokens of its
         vocabulary share (``rows_of(local ids)``, numpy) and gives zeros for the others'; the group

@@ -272,11 +272,16 @@ def _build():
         def linear_f32(x, packed, rows):
             return _C_ops._run_custom_op("fdcore_linear_f32", x, packed, int(rows))[0]
 
+        no_group = paddle.empty([0], dtype="uint8")
+
         def decoder(hidden, cos, sin, slots, tables, lengths, k_caches, v_caches, weights, final_norm, meta, kind,
-                    num_heads, scale, eps):
+                    num_heads, scale, eps, group=None):
+            """``group``: (segment tensor, rank, world, capacity, timeout) of a tensor-parallel rank, or None."""
+            segment, rank, world, capacity, timeout = group or (no_group, 0, 1, 0, 0.0)
             return _C_ops._run_custom_op("fdcore_decoder_layers", hidden, cos, sin, slots, tables, lengths,
-                                         k_caches, v_caches, weights, final_norm, list(meta), int(kind),
-                                         int(num_heads), float(scale), float(eps))[0]
+                                         k_caches, v_caches, weights, final_norm, segment, list(meta), int(kind),
+                                         int(num_heads), float(scale), float(eps),
+                                         [int(rank), int(world), int(capacity)], float(timeout))[0]
 
         return (gumbel, add_rms_norm, silu_mul, attention_block, linear, linear_q8, linear_q4, linear_f32,
                 decoder)

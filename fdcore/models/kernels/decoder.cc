@@ -7,6 +7,18 @@
 // weights: kSlots tensors per layer (see Slot; an empty tensor where a layer has none of that kind),
 // meta: per layer the output rows of qkv, o, gate_up and down, then its sliding window (0: none);
 // kind: how every layer's projections are packed (Kind).
+//
+// A rank of a tensor-parallel group (group: the group communicator's shared segment, fdcore/ipc/allreduce.py;
+// an empty tensor for a whole model) sums its o and down products with the group's after each layer, here,
+// by the same protocol and in the same order as the communicator's Python all_reduce (so the two interleave
+// freely and give the same bits): no return to Python between layers.
+#include <time.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstring>
+#include <string>
 #include <vector>
 
 #include "paddle/extension.h"
@@ -57,6 +69,64 @@ paddle::Tensor Project(int64_t kind, const paddle::Tensor& x, const paddle::Tens
   return y;
 }
 
+// The communicator's segment: per buffer set (2) and rank a 64-byte line (generation, byte count; word 2 of
+// set 0 rank 0's line: the supervisor's abort flag), then per set and rank a slot of `capacity` bytes.
+class Group {
+ public:
+  Group(const paddle::Tensor& segment, int64_t rank, int64_t world, int64_t capacity, double timeout)
+      : base_(segment.numel() > 0 ? const_cast<uint8_t*>(segment.data<uint8_t>()) : nullptr),
+        rank_(rank), world_(world), capacity_(capacity), timeout_(timeout) {
+    PD_CHECK(!base_ || segment.numel() == 2 * world * (kLine + capacity), "decoder_layers: group segment size");
+  }
+  bool active() const { return base_ != nullptr; }
+
+  // x[n] summed with every rank's, in rank order (the communicator's all_reduce).
+  void AllReduce(float* x, int64_t n) const {
+    const int64_t bytes = n * static_cast<int64_t>(sizeof(float));
+    PD_CHECK(bytes <= capacity_, "decoder_layers: ", bytes, " bytes do not fit the group's slots");
+    const int64_t generation = std::max(Load(Word(0, rank_)), Load(Word(1, rank_))) + 1;
+    const int part = static_cast<int>(generation & 1);
+    std::memcpy(Slot(part, rank_), x, bytes);
+    Store(Word(part, rank_) + 1, bytes);
+    Store(Word(part, rank_), generation);  // last: publishes the slot
+    for (int64_t r = 0; r < world_; ++r) Wait(Word(part, r), generation);
+    const float* first = reinterpret_cast<const float*>(Slot(part, 0));
+    for (int64_t i = 0; i < n; ++i) {
+      float sum = first[i];
+      for (int64_t r = 1; r < world_; ++r) sum += reinterpret_cast<const float*>(Slot(part, r))[i];
+      x[i] = sum;
+    }
+  }
+
+ private:
+  static constexpr int64_t kLine = 64, kSpins = 2000;
+  int64_t* Word(int part, int64_t rank) const {
+    return reinterpret_cast<int64_t*>(base_ + (part * world_ + rank) * kLine);
+  }
+  uint8_t* Slot(int part, int64_t rank) const { return base_ + 2 * world_ * kLine + (part * world_ + rank) * capacity_; }
+  static int64_t Load(int64_t* word) { return __atomic_load_n(word, __ATOMIC_ACQUIRE); }
+  static void Store(int64_t* word, int64_t value) { __atomic_store_n(word, value, __ATOMIC_RELEASE); }
+
+  void Wait(int64_t* word, int64_t generation) const {
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_);
+    for (int64_t spins = 0; Load(word) < generation; ++spins) {
+      if (spins < kSpins) {
+        __builtin_ia32_pause();
+        continue;
+      }
+      PD_CHECK(Load(Word(0, 0) + 2) == 0, "fdcore group aborted: a rank of the group is gone");
+      PD_CHECK(std::chrono::steady_clock::now() < deadline, "fdcore group: a rank missed generation ", generation,
+               " for ", timeout_, " s");
+      const timespec nap{0, 20000};  // 20 us: a peer still computing needs the core more than we do
+      nanosleep(&nap, nullptr);
+    }
+  }
+
+  uint8_t* base_;
+  int64_t rank_, world_, capacity_;
+  double timeout_;
+};
+
 }  // namespace
 
 // hidden [T, E] (the embeddings); returns the final norm's output [T, E].
@@ -66,12 +136,15 @@ std::vector<paddle::Tensor> DecoderLayers(const paddle::Tensor& hidden, const pa
                                           const std::vector<paddle::Tensor>& k_caches,
                                           const std::vector<paddle::Tensor>& v_caches,
                                           const std::vector<paddle::Tensor>& weights, const paddle::Tensor& final_norm,
-                                          const std::vector<int64_t>& meta, int64_t kind, int64_t num_heads,
-                                          float scale, float eps) {
+                                          const paddle::Tensor& group_segment, const std::vector<int64_t>& meta,
+                                          int64_t kind, int64_t num_heads, float scale, float eps,
+                                          const std::vector<int64_t>& group, float group_timeout) {
   const size_t layers = k_caches.size();
   PD_CHECK(v_caches.size() == layers, "decoder_layers: one V cache per layer");
   PD_CHECK(weights.size() == layers * kSlots, "decoder_layers: weights are not kSlots per layer");
   PD_CHECK(meta.size() == layers * kMeta, "decoder_layers: meta is not kMeta per layer");
+  PD_CHECK(group.size() == 3, "decoder_layers: group is (rank, world, capacity)");
+  const Group comm(group_segment, group[0], group[1], group[2], group_timeout);
   const paddle::Tensor none = paddle::empty({0}, paddle::DataType::FLOAT32, paddle::CPUPlace());
   paddle::Tensor h = hidden, delta = none;
   for (size_t i = 0; i < layers; ++i) {
@@ -82,17 +155,21 @@ std::vector<paddle::Tensor> DecoderLayers(const paddle::Tensor& hidden, const pa
     const paddle::Tensor qkv = Project(kind, normed[1], w, kQkv, m[0]);
     const paddle::Tensor attn = AttentionBlock(qkv, cos, sin, slots, k_caches[i], v_caches[i], tables, lengths,
                                                w[kQNorm], w[kKNorm], num_heads, scale, m[4], eps)[0];
-    normed = AddRmsNorm(h, Project(kind, attn, w, kO, m[1]), w[kPostNorm], eps);
+    paddle::Tensor o = Project(kind, attn, w, kO, m[1]);
+    if (comm.active()) comm.AllReduce(o.data<float>(), o.numel());
+    normed = AddRmsNorm(h, o, w[kPostNorm], eps);
     h = normed[0];
     const paddle::Tensor gate_up = Project(kind, normed[1], w, kGateUp, m[2]);
     delta = Project(kind, SiluMul(gate_up)[0], w, kDown, m[3]);
+    if (comm.active()) comm.AllReduce(delta.data<float>(), delta.numel());
   }
   return {AddRmsNorm(h, delta, final_norm, eps)[1]};
 }
 
 PD_BUILD_OP(fdcore_decoder_layers)
     .Inputs({"Hidden", "Cos", "Sin", "Slots", "Tables", "Lengths", paddle::Vec("KCaches"), paddle::Vec("VCaches"),
-             paddle::Vec("Weights"), "FinalNorm"})
+             paddle::Vec("Weights"), "FinalNorm", "GroupSegment"})
     .Outputs({"Normed"})
-    .Attrs({"meta: std::vector<int64_t>", "kind: int64_t", "num_heads: int64_t", "scale: float", "eps: float"})
+    .Attrs({"meta: std::vector<int64_t>", "kind: int64_t", "num_heads: int64_t", "scale: float", "eps: float",
+            "group: std::vector<int64_t>", "group_timeout: float"})
     .SetKernelFn(PD_KERNEL(DecoderLayers));
