@@ -43,6 +43,8 @@ RANK = textwrap.dedent("""
                 else ShmCommunicator.attach(name, rank, world, int(capacity), timeout=60))
         group = TensorGroup(shard, comm)
     model = LlamaModel(checkpoint, "float32", quantization, group)
+    if sys.argv[9:] == ["per-layer"]:
+        model.decoder = None  # the layers one by one, summed by the communicator's Python all_reduce
     cache = PagedKVCache(checkpoint.args, 24, 16)
     prompts = [[5 + (i * 37 + j * 11) % 4000 for j in range(20 + 9 * i)] for i in range(3)]
     tables = [list(range(8 * i, 8 * i + 8)) for i in range(3)]
@@ -75,7 +77,8 @@ def checkpoints(tmp_path_factory):
             "qwen2-bias-tied": tiny.make_tiny_model(str(root / "qwen2"), arch="qwen2")}
 
 
-def run_group(path: str, world: int, tmp_path, quantization: str = "none", comm: str = "shm") -> list[dict]:
+def run_group(path: str, world: int, tmp_path, quantization: str = "none", comm: str = "shm",
+              per_layer: bool = False) -> list[dict]:
     if comm == "paddle":
         from fdcore.supervisor import free_port_block
 
@@ -85,7 +88,8 @@ def run_group(path: str, world: int, tmp_path, quantization: str = "none", comm:
         ShmCommunicator.create(name, world, CAPACITY).close()
     outs = [tmp_path / f"rank{world}-{rank}.npz" for rank in range(world)]
     procs = [subprocess.Popen([sys.executable, "-c", RANK, path, quantization, name, str(rank), str(world),
-                               str(CAPACITY), str(STEPS), str(out)], stderr=subprocess.PIPE, text=True,
+                               str(CAPACITY), str(STEPS), str(out), *(["per-layer"] if per_layer else [])],
+                              stderr=subprocess.PIPE, text=True,
                               start_new_session=True, env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
              for rank, out in enumerate(outs)]
     try:
@@ -166,6 +170,15 @@ def test_paddle_distributed_ranks_give_the_shared_memory_ranks_tokens(checkpoint
     for rank in gloo:
         assert rank["tokens"].tolist() == shm[0]["tokens"].tolist() == solo["tokens"].tolist()
         np.testing.assert_allclose(rank["logits"], shm[0]["logits"], atol=1e-5)
+
+
+def test_the_decoders_in_kernel_sums_are_the_python_all_reduces_bits(checkpoints, tmp_path):
+    """The one-call decoder sums a rank's products in C++ by the communicator's protocol and order:
+    the same logits, to the bit, as the layers run one by one through its Python all_reduce."""
+    path = checkpoints["qwen2-bias-tied"]
+    in_kernel, per_layer = run_group(path, 2, tmp_path), run_group(path, 2, tmp_path, per_layer=True)
+    np.testing.assert_array_equal(in_kernel[0]["logits"], per_layer[0]["logits"])
+    assert in_kernel[0]["tokens"].tolist() == per_layer[0]["tokens"].tolist()
 
 
 def test_two_ranks_with_wint8_weights(checkpoints, tmp_path):
