@@ -74,7 +74,8 @@ RANK = textwrap.dedent("""
 def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("tp")
     return {"llama-gqa": tiny.make_tiny_model(str(root / "llama")),
-            "qwen2-bias-tied": tiny.make_tiny_model(str(root / "qwen2"), arch="qwen2")}
+            "qwen2-bias-tied": tiny.make_tiny_model(str(root / "qwen2"), arch="qwen2"),
+            "llama-sharded": tiny.make_tiny_model(str(root / "sharded"), shards=3)}
 
 
 def run_group(path: str, world: int, tmp_path, quantization: str = "none", comm: str = "shm",
@@ -149,7 +150,7 @@ def test_each_rank_holds_its_slices(checkpoints):
 
 
 # ------------------------------------------------------------------- ranks
-@pytest.mark.parametrize("name", ["llama-gqa", "qwen2-bias-tied"])
+@pytest.mark.parametrize("name", ["llama-gqa", "qwen2-bias-tied", "llama-sharded"])  # reference.json's
 def test_two_ranks_give_one_ranks_tokens(checkpoints, tmp_path, name):
     solo = run_group(checkpoints[name], 1, tmp_path)[0]
     ranks = run_group(checkpoints[name], 2, tmp_path)
