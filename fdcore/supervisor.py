@@ -452,6 +452,8 @@ class Supervisor:
         if self.config.workers.tensor_parallel_size == 1:
             return
         if self.config.workers.communicator == "paddle":
+            from fdcore.models.tensor_parallel import free_port_block
+
             self.group_master = f"127.0.0.1:{free_port_block(self.config.workers.tensor_parallel_size + 1)}"
         elif self.group_comm is None:
             self._create_group_comm()
@@ -510,28 +512,6 @@ def actor_census(supervisor_pid: int, child_ids: list[str]) -> str:
     found = actor_processes(supervisor_pid)
     wrong = [(title, found.get(title, [])) for title in map(topology.title_of, child_ids)]
     return ", ".join(f"{len(pids)} {title} (pids {pids})" for title, pids in wrong if len(pids) != 1)
-
-
-def free_port_block(count: int) -> int:
-    """A port p with p .. p + count - 1 free now on 127.0.0.1 (a paddle.distributed group's store
-    and rank endpoints)."""
-    import socket
-
-    def free(port: int) -> bool:
-        with socket.socket() as probe:
-            try:
-                probe.bind(("127.0.0.1", port))
-                return True
-            except OSError:
-                return False
-
-    for _ in range(100):
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            base = probe.getsockname()[1]
-        if base + count < 65535 and all(free(port) for port in range(base, base + count)):
-            return base
-    raise RuntimeError("no block of free ports on 127.0.0.1")
 
 
 def _killpg(pgid: int, sig: int) -> None:

@@ -81,7 +81,7 @@ def checkpoints(tmp_path_factory):
 def run_group(path: str, world: int, tmp_path, quantization: str = "none", comm: str = "shm",
               per_layer: bool = False) -> list[dict]:
     if comm == "paddle":
-        from fdcore.supervisor import free_port_block
+        from fdcore.models.tensor_parallel import free_port_block
 
         name = f"paddle:127.0.0.1:{free_port_block(world + 1)}"
     else:

@@ -146,6 +146,30 @@ class TensorGroup:
         return self.comm.all_reduce(rows)
 
 
+def free_port_block(count: int) -> int:
+    """A port p with p .. p + count - 1 free now on 127.0.0.1 (a paddle.distributed group's store
+    and rank endpoints). NOTE: the one place besides the API's HTTP server where fdcore touches a
+    socket: a paddle.distributed group, chosen for groups across machines, rendezvouses over TCP;
+    fdcore's own actors never do."""
+    import socket
+
+    def free(port: int) -> bool:
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+                return True
+            except OSError:
+                return False
+
+    for _ in range(100):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            base = probe.getsockname()[1]
+        if base + count < 65535 and all(free(port) for port in range(base, base + count)):
+            return base
+    raise RuntimeError("no block of free ports on 127.0.0.1")
+
+
 class PaddleCommunicator:
     """The group's collectives through ``paddle.distributed`` (gloo on CPU, NCCL on GPU): what a group
     spanning machines uses, where no segment can be shared (the shared-memory one is fdcore.ipc's
