@@ -274,6 +274,8 @@ def _check(tmp_path, text: str) -> subprocess.CompletedProcess:
     ('[cache]\nblock_size = 0\n', "key 'cache.block_size' is 0, must be >= 1"),
     ('[workers]\nomp_threads = -1\n', "key 'workers.omp_threads' is -1, must be >= 0"),
     ('[workers]\ncount = 2\n', "key 'workers.count' is 2; this version runs exactly 1 worker"),
+    ('[workers]\ntensor_parallel_size = 0\n', "key 'workers.tensor_parallel_size' is 0, must be >= 1"),
+    ('[workers]\ncommunicator = "mpi"\n', "key 'workers.communicator': Invalid enum value 'mpi'"),
     ('[model]\ndtype = "float16"\n', "key 'model.dtype' is 'float16'; the CPU model computes in float32 or bfloat16"),
     ('[model]\nbackend = "onnx"\n', "key 'model.backend': Invalid enum value 'onnx'"),
 ])
@@ -290,6 +292,7 @@ def test_a_workers_threads_are_the_configured_ones_else_the_pinned_ones_else_eve
     assert worker_threads(WorkersConfig(omp_threads=3), {"OMP_NUM_THREADS": "1"}) == 3
     assert worker_threads(WorkersConfig(), {"OMP_NUM_THREADS": "2"}) == 2
     assert worker_threads(WorkersConfig(), {}) == cores
+    assert worker_threads(WorkersConfig(tensor_parallel_size=2), {}) == max(1, cores // 2)  # shared by the ranks
     assert worker_threads(WorkersConfig(), {"OMP_NUM_THREADS": "many"}) == cores
 
 
