@@ -290,3 +290,28 @@ def test_a_paddle_group_with_spares_is_refused():
 
     with pytest.raises(ConfigError, match="workers.standby' is true with workers.communicator"):
         parse_config('[workers]\ntensor_parallel_size = 2\ncommunicator = "paddle"\n', check_model=False)
+
+
+def test_a_group_scores_prompts_and_keeps_to_a_grammar_as_one_worker(checkpoints):
+    """prompt_logprobs (every rank scores, through 16-token chunks) and a regex constraint (rank 0's
+    masks) give TP=1's tokens and, within float rounding, its scores."""
+    from fdcore import LLM, SamplingParams, StructuredOutputs
+    from fdcore.config import parse_config
+
+    prompt = {"prompt_token_ids": [3 + (j * 31) % 4000 for j in range(40)]}
+    scored = SamplingParams(max_tokens=4, temperature=0, prompt_logprobs=2)
+    held = SamplingParams(max_tokens=20, temperature=0.7, seed=3,
+                          structured_outputs=StructuredOutputs(regex="[a-z]{3,8}-[0-9]{2}"))
+    runs = {}
+    for world in (1, 2):
+        text = (f'[model]\npath = "{checkpoints["llama-gqa"]}"\n[scheduler]\nmax_num_batched_tokens = 16\n'
+                f'[workers]\ntensor_parallel_size = {world}\nstandby = false\n')
+        with LLM(parse_config(text)) as llm:
+            runs[world] = (llm.generate([prompt], scored, use_tqdm=False)[0],
+                           llm.generate(["hello"], held, use_tqdm=False)[0])
+    (solo_scores, solo_text), (group_scores, group_text) = runs[1], runs[2]
+    assert group_scores.outputs.token_ids == solo_scores.outputs.token_ids
+    for mine, theirs in zip(group_scores.prompt_logprobs[1:], solo_scores.prompt_logprobs[1:], strict=True):
+        assert mine.token_id == theirs.token_id and abs(mine.logprob - theirs.logprob) < 1e-4
+    assert group_text.outputs.text == solo_text.outputs.text
+    assert __import__("re").fullmatch("[a-z]{3,8}-[0-9]{2}", group_text.outputs.text), group_text.outputs.text
