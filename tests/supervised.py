@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import queue
 import re
@@ -13,12 +14,21 @@ import time
 
 import psutil
 
+from fdcore.config import parse_config
 from fdcore.ipc import names
 from fdcore.models import tiny
 
 EVENT = re.compile(r"^fdcore\.supervisor: event=(\w+)(.*)$")
 FIELD = re.compile(r'(\w+)=("(?:[^"\\]|\\.)*"|\S+)')
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def tree_config(model: str, **sections):
+    """A parsed configuration for ``model``: each keyword a section, its dict that section's keys."""
+    text = f'[model]\npath = "{model}"\n'
+    for section, keys in sections.items():
+        text += f"[{section}]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in keys.items())
+    return parse_config(text)
 
 
 def make_model_dir(tmp_path) -> str:

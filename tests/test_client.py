@@ -4,7 +4,6 @@ submission from several threads, a dead reader thread, a stopped tree, a client 
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 import subprocess
@@ -20,14 +19,14 @@ from fdcore.client import EngineDeadError
 from fdcore.config import parse_config
 from fdcore.models import tiny
 from fdcore.supervisor import actor_pid
+from tests.supervised import tree_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
 
 
 def config(model: str, **engine):
-    text = f'[model]\npath = "{model}"\n[supervisor]\nmax_restarts = 100\n[engine]\n'
-    return parse_config(text + "".join(f"{k} = {json.dumps(v)}\n" for k, v in engine.items()))
+    return tree_config(model, supervisor={"max_restarts": 100}, engine=engine)
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,6 @@ the tokens of a run without the crash (greedy and seeded sampling), with nothing
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 import time
@@ -13,21 +12,19 @@ import psutil
 import pytest
 
 from fdcore import AsyncLLM, SamplingParams
-from fdcore.config import parse_config
 from fdcore.ipc import names
 from fdcore.models import tiny
 from fdcore.actors import topology
 from fdcore.supervisor import actor_census
 from fdcore.supervisor import actor_pid as find_actor
+from tests.supervised import tree_config
 
 CHILDREN = {"worker": "worker0", "scheduler": "scheduler", "cache": "cache", "engine": "engine"}  # kind: child
 
 
 def config(model: str, **supervisor):
-    keys = {"max_restarts": 100, "period": 60.0, **supervisor}
-    text = (f'[model]\npath = "{model}"\n[scheduler]\nmax_num_batched_tokens = 64\n[supervisor]\n'
-            + "".join(f"{k} = {json.dumps(v)}\n" for k, v in keys.items()))
-    return parse_config(text)
+    return tree_config(model, scheduler={"max_num_batched_tokens": 64},
+                       supervisor={"max_restarts": 100, "period": 60.0, **supervisor})
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,6 @@ scoring each prefix alone, through chunked prefill, the prefix cache and actor c
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 
@@ -12,22 +11,19 @@ import numpy as np
 import pytest
 
 from fdcore import LLM, AsyncLLM, SamplingParams
-from fdcore.config import parse_config
 from fdcore.core.batch import BatchInput
 from fdcore.models import tiny
 from fdcore.models.llama import LlamaModel, PagedKVCache
 from fdcore.models.loader import load_checkpoint
 from fdcore.sampling import score_tokens
 from fdcore.supervisor import actor_pid
+from tests.supervised import tree_config
 
 TOP = 3
 
 
-def config(model: str, **scheduler) -> object:
-    keys = {"max_num_batched_tokens": 16, **scheduler}
-    text = (f'[model]\npath = "{model}"\n[supervisor]\nmax_restarts = 100\n[scheduler]\n'
-            + "".join(f"{k} = {json.dumps(v)}\n" for k, v in keys.items()))
-    return parse_config(text)
+def config(model: str):
+    return tree_config(model, supervisor={"max_restarts": 100}, scheduler={"max_num_batched_tokens": 16})
 
 
 @pytest.fixture(scope="module")

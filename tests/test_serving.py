@@ -12,24 +12,17 @@ import sys
 import pytest
 
 from fdcore import LLM, AsyncLLM, SamplingParams
-from fdcore.config import parse_config
 from fdcore.core.engine_core import EngineCore
 from fdcore.core.kv_cache_manager import KVCacheManager
 from fdcore.core.scheduler import Request, Scheduler, SchedulerConfig
 from fdcore.models import tiny
 from fdcore.models.llama import LlamaModel, PagedKVCache
 from fdcore.models.loader import load_checkpoint
+from tests.supervised import tree_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REFERENCE = json.load(open(os.path.join(ROOT, "tests", "data", "reference.json")))
 GREEDY = dict(temperature=0.0, ignore_eos=True)
-
-
-def config(model: str, **sections) -> object:
-    text = f'[model]\npath = "{model}"\n'
-    for section, keys in sections.items():
-        text += f"[{section}]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in keys.items())
-    return parse_config(text)
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +32,7 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def llm(model_dir):
-    engine = LLM(config(model_dir))
+    engine = LLM(tree_config(model_dir))
     yield engine
     engine.shutdown()
 
@@ -164,7 +157,7 @@ def test_prefix_caching_hits_and_gives_the_outputs_of_caching_off(llm, model_dir
     hit = after.hit_tokens - before.hit_tokens
     assert hit >= 6 * 160 - 16, f"only {hit} prompt tokens came from the prefix cache"
     assert after.hit_rate > 0
-    with LLM(config(model_dir, cache={"enable_prefix_caching": False})) as plain:
+    with LLM(tree_config(model_dir, cache={"enable_prefix_caching": False})) as plain:
         uncached = [o.outputs.token_ids for o in plain.generate(prompts, params)]
         assert plain.stats().cache.hit_tokens == 0
     assert cached == uncached
@@ -176,7 +169,7 @@ def test_preemption_under_a_tiny_kv_budget_gives_identical_outputs(llm, model_di
     params = [SamplingParams(max_tokens=40, **GREEDY) if i % 2 else
               SamplingParams(temperature=0.8, seed=i, max_tokens=40, ignore_eos=True) for i in range(6)]
     roomy = [o.outputs.token_ids for o in llm.generate(prompts, params)]
-    with LLM(config(model_dir, cache={"num_blocks": 12})) as tight:
+    with LLM(tree_config(model_dir, cache={"num_blocks": 12})) as tight:
         squeezed = [o.outputs.token_ids for o in tight.generate(prompts, params)]
         stats = tight.stats()
     assert stats.preemptions > 0, "the budget was meant to force preemption"

@@ -205,12 +205,12 @@ def test_two_ranks_of_the_real_model_give_its_tokens(tmp_path):
 
 
 # ------------------------------------------------------------------- the tree
-def group_config(path: str, world: int, standby: bool = True):
-    from fdcore.config import parse_config
+def group_config(path: str, world: int, standby: bool = True, batched_tokens: int = 64, **workers):
+    from tests.supervised import tree_config
 
-    return parse_config(f'[model]\npath = "{path}"\n[scheduler]\nmax_num_batched_tokens = 64\n'
-                        f'[workers]\ntensor_parallel_size = {world}\nstandby = {str(standby).lower()}\n'
-                        '[supervisor]\nmax_restarts = 100\nperiod = 60.0\n')
+    return tree_config(path, scheduler={"max_num_batched_tokens": batched_tokens},
+                       workers={"tensor_parallel_size": world, "standby": standby, **workers},
+                       supervisor={"max_restarts": 100, "period": 60.0})
 
 
 def test_a_group_serves_one_workers_tokens(checkpoints):
@@ -271,14 +271,11 @@ def test_sigkill_of_a_rank_restarts_the_group_and_changes_no_token(checkpoints, 
 def test_a_paddle_distributed_group_in_the_tree(checkpoints):
     """workers.communicator = "paddle": the tree's group sums through paddle.distributed (gloo)."""
     from fdcore import LLM, SamplingParams
-    from fdcore.config import parse_config
 
     path = checkpoints["llama-gqa"]
     prompts = [{"prompt_token_ids": [5 + (i * 37 + j * 11) % 4000 for j in range(20 + 9 * i)]} for i in range(3)]
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-    text = (f'[model]\npath = "{path}"\n[workers]\ntensor_parallel_size = 2\ncommunicator = "paddle"\n'
-            'standby = false\n')
-    with LLM(parse_config(text)) as llm:
+    with LLM(group_config(path, 2, standby=False, communicator="paddle")) as llm:
         gloo = [o.outputs.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     with LLM(group_config(path, 1, standby=False)) as llm:
         solo = [o.outputs.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
@@ -296,7 +293,6 @@ def test_a_group_scores_prompts_and_keeps_to_a_grammar_as_one_worker(checkpoints
     """prompt_logprobs (every rank scores, through 16-token chunks) and a regex constraint (rank 0's
     masks) give TP=1's tokens and, within float rounding, its scores."""
     from fdcore import LLM, SamplingParams, StructuredOutputs
-    from fdcore.config import parse_config
 
     prompt = {"prompt_token_ids": [3 + (j * 31) % 4000 for j in range(40)]}
     scored = SamplingParams(max_tokens=4, temperature=0, prompt_logprobs=2)
@@ -304,9 +300,8 @@ def test_a_group_scores_prompts_and_keeps_to_a_grammar_as_one_worker(checkpoints
                           structured_outputs=StructuredOutputs(regex="[a-z]{3,8}-[0-9]{2}"))
     runs = {}
     for world in (1, 2):
-        text = (f'[model]\npath = "{checkpoints["llama-gqa"]}"\n[scheduler]\nmax_num_batched_tokens = 16\n'
-                f'[workers]\ntensor_parallel_size = {world}\nstandby = false\n')
-        with LLM(parse_config(text)) as llm:
+        config = group_config(checkpoints["llama-gqa"], world, standby=False, batched_tokens=16)
+        with LLM(config) as llm:
             runs[world] = (llm.generate([prompt], scored, use_tqdm=False)[0],
                            llm.generate(["hello"], held, use_tqdm=False)[0])
     (solo_scores, solo_text), (group_scores, group_text) = runs[1], runs[2]

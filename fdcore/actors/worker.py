@@ -135,8 +135,8 @@ class WorkerActor(Actor):
         try:
             return self.run_step(step)
         except Exception:
-            group = getattr(self.model, "group", None)
-            if group is not None and getattr(group.comm, "aborted", lambda: False)():
+            group = getattr(self.model, "group", None)  # (the null model has none)
+            if group is not None and group.comm.aborted():
                 raise StopRequested("the worker group was aborted: a rank is gone") from None
             raise
 
@@ -178,6 +178,7 @@ class WorkerActor(Actor):
         masks = self.masks.submit(self._allowed, constrained) if constrained else None  # beside the forward
         batch = BatchInput(token_ids, starts, tables, prompt_lengths)
         logits, hidden = self.model.forward_rows(batch, self.cache, tuple(row for row, _, _ in scoring))
+        # every rank scores (the LM head's gather is a collective); rank 0 sends them
         scores = [self._score_prompt(item, state, hidden[row]) for row, item, state in scoring] or None
         if self.rank > 0:
             self._follow(sampling)

@@ -30,6 +30,7 @@ import paddle  # noqa: E402
 
 from fdcore.core.batch import BatchInput
 from fdcore.models.loader import Checkpoint, ModelArgs
+from fdcore.models.tensor_parallel import GATHER_ROWS, TensorGroup
 from fdcore.models.tensors import as_paddle
 
 
@@ -100,7 +101,7 @@ class LlamaModel:
     """
 
     def __init__(self, checkpoint: Checkpoint, dtype: str = "float32", quantization: str = "none",
-                 group: "TensorGroup | None" = None):
+                 group: TensorGroup | None = None):
         """``group``: this rank's place in a tensor-parallel worker group (its shard of a checkpoint cut by
         fdcore.models.tensor_parallel, and the group's communicator); None: the whole model here."""
         self.args = args = checkpoint.args
@@ -138,11 +139,9 @@ class LlamaModel:
                 layer["post_norm_t"] = self._tensor(layer["post_norm"])
         # the one-call decoder sums a rank's o and down products itself through a shared-memory communicator;
         # a rank of another communicator (paddle.distributed) runs the layers one by one
-        self.decoder = self._decoder_plan() if self.fused is not None else None
-        self.decoder_group = None
-        if group is not None:
-            self.decoder_group = group.decoder_args()
-            self.decoder = self.decoder if self.decoder_group is not None else None
+        self.decoder_group = group.decoder_args() if group is not None else None
+        one_call = self.fused is not None and (group is None or self.decoder_group is not None)
+        self.decoder = self._decoder_plan() if one_call else None
 
     def _decoder_plan(self):
         """``(op, weights, meta, kind)`` for the one-call decoder (kernels/decoder.cc: every layer of a step
@@ -196,8 +195,6 @@ class LlamaModel:
         """The LM head's logits, [rows, vocab] float32 (a group's rank: its slice, then everyone's gathered)."""
         if self.group is None:
             return linear(states, self.lm_head).numpy()
-        from fdcore.models.tensor_parallel import GATHER_ROWS
-
         return np.concatenate([self.group.comm.gather(linear(states[first:first + GATHER_ROWS], self.lm_head).numpy())
                                for first in range(0, max(states.shape[0], 1), GATHER_ROWS)])
 

@@ -91,13 +91,14 @@ def shard_checkpoint(checkpoint: Checkpoint, rank: int, world: int) -> tuple[Che
         module = name.rsplit(".", 2)[-2] if name.count(".") >= 2 else ""
         if name in ("model.embed_tokens.weight", "lm_head.weight"):
             array = array[_slice(shard.vocab)]
-        elif module in cut and name.endswith(".weight"):
+        elif module in cut:
             axis, part = cut[module]
-            array = array[part] if axis == 0 else array[:, part]
-        elif module in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj") and name.endswith(".bias"):
-            array = array[cut[module][1]]
-        elif module in ("o_proj", "down_proj") and name.endswith(".bias") and rank != 0:
-            array = np.zeros_like(array)  # a row-parallel bias is added once, by rank 0
+            if name.endswith(".weight"):
+                array = array[part] if axis == 0 else array[:, part]
+            elif axis == 0:  # a column-parallel bias: this rank's outputs
+                array = array[part]
+            elif rank != 0:  # a row-parallel bias is added once, by rank 0
+                array = np.zeros_like(array)
         out[name] = np.ascontiguousarray(array)
     args = dataclasses.replace(a, num_heads=len(shard.heads), num_kv_heads=len(shard.kv_heads),
                                intermediate_size=len(shard.intermediate))
@@ -219,6 +220,10 @@ class PaddleCommunicator:
         parts = []
         dist.all_gather(parts, paddle.to_tensor(padded))
         return np.concatenate([part.numpy()[..., :width] for part, width in zip(parts, widths, strict=True)], axis=-1)
+
+    def aborted(self) -> bool:
+        """Never: a paddle.distributed group has no abort word (a lost peer surfaces as the runtime's error)."""
+        return False
 
     def broadcast(self, x: np.ndarray | None) -> np.ndarray:
         """Rank 0's int64 ``x`` on every rank (its length sent first)."""
