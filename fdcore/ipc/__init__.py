@@ -1,5 +1,6 @@
 """fdcore's shared-memory message layer: rings, inboxes, typed channels, names."""
 
+from fdcore.ipc.broadcast import BroadcastRing
 from fdcore.ipc.channel import LinkReceiver, ProtocolError, Receiver, Sender
 from fdcore.ipc.doorbell import Doorbell
 from fdcore.ipc.inbox import Inbox, InboxStatistics
@@ -7,6 +8,6 @@ from fdcore.ipc.names import new_instance_id, object_name, sweep
 from fdcore.ipc.ring import (RecordTooLarge, Ring, RingClosed, RingCorrupted, RingEmpty,
                              RingError, RingFull, RingStatistics)
 
-__all__ = ["Ring", "RingStatistics", "RingError", "RingCorrupted", "RingClosed", "RingEmpty",
+__all__ = ["Ring", "BroadcastRing", "RingStatistics", "RingError", "RingCorrupted", "RingClosed", "RingEmpty",
            "RingFull", "RecordTooLarge", "Inbox", "InboxStatistics", "Doorbell", "Sender",
            "Receiver", "LinkReceiver", "ProtocolError", "new_instance_id", "object_name", "sweep"]

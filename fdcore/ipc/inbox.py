@@ -25,6 +25,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from fdcore.ipc.broadcast import BroadcastRing
 from fdcore.ipc.doorbell import Doorbell
 from fdcore.ipc.ring import DEFAULT_CAPACITY, DEFAULT_SPIN, Ring, RingEmpty, RingStatistics
 
@@ -96,6 +97,14 @@ class Inbox:
         self._add(producer, Ring.attach(self.link_name(producer), doorbell=self._bell,
                                         spin=self.spin))
 
+    def attach_reader(self, producer: str, ring_name: str, reader: int) -> None:
+        """Start consuming, as reader ``reader``, a :class:`~fdcore.ipc.broadcast.BroadcastRing`
+        that ``producer`` writes for several inboxes (the ring is not the inbox's: it neither
+        creates nor unlinks it)."""
+        self._check_new(producer)
+        self._add(producer, BroadcastRing.attach(ring_name, reader=reader, doorbell=self._bell,
+                                                 spin=self.spin))
+
     def _check_new(self, producer: str) -> None:
         if producer in self._links:
             raise ValueError(f"{self.name}: link {producer!r} exists already")
@@ -109,7 +118,7 @@ class Inbox:
         ring = self._links.pop(producer)
         self._order.remove(ring)
         ring.close()
-        if self.owner:
+        if self.owner and ring.owner:
             ring.unlink()
 
     @property
@@ -204,7 +213,8 @@ class Inbox:
         if not self.owner:
             raise ValueError(f"{self.name}: only the creating handle may unlink the inbox")
         for ring in self._order:
-            ring.unlink()
+            if ring.owner:
+                ring.unlink()
         self._bell.unlink()
 
     def __enter__(self) -> "Inbox":

@@ -150,6 +150,8 @@ class Ring:
     but at most one process may produce and one consume at a time.
     """
 
+    _head_word = HEAD  # the consumer's head (a BroadcastRing's readers each have their own)
+
     def __init__(self, name: str, mm: mmap.mmap, bell: Doorbell, close_bell: bool,
                  space: posix_ipc.Semaphore, owner: bool, spin: float):
         self.name = name
@@ -167,9 +169,9 @@ class Ring:
         self._closed = False
         # Producer state: ``_tail`` is authoritative, ``_head_seen`` a lower bound of head.
         self._tail = words[TAIL]
-        self._head_seen = words[HEAD]
+        self._head_seen = self._peek_head()
         # Consumer state: ``_head`` is authoritative, ``_tail_seen`` the last tail read.
-        self._head = self._head_published = self._head_seen
+        self._head = self._head_published = words[self._head_word]
         self._tail_seen = self._head
         self._producer_waits = self._consumer_waits = 0
         self._puts = self._gets = 0
@@ -346,7 +348,7 @@ class Ring:
         if n > self.max_record:
             raise RecordTooLarge(f"{self.name}: record of {n} bytes exceeds the limit of "
                                  f"{self.max_record} bytes (ring capacity {self._capacity})")
-        head = self._words[HEAD]
+        head = self._peek_head()
         if head > tail or tail - head > self._capacity or head & 7:
             raise RingCorrupted(f"{self.name}: head {head} inconsistent with tail {tail}")
         self._head_seen = head
@@ -354,14 +356,18 @@ class Ring:
 
     def _wait_for_space(self, deadline: float | None) -> bool:
         """Sleep until the consumer publishes a new head; False once ``deadline`` passes."""
-        head_seen, words = self._head_seen, self._words
+        head_seen, peek = self._head_seen, self._peek_head
         spin_end = time.monotonic() + self.spin
         while time.monotonic() < spin_end:
-            if words[HEAD] != head_seen:
+            if peek() != head_seen:
                 return True
         self._producer_waits += 1
         return sleep_until(self._mm, PRODUCER_WAITING_OFF, self._space,
-                           lambda: words[HEAD] != head_seen, deadline)
+                           lambda: peek() != head_seen, deadline)
+
+    def _peek_head(self) -> int:
+        """Producer side: the head that bounds its room (one consumer's; the slowest of several)."""
+        return self._words[HEAD]
 
     # --------------------------------------------------------------- consumer
     def get_nowait(self) -> bytes:
@@ -454,7 +460,7 @@ class Ring:
         else:
             data = self._read_split(pos + 8, n)
         self._head = self._head_published = head = head + size
-        self._words[HEAD] = head
+        self._words[self._head_word] = head
         self._gets += 1
         if mm[PRODUCER_WAITING_OFF]:
             self._wake_producer()
@@ -483,7 +489,7 @@ class Ring:
     def _publish_head(self) -> None:
         """Make consumed space visible to the producer, waking it if it waits."""
         if self._head != self._head_published:
-            self._words[HEAD] = self._head_published = self._head
+            self._words[self._head_word] = self._head_published = self._head
             if self._mm[PRODUCER_WAITING_OFF]:
                 self._wake_producer()
 
@@ -494,7 +500,7 @@ class Ring:
     # ------------------------------------------------------------- lifecycle
     def statistics(self) -> RingStatistics:
         tail = self._words[TAIL]
-        head = self._words[HEAD]
+        head = self._peek_head()
         return RingStatistics(self.name, self._capacity, self.max_record, tail - head,
                               self._puts, self._gets, self._producer_waits,
                               self._consumer_waits, self._bell.rings)
