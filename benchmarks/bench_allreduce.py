@@ -7,6 +7,11 @@ is reported as p50 / p99, for hidden sizes of the tiny model (256), SmolLM2 (576
 over two of fdcore's rings (bench_ipc's rtt cell: what one scheduler -> worker -> scheduler exchange
 costs at least). Issue 17's target: an all-reduce within 2x of one ring round trip.
 
+Then how a step reaches the group: the scheduler's publish of a 600-byte step to 2 ranks, by one
+broadcast ring (fdcore.ipc.broadcast: one copy, one publish, each rank woken by its own doorbell)
+beside two plain rings (one put each, as before the broadcast ring), each rank answering on its own
+link: the producer's cost per publish, and the time until both ranks have the step in hand.
+
 Usage: python benchmarks/bench_allreduce.py [--calls 20000]
 """
 
@@ -25,7 +30,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from bench_ipc import FdcoreRing, bench_rtt  # noqa: E402
 
-from fdcore.ipc import names  # noqa: E402
+from fdcore.ipc import BroadcastRing, Doorbell, Inbox, Ring, names  # noqa: E402
 from fdcore.ipc.allreduce import ShmCommunicator  # noqa: E402
 
 SHAPES = {"tiny hidden (256)": (1, 256), "SmolLM2 hidden (576)": (1, 576), "7B hidden (4096)": (1, 4096),
@@ -69,6 +74,56 @@ def all_reduce_latency(shape: tuple, calls: int) -> tuple[float, float]:
     return samples[len(samples) // 2], samples[int(len(samples) * 0.99)]
 
 
+STEP_BYTES = 600  # a decode step of a few dozen sequences, msgpack-encoded
+
+
+def _step_rank(how: str, name: str, rank: int, reply: str, calls: int) -> None:
+    source = (BroadcastRing.attach(name, reader=rank) if how == "broadcast"
+              else Ring.attach(f"{name}.r{rank}"))
+    answer = Ring.attach(reply)
+    for _ in range(calls + 500):
+        answer.put(source.get()[:8])
+    source.close()
+    answer.close()
+
+
+def step_fan_out(how: str, calls: int, ranks: int = 2) -> tuple[float, float]:
+    """p50 of the producer's publish, and of publish-to-every-rank-has-it (µs)."""
+    instance = names.new_instance_id()
+    bells = [Doorbell.standalone(names.object_name(instance, f"bell{r}"), create=True) for r in range(ranks)]
+    name = names.object_name(instance, "steps")
+    rings = ([BroadcastRing.create([b.name for b in bells], CAPACITY, name=name)] if how == "broadcast"
+             else [Ring.create(CAPACITY, name=f"{name}.r{r}") for r in range(ranks)])
+    replies = Inbox.create(names.object_name(instance, "replies"), [f"r{r}" for r in range(ranks)])
+    ctx = mp.get_context("fork")
+    procs = [ctx.Process(target=_step_rank, args=(how, name, r, replies.link_name(f"r{r}"), calls))
+             for r in range(ranks)]
+    try:
+        for proc in procs:
+            proc.start()
+        step, publish, arrival, clock = os.urandom(STEP_BYTES), [], [], time.perf_counter
+        for i in range(calls + 500):
+            t0 = clock()
+            for ring in rings:
+                ring.put(step)
+            t1 = clock()
+            for _ in range(ranks):
+                replies.get(timeout=60)
+            if i >= 500:
+                publish.append(t1 - t0)
+                arrival.append(clock() - t0)
+        for proc in procs:
+            proc.join(timeout=60)
+    finally:
+        for handle in [*rings, replies]:
+            handle.close()
+            handle.unlink()
+        for bell in bells:
+            bell.close()
+            bell.unlink()
+    return float(np.median(publish)) * 1e6, float(np.median(arrival)) * 1e6
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=int, default=20000)
@@ -81,6 +136,12 @@ def main(argv=None) -> int:
     for label, shape in SHAPES.items():
         p50, p99 = all_reduce_latency(shape, args.calls)
         print(f"{'all_reduce ' + label:34s} {p50:8.1f} {p99:8.1f}  {p50 / rtt50:14.2f}")
+    print(f"\nA {STEP_BYTES}-byte step to 2 ranks, {args.calls} steps (p50, us)")
+    print(f"{'how':34s} {'publish':>8s} {'both have it':>13s}")
+    print("-" * 58)
+    for how, label in (("rings", "2 plain rings, one put each"), ("broadcast", "1 broadcast ring, one put")):
+        publish, arrival = step_fan_out(how, args.calls)
+        print(f"{label:34s} {publish:8.2f} {arrival:13.1f}")
     return 0
 
 

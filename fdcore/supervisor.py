@@ -35,7 +35,7 @@ import posix_ipc
 from fdcore.actors import health, topology
 from fdcore.actors.health import HealthBoard, State
 from fdcore.config import Config, ConfigError, load_config, model_path, render_config, worker_threads
-from fdcore.ipc import Inbox, Ring, Sender, names
+from fdcore.ipc import BroadcastRing, Inbox, Ring, Sender, names
 from fdcore.protocol import Restarted, Stop
 from fdcore.supervision import Backoff, ChildSpec, RestartIntensity, plan_restart, should_restart
 
@@ -85,6 +85,7 @@ class Supervisor:
         self.standby_semaphores: dict = {}
         self.standby_backoff: dict[str, Backoff] = {}  # by child: pauses between respawns of crashing spares
         self.senders: dict[str, Sender] = {}
+        self.step_ring: BroadcastRing | None = None  # the scheduler's steps, read by every worker rank
         self.group_comm = None  # the worker group's communicator segment (tensor_parallel_size > 1)
         self.group_master = ""  # a paddle.distributed group's rendezvous host:port
 
@@ -442,6 +443,9 @@ class Supervisor:
         for client in topology.client_ids(self.config):
             self.inboxes.append(Inbox.create(topology.inbox_name(self.instance, client), ["engine"],
                                              capacity=capacity))
+        self.step_ring = BroadcastRing.create(
+            [topology.inbox_name(self.instance, worker) for worker in topology.worker_ids(self.config)],
+            capacity, name=topology.step_ring_name(self.instance))
         if self.config.workers.tensor_parallel_size > 1:
             self._renew_group()
 
@@ -478,6 +482,8 @@ class Supervisor:
             sender.close()
         for inbox in self.inboxes:
             inbox.close()
+        if self.step_ring is not None:
+            self.step_ring.close()
         if self.board is not None:
             self.board.close()
         if self.group_comm is not None:

@@ -28,7 +28,7 @@ import traceback
 from fdcore.actors import faults, health, topology
 from fdcore.actors.health import HealthBoard, State
 from fdcore.config import Config, load_config
-from fdcore.ipc import Inbox, Receiver, Ring, RingEmpty, Sender
+from fdcore.ipc import BroadcastRing, Inbox, Receiver, Ring, RingEmpty, Sender
 from fdcore.models.loader import CheckpointError
 from fdcore.protocol import ControlMessage, Ping, Pong, Stop, Suspects
 
@@ -126,17 +126,17 @@ class Actor:
     def _sender(self, to: str) -> Sender:
         sender = self._senders.get(to)
         if sender is None:
-            link = topology.link_name(self.instance_id, to, self.child_id)
-            sender = self._senders[to] = Sender(Ring.attach(link))
+            if to == topology.WORKERS:
+                ring = BroadcastRing.attach(topology.step_ring_name(self.instance_id))
+            else:
+                ring = Ring.attach(topology.link_name(self.instance_id, to, self.child_id))
+            sender = self._senders[to] = Sender(ring)
         return sender
 
     def send(self, to: str, message) -> None:
-        """Send to another actor's inbox (or the supervisor's) over this actor's link."""
+        """Send to another actor's inbox (or the supervisor's) over this actor's link; to
+        ``topology.WORKERS``, every rank of the worker group at once (the scheduler's steps)."""
         self._sender(to).send(message)
-
-    def send_to_each(self, receivers: list[str], message) -> None:
-        """One message to several actors (a worker group's ranks), encoded once."""
-        self._sender(receivers[0]).send_also([self._sender(to) for to in receivers[1:]], message)
 
     def send_many(self, to: str, messages: list) -> None:
         """Several messages as one record: one copy, one publish, one wake-up."""
@@ -230,6 +230,8 @@ def main(actor_cls, argv=None) -> int:
             actor.standby = False
         inbox = Inbox.attach(topology.inbox_name(args.instance, args.id),
                              topology.producers_of(args.id, config))
+        for producer, ring_name, reader in topology.broadcast_links(args.id, args.instance):
+            inbox.attach_reader(producer, ring_name, reader)
         board.write(args.slot, health.STATE, State.READY)
         if hasattr(actor, "serve"):  # an actor with its own event loop (the HTTP server)
             actor.serve(inbox)

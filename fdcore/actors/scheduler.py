@@ -127,7 +127,6 @@ class SchedulerActor(Actor):
     def on_start(self) -> None:
         self.epoch: int | None = None  # nothing is scheduled before the engine's first Resync
         self.poison = faults.poison_for("scheduler")
-        self.workers = topology.worker_ids(self.config)  # the group's ranks: each is sent every step
         self._reset()
 
     def _reset(self) -> None:
@@ -176,7 +175,7 @@ class SchedulerActor(Actor):
         self._reset()
         self.epoch = epoch
         self.send("cache", CacheReset(epoch))
-        self.send_to_each(self.workers, WorkerSync(epoch))
+        self.send(topology.WORKERS, WorkerSync(epoch))
 
     def _add(self, m: AddSeq) -> None:
         self.handling = [m.seq]
@@ -249,6 +248,6 @@ class SchedulerActor(Actor):
         self.policy.launch(scheduled)
         self.step_number += 1
         self.in_flight.append((self.step_number, scheduled))
-        self.send_to_each(self.workers, Step(self.step_number, self.epoch, new, items, self.forget))
+        self.send(topology.WORKERS, Step(self.step_number, self.epoch, new, items, self.forget))
         self.forget = []
         return True

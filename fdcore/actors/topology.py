@@ -15,6 +15,7 @@ from fdcore.ipc import names
 from fdcore.supervision import ChildSpec
 
 SUPERVISOR = "supervisor"
+WORKERS = "workers"  # the worker group as one addressee: every rank reads each step from one ring
 
 
 class ActorKind:
@@ -105,14 +106,29 @@ def standby_title(child_id: str) -> str:
 
 
 def producers_of(child_id: str, config: Config) -> list[str]:
-    """The links of a child's inbox: everyone allowed to send to it."""
+    """The links of a child's inbox: everyone allowed to send to it. (A worker's steps come by the
+    group's broadcast ring instead: see :func:`broadcast_links`.)"""
     links = {
         "cache": ["scheduler"],
         "scheduler": ["engine", "cache", *worker_ids(config)],
         "engine": ["scheduler", *client_ids(config)],
         "api": [],
+        "worker": [],
     }
-    return [SUPERVISOR, *links.get(child_id, ["scheduler"])]
+    return [SUPERVISOR, *links[kind_of(child_id)]]
+
+
+def step_ring_name(instance_id: str) -> str:
+    """The ring the scheduler publishes each step to, once, for every rank of the worker group
+    (fdcore.ipc.broadcast): reader i is rank i, woken through its inbox's doorbell."""
+    return names.object_name(instance_id, "steps")
+
+
+def broadcast_links(child_id: str, instance_id: str) -> list[tuple[str, str, int]]:
+    """The broadcast rings a child reads beside its inbox's links: (producer, ring, reader index)."""
+    if kind_of(child_id) == "worker":
+        return [("scheduler", step_ring_name(instance_id), worker_rank(child_id))]
+    return []
 
 
 def inbox_name(instance_id: str, child_id: str) -> str:

@@ -43,13 +43,6 @@ class Sender:
         self._encode_into(message, self._buffer)
         self.ring.put_nowait(self._buffer)
 
-    def send_also(self, others: list["Sender"], message, timeout: float | None = None) -> None:
-        """Send one message here and over each of ``others``, encoded once (a worker group's step)."""
-        self._encode_into(message, self._buffer)
-        self.ring.put(self._buffer, timeout)
-        for other in others:
-            other.ring.put(self._buffer, timeout)
-
     def send_many(self, messages, timeout: float | None = None) -> None:
         """Send a list of messages as one record (one copy, one publish, one wake-up)."""
         self._encode_into(messages, self._batch_buffer, 1)
