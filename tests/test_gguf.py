@@ -46,7 +46,7 @@ def tokenizer(smollm2):
 def model(smollm2):
     from fdcore.models.llama import LlamaModel
 
-    config, tensors, eos = read_gguf(smollm2)
+    config, tensors, eos, _ = read_gguf(smollm2)
     args = ModelArgs.from_config(config, smollm2)
     return LlamaModel(Checkpoint(path=smollm2, args=args, eos_token_ids=eos, tensors=tensors))
 
@@ -65,7 +65,7 @@ def test_the_file_is_the_pinned_one(smollm2):
 
 
 def test_config_from_metadata(smollm2):
-    config, tensors, eos = read_gguf(smollm2, progress=lambda *_: None)
+    config, tensors, eos, _ = read_gguf(smollm2, progress=lambda *_: None)
     assert config["architectures"] == ["LlamaForCausalLM"]
     assert {k: config[k] for k in ("hidden_size", "intermediate_size", "num_hidden_layers",
                                    "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size",
@@ -241,7 +241,7 @@ def tiny_models(tmp_path_factory):
 def test_f32_round_trip_gives_the_same_tensors_and_config(tmp_path, tiny_models, arch):
     config, tensors = tiny_models[arch]
     file = write_gguf(str(tmp_path / "m.gguf"), config, tensors)
-    got_config, got, eos = read_gguf(file)
+    got_config, got, eos, _ = read_gguf(file)
     assert set(got) == set(tensors)
     for name, array in tensors.items():
         np.testing.assert_array_equal(got[name], array, err_msg=name)
@@ -310,7 +310,7 @@ def test_llama_cpp_rotary_on_permuted_rows_equals_hf_rotary():
 def test_quantized_round_trip_is_the_dequantized_original(tmp_path, tiny_models, qtype):
     config, tensors = tiny_models["llama"]
     file = write_gguf(str(tmp_path / "m.gguf"), config, tensors, qtype)
-    _, got, _ = read_gguf(file)
+    _, got, _, _ = read_gguf(file)
     for name, array in tensors.items():
         if array.ndim == 1:
             np.testing.assert_array_equal(got[name], array)
@@ -321,6 +321,56 @@ def test_quantized_round_trip_is_the_dequantized_original(tmp_path, tiny_models,
         tolerance = {Q.F16: 1e-3, Q.BF16: 1e-2, Q.Q8_0: 0.02, Q.Q5_0: 0.1, Q.Q5_1: 0.1}.get(qtype, 0.2)
         assert np.abs(got[name] - array).max() <= tolerance * np.abs(array).max(), name
         assert got[name].dtype == np.float32 and got[name].flags.c_contiguous
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_1])
+def test_blocks_a_packed_matrix_takes_as_they_are_stand_for_the_files_exact_weights(tmp_path, tiny_models,
+                                                                                   arch, qtype):
+    """Every projection of a Q8_0 / Q4_0 / Q4_1 file comes with its levels (q/k rows un-permuted like the
+    weights), and they stand for exactly the weights the file dequantizes to."""
+    config, tensors = tiny_models[arch]
+    _, got, _, blocks = read_gguf(write_gguf(str(tmp_path / "m.gguf"), config, tensors, qtype))
+    assert set(blocks) == {name for name, array in tensors.items() if array.ndim == 2}
+    for name, block in blocks.items():
+        assert block.kind == ("wint8" if qtype == Q.Q8_0 else "wint4")
+        np.testing.assert_array_equal(block.dequantized(), got[name], err_msg=name)
+
+
+def test_a_q8_0_level_of_minus_128_is_not_taken_as_wint8():
+    """wint8's levels are symmetric ([-127, 127]); a file's -128 is quantized again from its value."""
+    from fdcore.models.quantized import from_ggml
+
+    data = gguf.quants.quantize(np.random.default_rng(0).standard_normal((2, 64)).astype(np.float32), Q.Q8_0)
+    assert from_ggml("Q8_0", data, (2, 64)) is not None
+    data[1, 2] = 0x80  # the first level of row 1's first block: -128
+    assert from_ggml("Q8_0", data, (2, 64)) is None
+
+
+@pytest.mark.parametrize("qtype, quantization", [(Q.Q4_1, "wint4"), (Q.Q4_0, "wint4"), (Q.Q8_0, "wint8")])
+def test_a_wint_model_of_a_quantized_file_multiplies_the_files_levels(tmp_path, tiny_models, qtype, quantization):
+    """Packed level for level, not quantized again from the dequantized weights. That would move the grid
+    of a Q4_0 block (its levels reach one end only): the two packings differ. Q4_1 and Q8_0 blocks use
+    their end levels, and quantizing them again gives them back here (and on SmolLM2's file: 0 of its
+    3.3 M Q4_1 blocks differ), so for those the file's levels save the load its quantizing."""
+    from fdcore.models.llama import Int4Matrix, Int8Matrix, LlamaModel
+    from fdcore.models.loader import load_checkpoint
+    from fdcore.models.quantized import concatenate_rows
+
+    config, tensors = tiny_models["llama"]
+    file = write_gguf(str(tmp_path / "m.gguf"), config, tensors, qtype)
+    _, weights, _, blocks = read_gguf(file)
+    model = LlamaModel(load_checkpoint(file), quantization=quantization)
+    matrix = Int4Matrix if quantization == "wint4" else Int8Matrix
+    names = [f"model.layers.1.self_attn.{n}_proj.weight" for n in "qkv"]
+    from_file = matrix.from_blocks(concatenate_rows([blocks[n] for n in names]))
+    requantized = matrix.pack(np.concatenate([weights[n] for n in names]))
+    got = model.layers[1]["qkv"]
+    np.testing.assert_array_equal(got.packed.numpy(), from_file.packed.numpy())
+    if quantization == "wint8":
+        np.testing.assert_array_equal(got.scales.numpy(), from_file.scales.numpy())
+    if qtype == Q.Q4_0:
+        assert not np.array_equal(got.packed.numpy(), requantized.packed.numpy())
 
 
 def _random_k_blocks(qtype: Q, rows: int, cols: int) -> np.ndarray:
@@ -359,7 +409,7 @@ def test_qwen3_has_q_k_norms_and_no_permutation(tmp_path, tiny_models):
         tensors[p + "k_norm.weight"] = rng.standard_normal(32).astype(np.float32)
     file = write_gguf(str(tmp_path / "m.gguf"), config, tensors, metadata={
         "qwen3.attention.key_length": 32, "qwen3.attention.value_length": 32, "qwen3.rope.dimension_count": None})
-    got_config, got, _ = read_gguf(file)
+    got_config, got, _, _ = read_gguf(file)
     assert got_config["architectures"] == ["Qwen3ForCausalLM"] and got_config["head_dim"] == 32
     assert got_config["tie_word_embeddings"] and not got_config["attention_bias"]
     assert set(got) == set(tensors)
@@ -382,7 +432,7 @@ def test_llama_biases_round_trip_with_the_q_k_permutation(tmp_path, tiny_models)
     file = write_gguf(str(tmp_path / "m.gguf"), config, tensors, qtype=Q.Q8_0)
     stored = {t.name: np.array(t.data) for t in gguf.GGUFReader(file).tensors}
     assert not np.array_equal(stored["blk.0.attn_k.bias"], tensors["model.layers.0.self_attn.k_proj.bias"])
-    got_config, got, _ = read_gguf(file)
+    got_config, got, _, _ = read_gguf(file)
     assert got_config["attention_bias"] is True and got_config["mlp_bias"] is True
     for name, array in tensors.items():
         if array.ndim == 1:
@@ -416,7 +466,7 @@ def test_llama3_rope_freqs_become_hf_rope_scaling(tmp_path, tiny_models, theta, 
     factors = llama3_divisors(config["head_dim"], theta, **params)
     file = write_gguf(str(tmp_path / "m.gguf"), config, tensors, metadata={"llama.rope.freq_base": theta},
                       raw={"rope_freqs.weight": (factors, Q.F32)})
-    got_config, got, _ = read_gguf(file)
+    got_config, got, _, _ = read_gguf(file)
     assert got_config["rope_scaling"] == {
         "rope_type": "llama3", "factor": params["factor"], "low_freq_factor": params["low"],
         "high_freq_factor": params["high"], "original_max_position_embeddings": params["old"]}

@@ -149,6 +149,26 @@ def test_each_rank_holds_its_slices(checkpoints):
     assert part.args.vocab_size == whole.args.vocab_size
 
 
+def test_a_quantized_files_levels_are_cut_as_its_weights_are(checkpoints):
+    """A GGUF file's blocks (fdcore.models.quantized) go with each rank's slices; a share of the inputs
+    that does not cut at a block boundary leaves that weight to be quantized again on the rank."""
+    from fdcore.models.llama import Int4Matrix
+    from fdcore.models.quantized import Blocks
+
+    checkpoint = load_checkpoint(checkpoints["qwen2-bias-tied"], progress=lambda *_: None)
+    for name, array in list(checkpoint.tensors.items()):
+        if array.ndim == 2:
+            checkpoint.blocks[name] = blocks = Blocks("wint4", *Int4Matrix.quantize(array))
+            checkpoint.tensors[name] = blocks.dequantized()
+    part, shard = shard_checkpoint(checkpoint, 1, 2)
+    d = part.args.head_dim
+    for name, blocks in part.blocks.items():
+        np.testing.assert_array_equal(blocks.dequantized(), part.tensors[name], err_msg=name)
+    o_cut_at_a_block = (len(shard.heads) * d) % 32 == 0
+    assert ("model.layers.0.self_attn.o_proj.weight" in part.blocks) == o_cut_at_a_block
+    assert {"model.layers.0.self_attn.q_proj.weight", "model.embed_tokens.weight"} <= set(part.blocks)
+
+
 # ------------------------------------------------------------------- ranks
 @pytest.mark.parametrize("name", ["llama-gqa", "qwen2-bias-tied", "llama-sharded"])  # reference.json's
 def test_two_ranks_give_one_ranks_tokens(checkpoints, tmp_path, name):

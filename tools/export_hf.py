@@ -57,7 +57,7 @@ def export_hf(gguf_file: str, out_dir: str, dtype: str = "float32") -> str:
     from fdcore.models.gguf import gguf_tokenizer, read_gguf
     from fdcore.models.tiny import atomic_directory, save_weights
 
-    config, tensors, eos = read_gguf(gguf_file)
+    config, tensors, eos, _ = read_gguf(gguf_file)
     tokenizer, settings = gguf_tokenizer(gguf_file)
     meta = _metadata(gguf_file)
     vocab = tokenizer.get_vocab(with_added_tokens=True)

@@ -77,6 +77,7 @@ import numpy as np
 
 from fdcore.models.gguf_file import GgufFile, GgufFormatError
 from fdcore.models.loader import CheckpointError
+from fdcore.models.quantized import Blocks, from_ggml
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
@@ -401,27 +402,43 @@ def _hf_name(gguf_name: str, file: str) -> str:
                           "implements")
 
 
-def _convert(tensor, config: dict, file: str) -> np.ndarray:
-    """Dequantize, then undo the q/k row permutation that llama.cpp applies to llama files only."""
+def _convert(tensor, config: dict, file: str) -> tuple[np.ndarray, Blocks | None]:
+    """Dequantize (and keep the blocks of a kind fdcore's matrices take as they are: see
+    fdcore.models.quantized), then undo the q/k row permutation that llama.cpp applies to llama files
+    only (rows are whole blocks, so the blocks are permuted alike)."""
     weight = _dequantize(tensor, file)
-    if config["model_type"] in ("llama", "mistral"):
-        name = tensor.name
-        if ".attn_q." in name:
-            weight = _unpermute_rows(weight, config["num_attention_heads"])
-        elif ".attn_k." in name:
-            weight = _unpermute_rows(weight, config["num_key_value_heads"])
-    return weight
+    blocks = from_ggml(tensor.tensor_type.name, tensor.data, weight.shape) if weight.ndim == 2 else None
+    heads = _permuted_heads(tensor.name, config)
+    if heads:
+        weight = _unpermute_rows(weight, heads)
+        if blocks is not None:
+            blocks = Blocks(blocks.kind, *(None if a is None else _unpermute_rows(a, heads)
+                                           for a in (blocks.levels, blocks.scale, blocks.minimum)))
+    return weight, blocks
 
 
-def _read_tensors(reader, config: dict, file: str,
-                  progress: Callable[[int, int], None] | None) -> dict[str, np.ndarray]:
-    """Every tensor, dequantized one at a time (peak memory: the float32 result + one tensor)."""
+def _permuted_heads(name: str, config: dict) -> int:
+    """The heads whose rows llama.cpp permuted in this tensor (llama files' q and k); 0: none."""
+    if config["model_type"] not in ("llama", "mistral"):
+        return 0
+    if ".attn_q." in name:
+        return config["num_attention_heads"]
+    if ".attn_k." in name:
+        return config["num_key_value_heads"]
+    return 0
+
+
+def _read_tensors(reader, config: dict, file: str, progress: Callable[[int, int], None] | None
+                  ) -> tuple[dict[str, np.ndarray], dict[str, Blocks]]:
+    """Every tensor, dequantized one at a time (peak memory: the float32 result + one tensor), and
+    the blocks of those a packed matrix takes as they are."""
     expected = {e.gguf_name: e for e in _expected_tensors(config)}
     present = {t.name for t in reader.tensors}
     for e in expected.values():
         if e.gguf_name not in present:
             raise CheckpointError(f"{file}: tensor {e.gguf_name!r} ({e.hf_name}) is missing")
     tensors: dict[str, np.ndarray] = {}
+    native: dict[str, Blocks] = {}
     total = len(reader.tensors)
     for done, tensor in enumerate(reader.tensors, 1):
         if tensor.name == "rope_freqs.weight":  # already read into config["rope_scaling"]
@@ -434,14 +451,16 @@ def _read_tensors(reader, config: dict, file: str,
         if shape != expected[tensor.name].shape:
             raise CheckpointError(f"{file}: tensor {tensor.name!r} has shape {shape}, the metadata "
                                   f"implies {expected[tensor.name].shape}")
-        tensors[hf_name] = _convert(tensor, config, file)
+        tensors[hf_name], blocks = _convert(tensor, config, file)
+        if blocks is not None:
+            native[hf_name] = blocks
         if progress is not None:
             progress(done, total)
-    return tensors
+    return tensors, native
 
 
 def read_gguf(file: str, progress: Callable[[int, int], None] | None = None
-              ) -> tuple[dict, dict[str, np.ndarray], tuple[int, ...]]:
+              ) -> tuple[dict, dict[str, np.ndarray], tuple[int, ...], dict[str, Blocks]]:
     """Read a Llama / Mistral / Qwen2 / Qwen3 GGUF file completely, as fdcore's loader reads a directory.
 
     Returns ``(config, tensors, eos_ids)``:
@@ -467,6 +486,9 @@ def read_gguf(file: str, progress: Callable[[int, int], None] | None = None
       uses ``model.embed_tokens.weight``.
     - ``eos_ids``: the eos token id followed by the end-of-turn / end-of-message ids when the file
       names them (deduplicated); empty when it names none.
+    - ``blocks``: HF name -> :class:`~fdcore.models.quantized.Blocks` for each projection or
+      embedding the file holds as Q8_0, Q4_0 or Q4_1 (the same rows as its float32 array): what a
+      wint8 / wint4 matrix packs level for level instead of quantizing the float32 array again.
 
     ``progress(done, total)`` is called after each tensor when given.
     Raises CheckpointError (naming the file and the key or tensor) for anything not implemented
@@ -476,8 +498,8 @@ def read_gguf(file: str, progress: Callable[[int, int], None] | None = None
     reader = _open(file)
     meta = _Metadata(reader, file)
     config = _config(meta, {t.name: t for t in reader.tensors})
-    tensors = _read_tensors(reader, config, file, progress)
-    return config, tensors, _eos_ids(meta)
+    tensors, blocks = _read_tensors(reader, config, file, progress)
+    return config, tensors, _eos_ids(meta), blocks
 
 
 def read_gguf_config(file: str) -> tuple[dict, tuple[int, ...]]:

@@ -30,6 +30,7 @@ import paddle  # noqa: E402
 
 from fdcore.core.batch import BatchInput
 from fdcore.models.loader import Checkpoint, ModelArgs
+from fdcore.models.quantized import Blocks, concatenate_rows
 from fdcore.models.tensor_parallel import GATHER_ROWS, TensorGroup
 from fdcore.models.tensors import as_paddle
 
@@ -112,6 +113,7 @@ class LlamaModel:
         # NOTE: the checkpoint's arrays are taken (popped) as they become the model's tensors, so
         # loading peaks at the weights plus one layer, not two copies of everything.
         t = checkpoint.tensors
+        self._file_blocks = checkpoint.blocks  # taken (popped) with their tensors
         embed = t.pop("model.embed_tokens.weight")
         # NOTE: wint4 keeps the LM head in int8, as llama.cpp's 4-bit files keep output.weight at 6-8 bits
         # and GPTQ / AWQ leave it unquantized: on SmolLM2 a 4-bit head moved the logits by up to 4.6
@@ -122,10 +124,13 @@ class LlamaModel:
             self.embed = self.lm_head = self._matrix(embed)
         else:
             self.embed = self._tensor(embed)
-            self.lm_head = self._matrix(embed if args.tie_word_embeddings else t.pop("lm_head.weight"), head_kind)
+            head_name = "model.embed_tokens.weight" if args.tie_word_embeddings else "lm_head.weight"
+            self.lm_head = self._matrix(embed if args.tie_word_embeddings else t.pop(head_name), head_kind,
+                                        self._blocks_of(head_name))
         del embed
         self.norm = _float32(t.pop("model.norm.weight"))
         self.layers = [self._layer(t, i) for i in range(args.num_layers)]
+        del self._file_blocks
         self.windows = tuple(sorted({layer["window"] for layer in self.layers}))  # the masks a step needs
         self.scale = args.head_dim ** -0.5
         from fdcore.models.kernels import fused_ops
@@ -171,14 +176,23 @@ class LlamaModel:
         """A Paddle tensor sharing the float32 array's memory (no second copy of the weights)."""
         return as_paddle(_float32(array))
 
-    def _matrix(self, array: np.ndarray, kind: str | None = None):
+    def _matrix(self, array: np.ndarray, kind: str | None = None, blocks: Blocks | None = None):
         """A projection's weight [out, in] as the model multiplies it, in ``kind`` (default: the model's
         matrix dtype; bfloat16, wint8 and wint4 packed for fdcore's kernels, see Bf16Matrix, Int8Matrix
-        and Int4Matrix; float32 too (F32Matrix) where its kernel runs, else a plain tensor for MKL)."""
+        and Int4Matrix; float32 too (F32Matrix) where its kernel runs, else a plain tensor for MKL).
+        ``blocks``: the same weight as a GGUF file quantized it, packed level for level when it is of
+        ``kind`` (the file's exact weights, not the float32 array quantized again)."""
         kind = kind or self.matrix_dtype
         if kind == "float32":
             return F32Matrix.pack(array) if self.f32_kernel else self._tensor(array)
+        if blocks is not None and blocks.kind == kind:
+            return _PACKED[kind].from_blocks(blocks)
         return _PACKED[kind].pack(array)
+
+    def _blocks_of(self, *names: str) -> Blocks | None:
+        """The file's blocks of these weights stacked by rows (as the model stacks q, k and v), when it
+        holds them all in one kind of block (fdcore.models.quantized); taken from the checkpoint."""
+        return concatenate_rows([self._file_blocks.pop(name, None) for name in names])
 
     def _embed(self, token_ids: np.ndarray) -> paddle.Tensor:
         """The embedding's rows for these tokens, [tokens, hidden]."""
@@ -207,11 +221,16 @@ class LlamaModel:
         p = f"model.layers.{i}."
         take = lambda name: t.pop(p + name)  # noqa: E731  [out, in] for projections
         a = self.args
+        def stacked(*names: str):  # weights multiplied as one: stacked by rows
+            arrays = [take(name) for name in names]
+            array = arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
+            return self._matrix(array, blocks=self._blocks_of(*(p + name for name in names)))
+
         layer = {
-            "qkv": self._matrix(np.concatenate([take(f"self_attn.{n}_proj.weight") for n in "qkv"])),
-            "o": self._matrix(take("self_attn.o_proj.weight")),
-            "gate_up": self._matrix(np.concatenate([take("mlp.gate_proj.weight"), take("mlp.up_proj.weight")])),
-            "down": self._matrix(take("mlp.down_proj.weight")),
+            "qkv": stacked(*(f"self_attn.{n}_proj.weight" for n in "qkv")),
+            "o": stacked("self_attn.o_proj.weight"),
+            "gate_up": stacked("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+            "down": stacked("mlp.down_proj.weight"),
             "in_norm": _float32(take("input_layernorm.weight")),
             "post_norm": _float32(take("post_attention_layernorm.weight")),
             "window": a.window(i),
@@ -548,9 +567,18 @@ class Int8Matrix:
 
     @classmethod
     def pack(cls, weight: np.ndarray) -> "Int8Matrix":
+        return cls.pack_levels(*cls.quantize(weight))
+
+    @classmethod
+    def from_blocks(cls, blocks: Blocks) -> "Int8Matrix":
+        """A GGUF file's Q8_0 weight, level for level (fdcore.models.quantized)."""
+        return cls.pack_levels(blocks.levels, blocks.scale)
+
+    @classmethod
+    def pack_levels(cls, q: np.ndarray, scale: np.ndarray) -> "Int8Matrix":
+        """Pack levels ``q`` (int8 [out, in], in a multiple of 32) with their per-block scales."""
         from fdcore.models.kernels import int8_group_rows
 
-        q, scale = cls.quantize(weight)
         rows, cols = q.shape
         group = int8_group_rows()  # the kernel path's (64 rows for AVX512-VNNI, 32 for AVX2)
         padded = np.full((-(-rows // group) * group, cols), 128, dtype=np.uint8)
@@ -602,18 +630,27 @@ class Int4Matrix:
 
     @classmethod
     def pack(cls, weight: np.ndarray) -> "Int4Matrix":
-        rows = weight.shape[0]
+        return cls._pack_slices(weight.shape[0], lambda part: cls.quantize(weight[part]))
+
+    @classmethod
+    def from_blocks(cls, blocks: Blocks) -> "Int4Matrix":
+        """A GGUF file's Q4_1 or Q4_0 weight, level for level (fdcore.models.quantized)."""
+        return cls._pack_slices(blocks.levels.shape[0], lambda part: (blocks.levels[part], blocks.scale[part],
+                                                                      blocks.minimum[part]))
+
+    @classmethod
+    def _pack_slices(cls, rows: int, quantized) -> "Int4Matrix":
+        """Pack ``quantized(rows slice) -> (q, scale, minimum)`` (see :meth:`quantize`) slice by slice."""
         groups = -(-rows // 32)
         # NOTE: in slices of rows, so the temporaries stay small (and in cache) for the 49152-row head
-        records = [cls._records(weight[start:start + 2048]) for start in range(0, rows, 2048)]
+        records = [cls._records(*quantized(slice(start, start + 2048))) for start in range(0, rows, 2048)]
         packed = records[0] if len(records) == 1 else np.concatenate(records)
         assert packed.shape[0] == groups
         return cls(paddle.to_tensor(packed), rows)
 
     @classmethod
-    def _records(cls, weight: np.ndarray) -> np.ndarray:
+    def _records(cls, q: np.ndarray, scale: np.ndarray, minimum: np.ndarray) -> np.ndarray:
         """The packed records [groups, in' / 32, 640] of a slice of rows (a multiple of 32 but the last)."""
-        q, scale, minimum = cls.quantize(weight)
         rows, cols = q.shape
         groups, blocks = -(-rows // 32), cols // 32
         if rows % 32:

@@ -46,9 +46,11 @@ import contextlib
 import json
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
+
+from fdcore.models.quantized import Blocks
 
 from fdcore.models.rope import ROPE_TYPES, RopeSpec
 
@@ -307,6 +309,9 @@ class Checkpoint:
     args: ModelArgs
     eos_token_ids: tuple[int, ...]
     tensors: dict[str, np.ndarray]  # float32, HF names; the model takes (pops) them as it builds
+    # a GGUF file's Q8_0 / Q4_0 / Q4_1 tensors as their levels (fdcore.models.quantized), by HF name:
+    # a wint8 / wint4 model packs these as they are instead of quantizing the float32 arrays again
+    blocks: dict[str, Blocks] = field(default_factory=dict)
 
 
 def is_gguf(path: str) -> bool:
@@ -365,10 +370,10 @@ def _load_gguf(path: str, progress) -> Checkpoint:
         if done == total or done % max(1, total // 10) == 0:
             progress(done, total)
 
-    config, tensors, eos = read_gguf(path, tenths)
+    config, tensors, eos, blocks = read_gguf(path, tenths)
     args = ModelArgs.from_config(config, path)
     _check_shapes(args, {name: array.shape for name, array in tensors.items()}, path)
-    return Checkpoint(path, args, eos, tensors)
+    return Checkpoint(path, args, eos, tensors, blocks)
 
 
 def eos_ids(path: str, config: dict) -> tuple[int, ...]:

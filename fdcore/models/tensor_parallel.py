@@ -85,24 +85,35 @@ def shard_checkpoint(checkpoint: Checkpoint, rank: int, world: int) -> tuple[Che
     cut = {"q_proj": (0, rows(shard.heads)), "k_proj": (0, rows(shard.kv_heads)), "v_proj": (0, rows(shard.kv_heads)),
            "o_proj": (1, rows(shard.heads)), "gate_proj": (0, _slice(shard.intermediate)),
            "up_proj": (0, _slice(shard.intermediate)), "down_proj": (1, _slice(shard.intermediate))}
-    out = {}
-    for name in list(t):
-        array = t.pop(name)
+    def part_of(name: str) -> tuple[int, slice] | None:
+        """Which axis of a tensor is cut, and this rank's share of it; None: the rank holds it whole."""
         module = name.rsplit(".", 2)[-2] if name.count(".") >= 2 else ""
         if name in ("model.embed_tokens.weight", "lm_head.weight"):
-            array = array[_slice(shard.vocab)]
-        elif module in cut:
-            axis, part = cut[module]
+            return 0, _slice(shard.vocab)
+        return cut.get(module)
+
+    out = {}
+    for name in list(t):
+        array, part = t.pop(name), part_of(name)
+        if part is not None:
+            axis, rows_or_columns = part
             if name.endswith(".weight"):
-                array = array[part] if axis == 0 else array[:, part]
+                array = array[rows_or_columns] if axis == 0 else array[:, rows_or_columns]
             elif axis == 0:  # a column-parallel bias: this rank's outputs
-                array = array[part]
+                array = array[rows_or_columns]
             elif rank != 0:  # a row-parallel bias is added once, by rank 0
                 array = np.zeros_like(array)
         out[name] = np.ascontiguousarray(array)
+    blocks = {}
+    for name, whole in checkpoint.blocks.items():  # a GGUF file's levels, cut alike (where whole blocks are)
+        part = part_of(name)
+        cut_blocks = whole if part is None else (whole.take_rows(part[1]) if part[0] == 0
+                                                 else whole.take_columns(part[1]))
+        if cut_blocks is not None:
+            blocks[name] = cut_blocks
     args = dataclasses.replace(a, num_heads=len(shard.heads), num_kv_heads=len(shard.kv_heads),
                                intermediate_size=len(shard.intermediate))
-    return dataclasses.replace(checkpoint, args=args, tensors=out), shard
+    return dataclasses.replace(checkpoint, args=args, tensors=out, blocks=blocks), shard
 
 
 def _slice(items: range) -> slice:

@@ -1,0 +1,94 @@
+"""Weights a GGUF file holds in a block quantization that fdcore's packed matrices take as they are.
+
+llama.cpp's Q8_0 is fdcore's wint8 grouping (per output row and block of 32 inputs, ``w = d * q``, d in
+float16, q in [-127, 127]), and its Q4_1 fdcore's wint4 (``w = d * q + m``, d and m in float16, q in
+[0, 15]); its Q4_0 (``w = d * (q - 8)``) is Q4_1 with ``m = -8 d``, which float16 holds exactly. A
+file's block of one of these kinds is repacked for fdcore's kernels level for level, so a model run
+with the matching ``model.quantization`` multiplies exactly the file's weights, as llama.cpp does.
+Quantizing the dequantized file again would not: its scale and minimum are recomputed from the block's
+extremes, which moves the grid (by up to half a step) wherever a block does not use both of its
+end levels.
+
+Other types (K-quants, Q5_*, and every type under another ``model.quantization``) are dequantized and,
+where asked, quantized at load as any checkpoint is.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+BLOCK = 32  # inputs per block, in every kind here
+_LAYOUTS = {  # ggml type -> (bytes per block, fdcore quantization)
+    "Q8_0": (2 + BLOCK, "wint8"),
+    "Q4_0": (2 + BLOCK // 2, "wint4"),
+    "Q4_1": (4 + BLOCK // 2, "wint4"),
+}
+
+
+@dataclass(frozen=True)
+class Blocks:
+    """A weight ``[out, in]`` as levels and per-block float16 values (held as float32)."""
+
+    kind: str  # the model.quantization whose matrices take these levels: "wint8" or "wint4"
+    levels: np.ndarray  # [out, in]: int8 in [-127, 127] (wint8), uint8 in [0, 15] (wint4)
+    scale: np.ndarray  # float32 [out, in / 32]
+    minimum: np.ndarray | None = None  # float32 [out, in / 32] (wint4)
+
+    def dequantized(self) -> np.ndarray:
+        """The weight as float32 (what the levels stand for)."""
+        rows, cols = self.levels.shape
+        weight = self.levels.reshape(rows, -1, BLOCK).astype(np.float32) * self.scale[:, :, None]
+        if self.minimum is not None:
+            weight += self.minimum[:, :, None]
+        return weight.reshape(rows, cols)
+
+    def take_rows(self, part) -> "Blocks":
+        return Blocks(self.kind, self.levels[part], self.scale[part],
+                      None if self.minimum is None else self.minimum[part])
+
+    def take_columns(self, part: slice) -> "Blocks | None":
+        """Inputs ``part`` (a tensor-parallel rank's share); None when it does not cut at block bounds."""
+        start, stop, _ = part.indices(self.levels.shape[1])
+        if start % BLOCK or stop % BLOCK:
+            return None
+        blocks = slice(start // BLOCK, stop // BLOCK)
+        return Blocks(self.kind, self.levels[:, part], self.scale[:, blocks],
+                      None if self.minimum is None else self.minimum[:, blocks])
+
+
+def concatenate_rows(pieces: list["Blocks | None"]) -> "Blocks | None":
+    """Several weights stacked by rows (q, k and v as one product); None unless all are of one kind."""
+    if any(piece is None for piece in pieces) or len({piece.kind for piece in pieces}) != 1:
+        return None
+    if len(pieces) == 1:
+        return pieces[0]
+    minimum = None if pieces[0].minimum is None else np.concatenate([p.minimum for p in pieces])
+    return Blocks(pieces[0].kind, np.concatenate([p.levels for p in pieces]),
+                  np.concatenate([p.scale for p in pieces]), minimum)
+
+
+def from_ggml(type_name: str, raw: np.ndarray, shape: tuple[int, int]) -> Blocks | None:
+    """A 2-D tensor's blocks (``raw``: its bytes, rows of blocks) as :class:`Blocks`; None for a type
+    no fdcore matrix takes as it is, or a Q8_0 tensor with a level of -128 (wint8's are symmetric)."""
+    if type_name not in _LAYOUTS or len(shape) != 2 or shape[1] % BLOCK:
+        return None
+    size, kind = _LAYOUTS[type_name]
+    rows, cols = shape
+    data = np.ascontiguousarray(raw, dtype=np.uint8).reshape(rows, cols // BLOCK, size)
+    scale = data[:, :, :2].copy().view(np.float16)[:, :, 0].astype(np.float32)
+    if type_name == "Q8_0":
+        levels = data[:, :, 2:].copy().view(np.int8).reshape(rows, cols)
+        return None if (levels == -128).any() else Blocks(kind, levels, scale)
+    if type_name == "Q4_1":
+        minimum = data[:, :, 2:4].copy().view(np.float16)[:, :, 0].astype(np.float32)
+        packed = data[:, :, 4:]
+    else:
+        minimum = (scale.astype(np.float16) * np.float16(-8)).astype(np.float32)
+        if not np.isfinite(minimum).all():
+            return None
+        packed = data[:, :, 2:]
+    # ggml's 4-bit block: byte j holds input j (low nibble) and input j + 16 (high nibble)
+    levels = np.concatenate([packed & 0x0F, packed >> 4], axis=2).reshape(rows, cols)
+    return Blocks(kind, levels, scale, minimum)
