@@ -139,18 +139,29 @@ def converted_ggufs(source: str, cache: str, python: str, llama_dir: str, outtyp
     return files
 
 
-def run_llama_bench(llama_dir: str, gguf: str, threads: int, repeat: int) -> dict[str, list[float]]:
-    """{"pp32": [tok/s per repetition], "tg64": [...]} from llama-bench's JSON."""
+def run_llama_bench(llama_dir: str, gguf: str, threads: int, repeat: int) -> tuple[dict[str, list[float]], str]:
+    """({"pp32": [tok/s per repetition], "tg64": [...]} from llama-bench's JSON, a note).
+
+    llama-bench's default (``--repack 1``) lets ggml's extra buffer types take the weights: AMX's where
+    the CPU flags have amx_*. On a CPU whose flags say AMX but whose kernel or hypervisor does not run it
+    (seen: an AMD EPYC with amx_bf16 in /proc/cpuinfo), llama.cpp dies in ggml_backend_amx_mul_mat
+    (SIGSEGV) for Q8_0 and Q4_1. Then it runs again with ``--repack 0`` (its own weights, its own
+    AVX-512 kernels: for these types on x86 that turns off only the AMX buffer, so it is llama.cpp's best
+    setting that runs), and the note says so."""
     cmd = [os.path.join(llama_dir, "bin", "llama-bench"), "-m", gguf, "-p", str(INPUT_LEN),
            "-n", str(OUTPUT_LEN), "-t", str(threads), "-r", str(repeat), "-o", "json"]
-    result = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    result, note = subprocess.run(cmd, capture_output=True, text=True, check=False), ""
+    if result.returncode < 0:
+        note = f"llama.cpp: --repack 0 (its default died of signal {-result.returncode})"
+        cmd += ["--repack", "0"]
+        result = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if result.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed ({result.returncode}):\n{result.stderr[-3000:]}")
     out = {}
     for test in json.loads(result.stdout):
         name = f"pp{test['n_prompt']}" if test["n_gen"] == 0 else f"tg{test['n_gen']}"
         out[name] = [float(x) for x in test["samples_ts"]]
-    return out
+    return out, note
 
 
 def llama_cpp_missing(llama_dir: str) -> str:
@@ -225,7 +236,8 @@ def main(argv=None) -> int:
                     fd_note = f"failed: {exc}"
         if setting in ggufs:
             print(f"llama-bench {SETTINGS[setting][2]}: {os.path.basename(ggufs[setting])} ...", flush=True)
-            llama = run_llama_bench(args.llama_dir, ggufs[setting], args.threads, args.repeat)
+            llama, llama_note = run_llama_bench(args.llama_dir, ggufs[setting], args.threads, args.repeat)
+            fd_note = "; ".join(n for n in (fd_note, llama_note) if n)
         rows.append((setting, fd, fd_note, llama))
 
     print(f"\nSmolLM2-135M-Instruct, batch 1, {INPUT_LEN} tokens in / {OUTPUT_LEN} out, {args.threads} threads "

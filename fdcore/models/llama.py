@@ -32,7 +32,7 @@ from fdcore.core.batch import BatchInput
 from fdcore.models.loader import Checkpoint, ModelArgs
 from fdcore.models.quantized import Blocks, concatenate_rows
 from fdcore.models.tensor_parallel import GATHER_ROWS, TensorGroup
-from fdcore.models.tensors import as_paddle
+from fdcore.models.tensors import as_paddle, on_huge_pages, packing_weights, zeros_on_huge_pages
 
 
 class PagedKVCache:
@@ -41,8 +41,8 @@ class PagedKVCache:
     def __init__(self, args: ModelArgs, num_blocks: int, block_size: int, dtype=np.float32):
         self.num_blocks, self.block_size = num_blocks, block_size
         shape = (args.num_kv_heads, num_blocks, block_size, args.head_dim)
-        self.k = [np.zeros(shape, dtype=dtype) for _ in range(args.num_layers)]
-        self.v = [np.zeros(shape, dtype=dtype) for _ in range(args.num_layers)]
+        self.k = [zeros_on_huge_pages(shape, dtype) for _ in range(args.num_layers)]
+        self.v = [zeros_on_huge_pages(shape, dtype) for _ in range(args.num_layers)]
         self._k_buffer = self._v_buffer = np.empty(0, dtype=dtype)
         self._views: tuple[list[paddle.Tensor], list[paddle.Tensor]] | None = None
 
@@ -112,6 +112,28 @@ class LlamaModel:
         self.f32_kernel = self.matrix_dtype == "float32" and _f32_kernel()  # float32 as F32Matrix
         # NOTE: the checkpoint's arrays are taken (popped) as they become the model's tensors, so
         # loading peaks at the weights plus one layer, not two copies of everything.
+        with packing_weights():  # the packed matrices share huge pages (fdcore.models.tensors)
+            self._take_weights(checkpoint)
+        self.windows = tuple(sorted({layer["window"] for layer in self.layers}))  # the masks a step needs
+        self.scale = args.head_dim ** -0.5
+        from fdcore.models.kernels import fused_ops
+
+        self.fused = fused_ops()  # (add_rms_norm, silu_mul, attention_block), or None: the Python path
+        self.no_tensor = paddle.empty([0], dtype=paddle.float32)
+        if self.fused is not None:
+            self.norm_t = self._tensor(self.norm)
+            for layer in self.layers:
+                layer["in_norm_t"] = self._tensor(layer["in_norm"])
+                layer["post_norm_t"] = self._tensor(layer["post_norm"])
+        # the one-call decoder sums a rank's o and down products itself through a shared-memory communicator;
+        # a rank of another communicator (paddle.distributed) runs the layers one by one
+        self.decoder_group = group.decoder_args() if group is not None else None
+        one_call = self.fused is not None and (group is None or self.decoder_group is not None)
+        self.decoder = self._decoder_plan() if one_call else None
+
+    def _take_weights(self, checkpoint: Checkpoint) -> None:
+        """The embedding, LM head, final norm and layers, packed from the checkpoint's arrays."""
+        args = self.args
         t = checkpoint.tensors
         self._file_blocks = checkpoint.blocks  # taken (popped) with their tensors
         embed = t.pop("model.embed_tokens.weight")
@@ -131,22 +153,6 @@ class LlamaModel:
         self.norm = _float32(t.pop("model.norm.weight"))
         self.layers = [self._layer(t, i) for i in range(args.num_layers)]
         del self._file_blocks
-        self.windows = tuple(sorted({layer["window"] for layer in self.layers}))  # the masks a step needs
-        self.scale = args.head_dim ** -0.5
-        from fdcore.models.kernels import fused_ops
-
-        self.fused = fused_ops()  # (add_rms_norm, silu_mul, attention_block), or None: the Python path
-        self.no_tensor = paddle.empty([0], dtype=paddle.float32)
-        if self.fused is not None:
-            self.norm_t = self._tensor(self.norm)
-            for layer in self.layers:
-                layer["in_norm_t"] = self._tensor(layer["in_norm"])
-                layer["post_norm_t"] = self._tensor(layer["post_norm"])
-        # the one-call decoder sums a rank's o and down products itself through a shared-memory communicator;
-        # a rank of another communicator (paddle.distributed) runs the layers one by one
-        self.decoder_group = group.decoder_args() if group is not None else None
-        one_call = self.fused is not None and (group is None or self.decoder_group is not None)
-        self.decoder = self._decoder_plan() if one_call else None
 
     def _decoder_plan(self):
         """``(op, weights, meta, kind)`` for the one-call decoder (kernels/decoder.cc: every layer of a step
@@ -498,7 +504,7 @@ class F32Matrix:
     def pack(cls, weight: np.ndarray) -> "F32Matrix":
         rows, cols = weight.shape
         full, panels = rows // 32, -(-rows // 32)
-        array = np.empty((panels, cols, 32), dtype=np.float32)
+        array = zeros_on_huge_pages((panels, cols, 32), np.float32)
         # NOTE: in slices of 64 panels, so the transposed copy's source stays in cache
         for start in range(0, full, 64):
             end = min(full, start + 64)
@@ -519,8 +525,8 @@ class F32Matrix:
 
 
 class Bf16Matrix:
-    """A weight ``[out, in]`` in bfloat16, packed for fdcore's kernel (linear_bf16.cc): groups of 64
-    output rows, each ``[in / 2, 4, 16, 2]`` (16 rows x 2 inputs per 64-byte load), zero-padded."""
+    """A weight ``[out, in]`` in bfloat16, packed for fdcore's kernel (linear_bf16.cc): groups of 32
+    output rows, each ``[in / 2, 2, 16, 2]`` (16 rows x 2 inputs per 64-byte load), zero-padded."""
 
     __slots__ = ("packed", "rows")
 
@@ -530,11 +536,14 @@ class Bf16Matrix:
     @classmethod
     def pack(cls, weight: np.ndarray) -> "Bf16Matrix":
         rows, cols = weight.shape
-        padded = np.zeros((-(-rows // 64) * 64, cols + cols % 2), dtype=np.float32)
+        padded = np.zeros((-(-rows // 32) * 32, cols + cols % 2), dtype=np.float32)
         padded[:rows, :cols] = weight
-        groups, pairs = padded.shape[0] // 64, padded.shape[1] // 2
-        blocks = padded.reshape(groups, 4, 16, pairs, 2).transpose(0, 3, 1, 2, 4)
-        return cls(paddle.to_tensor(np.ascontiguousarray(blocks)).astype("bfloat16"), rows)
+        groups, pairs = padded.shape[0] // 32, padded.shape[1] // 2
+        blocks = padded.reshape(groups, 2, 16, pairs, 2).transpose(0, 3, 1, 2, 4)
+        bits = paddle.to_tensor(np.ascontiguousarray(blocks)).astype("bfloat16").numpy().view(np.int16)
+        # int16 through DLPack, then viewed (no copy) as bfloat16: a uint16 array would come through
+        # as a tensor Python calls bfloat16 but the kernels see as uint16
+        return cls(as_paddle(on_huge_pages(bits)).view(paddle.bfloat16), rows)
 
 
 class Int8Matrix:
@@ -588,8 +597,7 @@ class Int8Matrix:
         scales = np.zeros((padded.shape[0], cols // 32), dtype=np.float32)
         scales[:rows] = scale
         scales = scales.reshape(groups, group, cols // 32).transpose(0, 2, 1).astype(np.float16).view(np.int16)
-        return cls(paddle.to_tensor(np.ascontiguousarray(blocks)), paddle.to_tensor(np.ascontiguousarray(scales)),
-                   rows)
+        return cls(as_paddle(on_huge_pages(blocks)), as_paddle(on_huge_pages(scales)), rows)
 
 
 class Int4Matrix:
@@ -646,7 +654,7 @@ class Int4Matrix:
         records = [cls._records(*quantized(slice(start, start + 2048))) for start in range(0, rows, 2048)]
         packed = records[0] if len(records) == 1 else np.concatenate(records)
         assert packed.shape[0] == groups
-        return cls(paddle.to_tensor(packed), rows)
+        return cls(as_paddle(on_huge_pages(packed)), rows)
 
     @classmethod
     def _records(cls, q: np.ndarray, scale: np.ndarray, minimum: np.ndarray) -> np.ndarray:

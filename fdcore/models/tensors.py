@@ -8,6 +8,9 @@ kernels only where those are faster. The hand-over must not copy:
 
 from __future__ import annotations
 
+import mmap
+from contextlib import contextmanager
+
 import numpy as np
 
 from fdcore.models import cpu_env  # noqa: F401  (before paddle: math-library settings)
@@ -18,3 +21,86 @@ def as_paddle(array: np.ndarray) -> paddle.Tensor:
     """A zero-copy Paddle view of a numpy array (DLPack): writes through either are seen by both,
     so the array must outlive the tensor and stay as it is (contiguous, same dtype) meanwhile."""
     return paddle.utils.dlpack.from_dlpack(array)
+
+
+HUGE_PAGE = 2 << 20  # x86-64's transparent huge page
+
+
+def zeros_on_huge_pages(shape, dtype) -> np.ndarray:
+    """A zeroed array in private anonymous memory advised for transparent huge pages (2 MiB), for what
+    the kernels stream: packed weights and the KV cache. A 4 KiB page is a TLB miss every 64 cache
+    lines, and the hardware prefetchers stop at its edge: streaming 269 MB of bfloat16 weights with
+    AVX512-BF16 on 2 threads ran at 21.8 GB/s on small pages and 34.4 GB/s on huge ones (a Xeon with
+    AVX-512; SmolLM2's float32 weights: 24.1 -> 20.9 ms a token).
+
+    Inside :func:`packing_weights`, arrays are carved one after another from shared 64 MiB regions, so
+    a model's small matrices share huge pages too; otherwise an array of at least 2 MiB gets its own
+    region, of which only the whole 2 MiB pages are advised (no memory is wasted on a partly used huge
+    page), and a smaller one is ``np.zeros``'s. Pages are zero and faulted in on first touch, as
+    ``np.zeros``'s are; a region is unmapped when the last array in it is gone. Where the kernel does
+    not offer madvise (or THP is ``never``), the pages are simply small."""
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape)) * dtype.itemsize
+    if _ARENAS:
+        raw = _ARENAS[-1].take(nbytes)
+    elif nbytes >= HUGE_PAGE:
+        raw = _huge_region(nbytes)
+    else:
+        return np.zeros(shape, dtype)
+    return raw.view(dtype).reshape(shape)
+
+
+def on_huge_pages(array: np.ndarray) -> np.ndarray:
+    """``array``'s values in memory from :func:`zeros_on_huge_pages` (a small array outside
+    :func:`packing_weights`: as it is, made contiguous)."""
+    if array.nbytes < HUGE_PAGE and not _ARENAS:
+        return np.ascontiguousarray(array)
+    out = zeros_on_huge_pages(array.shape, array.dtype)
+    out[...] = array
+    return out
+
+
+@contextmanager
+def packing_weights():
+    """Within: the arrays :func:`zeros_on_huge_pages` gives share huge-page regions (a model's weights)."""
+    _ARENAS.append(_Arena())
+    try:
+        yield
+    finally:
+        _ARENAS.pop()
+
+
+def _huge_region(nbytes: int) -> np.ndarray:
+    """``nbytes`` of zeroed memory (uint8) starting on a 2 MiB boundary, its whole 2 MiB pages advised."""
+    region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    start = -np.frombuffer(region, np.uint8, count=1).ctypes.data % HUGE_PAGE
+    if nbytes >= HUGE_PAGE and hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            region.madvise(mmap.MADV_HUGEPAGE, start, nbytes // HUGE_PAGE * HUGE_PAGE)
+        except OSError:
+            pass  # a kernel built without THP: small pages, as np.zeros gives
+    # the array's buffer holds the region: it is unmapped when the last view of it is gone
+    return np.frombuffer(region, np.uint8, count=nbytes, offset=start)
+
+
+class _Arena:
+    """Consecutive 64-byte-aligned pieces of 64 MiB huge-page regions (a larger request: its own)."""
+
+    CHUNK = 64 << 20
+
+    def __init__(self):
+        self.chunk: np.ndarray | None = None
+        self.used = 0
+
+    def take(self, nbytes: int) -> np.ndarray:
+        size = -(-nbytes // 64) * 64
+        if size > self.CHUNK // 4:
+            return _huge_region(nbytes)
+        if self.chunk is None or self.used + size > self.chunk.size:
+            self.chunk, self.used = _huge_region(self.CHUNK), 0
+        piece = self.chunk[self.used:self.used + nbytes]
+        self.used += size
+        return piece
+
+
+_ARENAS: list[_Arena] = []

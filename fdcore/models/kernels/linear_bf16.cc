@@ -5,12 +5,14 @@
 // are half the bytes of float32; in batches, `vdpbf16ps` does two products per float32 lane and
 // instruction. Paddle's CPU build has no bfloat16 matmul.
 //
-// NOTE: the weight is packed once, at load (fdcore.models.llama.Bf16Matrix), in groups of 64 output
-// rows: packed[g][kp][b][lane][e] = W[64 g + 16 b + lane][2 kp + e] (rows padded to a multiple of 64,
+// NOTE: the weight is packed once, at load (fdcore.models.llama.Bf16Matrix), in groups of 32 output
+// rows: packed[g][kp][b][lane][e] = W[32 g + 16 b + lane][2 kp + e] (rows padded to a multiple of 32,
 // the inner dimension to an even count, with zeros). One 64-byte load then holds 16 output rows x 2
 // inputs, exactly what `vdpbf16ps` multiplies against a broadcast pair of X values: the accumulators
 // are the outputs themselves (no horizontal sums), and each group is one contiguous stream of memory
-// (what the hardware prefetcher follows best). X is rounded to bfloat16 once per call.
+// (what the hardware prefetcher follows best). X is rounded to bfloat16 once per call. Groups of 32
+// rather than 64: SmolLM2's 576-row projections are then 18 groups, 9 a thread on 2 threads, where 9
+// groups of 64 left one thread a fifth more to stream than the other.
 //
 // The caller checks the CPU's flags (/proc/cpuinfo) before using this; the function carries its own
 // target attribute, so the library builds on any x86-64 compiler and CPU.
@@ -25,7 +27,7 @@
 
 namespace {
 
-constexpr int kGroup = 64;            // output rows per packed group
+constexpr int kGroup = 32;            // output rows per packed group
 constexpr int kBlocks = kGroup / 16;  // 16-lane blocks per group
 
 inline uint16_t RoundToBf16(float value) {  // round to nearest even, as every bf16 conversion does
@@ -47,7 +49,7 @@ FDCORE_BF16_TARGET inline void StoreBlock(float* y, int64_t first, int64_t N, __
   }
 }
 
-// MB rows of X against one group of 64 output rows.
+// MB rows of X against one group of 32 output rows.
 template <int MB>
 FDCORE_BF16_TARGET void GroupRows(const uint32_t* Xp, int64_t KP, const uint16_t* Wg, int64_t N, int64_t g,
                                   int64_t m0, float* Y) {
@@ -67,27 +69,30 @@ FDCORE_BF16_TARGET void GroupRows(const uint32_t* Xp, int64_t KP, const uint16_t
     for (int b = 0; b < kBlocks; ++b) StoreBlock(Y + (m0 + j) * N, g * kGroup + b * 16, N, acc[j][b]);
 }
 
-// One row of X (decoding one sequence): two accumulator sets over alternate pairs, so the
-// additions into one output do not wait on each other.
+// One row of X (decoding one sequence): four accumulator sets over consecutive pairs (8 chains of
+// `vdpbf16ps`), so the additions into one output do not wait on each other; summed at the end.
 FDCORE_BF16_TARGET void GroupOneRow(const uint32_t* Xp, int64_t KP, const uint16_t* Wg, int64_t N, int64_t g,
                                     float* Y) {
-  __m512 even[kBlocks], odd[kBlocks];
-  for (int b = 0; b < kBlocks; ++b) even[b] = odd[b] = _mm512_setzero_ps();
+  constexpr int kUnroll = 4;
+  __m512 acc[kUnroll][kBlocks];
+  for (int u = 0; u < kUnroll; ++u)
+    for (int b = 0; b < kBlocks; ++b) acc[u][b] = _mm512_setzero_ps();
   const uint16_t* w = Wg;
   int64_t kp = 0;
-  for (; kp + 1 < KP; kp += 2, w += 2 * kGroup * 2) {
-    const __m512bh x0 = (__m512bh)_mm512_set1_epi32(static_cast<int>(Xp[kp]));
-    const __m512bh x1 = (__m512bh)_mm512_set1_epi32(static_cast<int>(Xp[kp + 1]));
-    for (int b = 0; b < kBlocks; ++b) {
-      even[b] = _mm512_dpbf16_ps(even[b], (__m512bh)_mm512_loadu_si512(w + b * 32), x0);
-      odd[b] = _mm512_dpbf16_ps(odd[b], (__m512bh)_mm512_loadu_si512(w + kGroup * 2 + b * 32), x1);
+  for (; kp + kUnroll <= KP; kp += kUnroll, w += kUnroll * kGroup * 2) {
+    for (int u = 0; u < kUnroll; ++u) {
+      const __m512bh x = (__m512bh)_mm512_set1_epi32(static_cast<int>(Xp[kp + u]));
+      for (int b = 0; b < kBlocks; ++b)
+        acc[u][b] = _mm512_dpbf16_ps(acc[u][b], (__m512bh)_mm512_loadu_si512(w + u * kGroup * 2 + b * 32), x);
     }
   }
-  if (kp < KP) {
-    const __m512bh x0 = (__m512bh)_mm512_set1_epi32(static_cast<int>(Xp[kp]));
-    for (int b = 0; b < kBlocks; ++b) even[b] = _mm512_dpbf16_ps(even[b], (__m512bh)_mm512_loadu_si512(w + b * 32), x0);
+  for (; kp < KP; ++kp, w += kGroup * 2) {
+    const __m512bh x = (__m512bh)_mm512_set1_epi32(static_cast<int>(Xp[kp]));
+    for (int b = 0; b < kBlocks; ++b) acc[0][b] = _mm512_dpbf16_ps(acc[0][b], (__m512bh)_mm512_loadu_si512(w + b * 32), x);
   }
-  for (int b = 0; b < kBlocks; ++b) StoreBlock(Y, g * kGroup + b * 16, N, _mm512_add_ps(even[b], odd[b]));
+  for (int b = 0; b < kBlocks; ++b)
+    StoreBlock(Y, g * kGroup + b * 16, N,
+               _mm512_add_ps(_mm512_add_ps(acc[0][b], acc[1][b]), _mm512_add_ps(acc[2][b], acc[3][b])));
 }
 
 FDCORE_BF16_TARGET void Linear(const float* X, int64_t M, int64_t K, const uint16_t* Wp, int64_t G, int64_t KP,
@@ -116,7 +121,7 @@ FDCORE_BF16_TARGET void Linear(const float* X, int64_t M, int64_t K, const uint1
 
 }  // namespace
 
-// x [M, K] float32; w [G, KP, 4, 16, 2] bfloat16 (the packed weight); rows = N, the real output count.
+// x [M, K] float32; w [G, KP, 2, 16, 2] bfloat16 (the packed weight); rows = N, the real output count.
 std::vector<paddle::Tensor> LinearBf16(const paddle::Tensor& x, const paddle::Tensor& w, int64_t rows) {
   const auto& ws = w.shape();
   PD_CHECK(x.dtype() == paddle::DataType::FLOAT32, "linear_bf16: x must be float32");
