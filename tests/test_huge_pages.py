@@ -1,0 +1,77 @@
+"""Packed weights and the KV cache on transparent huge pages (fdcore.models.tensors)."""
+
+from __future__ import annotations
+
+import gc
+import mmap
+
+import numpy as np
+import pytest
+
+from fdcore.models.tensors import HUGE_PAGE, on_huge_pages, packing_weights, zeros_on_huge_pages
+
+
+def _thp_mode() -> str:
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return f.read().split("[")[1].split("]")[0]
+    except (OSError, IndexError):
+        return "never"
+
+
+def _anon_huge_kb() -> int:
+    with open("/proc/self/smaps_rollup") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("AnonHugePages:"))
+
+
+def _mapped_kb() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmSize:"))
+
+
+def test_arrays_start_zeroed_on_a_2_mib_boundary_and_small_ones_are_plain():
+    big = zeros_on_huge_pages((3, HUGE_PAGE // 4), np.float32)
+    assert big.shape == (3, HUGE_PAGE // 4) and big.dtype == np.float32 and big.flags.c_contiguous
+    assert big.ctypes.data % HUGE_PAGE == 0 and not big.any()
+    big[...] = 1.5
+    assert big.sum() == 1.5 * big.size
+    small = zeros_on_huge_pages((10, 7), np.int16)
+    assert small.shape == (10, 7) and not small.any() and small.base is None  # np.zeros's own
+
+
+def test_a_models_arrays_are_carved_from_shared_regions_without_overlap():
+    with packing_weights():
+        arrays = [zeros_on_huge_pages((n, 33), np.uint8) for n in (1, 100, 64, 4000, 7)]
+        copied = on_huge_pages(np.arange(12, dtype=np.int16).reshape(3, 4))
+    spans = sorted((a.ctypes.data, a.ctypes.data + a.nbytes) for a in arrays)
+    assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:]))
+    assert all(a.ctypes.data % 64 == 0 and not a.any() for a in arrays)
+    for i, a in enumerate(arrays):
+        a[...] = i + 1
+    assert [int(a.max()) for a in arrays] == [1, 2, 3, 4, 5]  # no array wrote over another
+    np.testing.assert_array_equal(copied, np.arange(12).reshape(3, 4))
+    outside = on_huge_pages(np.ones((2, 2), np.float32))
+    assert outside.base is None or not isinstance(outside.base, mmap.mmap)  # no arena outside
+
+
+def test_a_region_is_unmapped_with_the_last_array_in_it():
+    gc.collect()
+    before = _mapped_kb()
+    with packing_weights():
+        arrays = [zeros_on_huge_pages((HUGE_PAGE,), np.uint8) for _ in range(8)]  # 16 MiB in a region
+    view = arrays[3][:10]
+    del arrays
+    gc.collect()
+    assert _mapped_kb() - before >= 64 << 10  # a view keeps its whole 64 MiB region mapped
+    del view
+    gc.collect()
+    assert _mapped_kb() - before < 8 << 10
+
+
+@pytest.mark.skipif(_thp_mode() == "never", reason="the kernel gives no transparent huge pages here")
+def test_the_kernel_backs_them_with_huge_pages():
+    """What the speed comes from: touched, a 16 MiB array raises the process's huge-page memory."""
+    before = _anon_huge_kb()
+    array = zeros_on_huge_pages((8 * HUGE_PAGE,), np.uint8)
+    array[::4096] = 1  # touch every page
+    assert _anon_huge_kb() - before >= 8 * 2048 // 2  # most of it (compaction may miss a page or two)
