@@ -26,8 +26,8 @@ def _bf16(array: np.ndarray) -> np.ndarray:
 @pytest.mark.parametrize("m, k, n", [(1, 576, 1536), (1, 33, 9), (1, 7, 130), (3, 100, 37), (4, 64, 64),
                                      (5, 64, 8), (32, 96, 130), (9, 1, 3)])
 def test_the_kernel_equals_a_float64_reference(m, k, n):
-    """Every shape edge: one row or several (4 at a time, then the rest), an odd inner dimension,
-    output counts that are not a multiple of the 64-row groups or of 16."""
+    """Every shape edge: one row or several (8 at a time, then 4, then the rest), an odd inner
+    dimension, output counts that are not a multiple of the 32-row groups or of 16."""
     import paddle
 
     from fdcore.models.llama import Bf16Matrix

@@ -114,6 +114,7 @@ FDCORE_BF16_TARGET void Linear(const float* X, int64_t M, int64_t K, const uint1
       continue;
     }
     int64_t m0 = 0;
+    for (; m0 + 8 <= M; m0 += 8) GroupRows<8>(Xp, KP, Wg, N, g, m0, Y);
     for (; m0 + 4 <= M; m0 += 4) GroupRows<4>(Xp, KP, Wg, N, g, m0, Y);
     for (; m0 < M; ++m0) GroupRows<1>(Xp, KP, Wg, N, g, m0, Y);
   }
