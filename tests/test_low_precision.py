@@ -168,6 +168,9 @@ def test_the_int8_kernel_equals_its_float64_reference(m, k, n):
     assert np.all(np.abs(restored - w) <= np.repeat(scale, 32, axis=1)[:, :k] / 2 + 1e-6)
     got = linear_int8()(paddle.to_tensor(x), matrix.packed, matrix.scales, matrix.rows).numpy()
     np.testing.assert_allclose(got, _int8_reference(x, q, scale), rtol=1e-4, atol=1e-4)
+    for i in range(m):  # a row's bits whatever pass it falls in (4 rows, 2, or 1)
+        alone = linear_int8()(paddle.to_tensor(x[i:i + 1]), matrix.packed, matrix.scales, matrix.rows).numpy()
+        np.testing.assert_array_equal(got[i], alone[0])
     exact = x.astype(np.float64) @ w.T.astype(np.float64)
     assert np.abs(got - exact).max() < 0.05 * np.abs(exact).max() + 0.05  # close to float32's too
 

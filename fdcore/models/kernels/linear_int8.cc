@@ -59,46 +59,60 @@ constexpr int kGroup = 64;
 constexpr int kBlocks = kGroup / 16;
 constexpr int kRowsPerPass = 2;
 
-// MB rows of x against one group of 64 output rows (ws: the group's scales, [blocks][64] float16 bits).
-template <int MB>
+// MB rows of x against NB of the 4 16-row blocks of one group of 64 output rows, from block B0 (ws: the
+// group's scales, [blocks][64] float16 bits). Each output's arithmetic is the same whatever MB, NB and
+// B0 are (integer sums over a block's quads, then one FMA a block in block order), so a row's bits do
+// not depend on the pass it falls in. Batches go 4 rows by 2 blocks (16 accumulators, the weights of a
+// group read once per 4 rows from L1) where 2 rows by 4 blocks re-read them twice as often.
+template <int MB, int NB = kBlocks, int B0 = 0>
 void GroupRows(const int8_t* Xq, const float* xs, const int32_t* xo, int64_t Kp, const uint8_t* Wg,
                const uint16_t* ws, int64_t N, int64_t g, int64_t m0, float* Y) {
   const int64_t blocks = Kp / kQuant;
-  __m512 acc[MB][kBlocks];
+  __m512 acc[MB][NB];
   for (int j = 0; j < MB; ++j)
-    for (int b = 0; b < kBlocks; ++b) acc[j][b] = _mm512_setzero_ps();
+    for (int b = 0; b < NB; ++b) acc[j][b] = _mm512_setzero_ps();
   const uint8_t* w = Wg;
   for (int64_t blk = 0; blk < blocks; ++blk) {
-    __m512i dot[MB][kBlocks];
+    __m512i dot[MB][NB];
     for (int j = 0; j < MB; ++j)
-      for (int b = 0; b < kBlocks; ++b) dot[j][b] = _mm512_setzero_si512();
+      for (int b = 0; b < NB; ++b) dot[j][b] = _mm512_setzero_si512();
     for (int quad = 0; quad < kQuant / 4; ++quad, w += kGroup * 4) {
-      __m512i wb[kBlocks];
-      for (int b = 0; b < kBlocks; ++b) wb[b] = _mm512_loadu_si512(w + b * 64);
+      __m512i wb[NB];
+      for (int b = 0; b < NB; ++b) wb[b] = _mm512_loadu_si512(w + (B0 + b) * 64);
       for (int j = 0; j < MB; ++j) {
         int32_t four;
         __builtin_memcpy(&four, Xq + (m0 + j) * Kp + blk * kQuant + quad * 4, 4);
         const __m512i x = _mm512_set1_epi32(four);
-        for (int b = 0; b < kBlocks; ++b) dot[j][b] = _mm512_dpbusd_epi32(dot[j][b], wb[b], x);
+        for (int b = 0; b < NB; ++b) dot[j][b] = _mm512_dpbusd_epi32(dot[j][b], wb[b], x);
       }
     }
+    __m512 w_scale[NB];
+    for (int b = 0; b < NB; ++b)
+      w_scale[b] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ws + blk * kGroup + (B0 + b) * 16)));
     for (int j = 0; j < MB; ++j) {
       const __m512i offset = _mm512_set1_epi32(xo[(m0 + j) * blocks + blk]);
       const __m512 x_scale = _mm512_set1_ps(xs[(m0 + j) * blocks + blk]);
-      for (int b = 0; b < kBlocks; ++b) {
-        const __m512 w_scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ws + blk * kGroup + b * 16)));
-        const __m512 scale = _mm512_mul_ps(x_scale, w_scale);
+      for (int b = 0; b < NB; ++b) {
+        const __m512 scale = _mm512_mul_ps(x_scale, w_scale[b]);
         acc[j][b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(dot[j][b], offset)), scale, acc[j][b]);
       }
     }
   }
-  for (int b = 0; b < kBlocks; ++b) {
-    const int64_t first = g * kGroup + b * 16;
+  for (int b = 0; b < NB; ++b) {
+    const int64_t first = g * kGroup + (B0 + b) * 16;
     if (first >= N) break;
     const __mmask16 mask = first + 16 <= N ? 0xffff : static_cast<__mmask16>((1u << (N - first)) - 1);
     for (int j = 0; j < MB; ++j) _mm512_mask_storeu_ps(Y + (m0 + j) * N + first, mask, acc[j][b]);
   }
 }
+
+// 4 rows at a time, in two halves of the group's blocks.
+void GroupFourRows(const int8_t* Xq, const float* xs, const int32_t* xo, int64_t Kp, const uint8_t* Wg,
+                   const uint16_t* ws, int64_t N, int64_t g, int64_t m0, float* Y) {
+  GroupRows<4, 2, 0>(Xq, xs, xo, Kp, Wg, ws, N, g, m0, Y);
+  if (g * kGroup + 32 < N) GroupRows<4, 2, 2>(Xq, xs, xo, Kp, Wg, ws, N, g, m0, Y);
+}
+#define FDCORE_INT8_FOUR_ROWS 1
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 constexpr int kGroup = 32;
 constexpr int kBlocks = kGroup / 16;
@@ -194,6 +208,9 @@ void Linear(const float* X, int64_t M, int64_t K, const uint8_t* Wp, const uint1
     const uint8_t* Wg = Wp + g * group_size;
     const uint16_t* wsg = ws + g * (Kp / kQuant) * kGroup;
     int64_t m0 = 0;
+#ifdef FDCORE_INT8_FOUR_ROWS
+    for (; m0 + 4 <= M; m0 += 4) GroupFourRows(xq, xs, xo, Kp, Wg, wsg, N, g, m0, Y);
+#endif
     for (; m0 + kRowsPerPass <= M; m0 += kRowsPerPass) GroupRows<kRowsPerPass>(xq, xs, xo, Kp, Wg, wsg, N, g, m0, Y);
     for (; m0 < M; ++m0) GroupRows<1>(xq, xs, xo, Kp, Wg, wsg, N, g, m0, Y);
   }
