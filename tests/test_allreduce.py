@@ -7,6 +7,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+import time
 
 import numpy as np
 import posix_ipc
@@ -94,3 +95,36 @@ def test_a_peer_that_never_comes_is_reported(segment):
 def test_a_segment_of_another_shape_is_refused(segment):
     with pytest.raises(ValueError, match="not the segment of 3 ranks"):
         ShmCommunicator.attach(segment(2), 0, 3, 1 << 16)
+
+
+def test_a_rank_waits_longer_for_rank_0_when_told_and_ticks_meanwhile(segment):
+    """What a rank above 0 does while rank 0 builds a grammar (worker._follow): a wait past the
+    communicator's timeout, calling ``waiting`` (its heartbeat) at each nap; without the extra
+    patience the same wait is a PeerGone."""
+    import threading
+
+    name = segment(2)
+    slow = ShmCommunicator.attach(name, 0, 2, 1 << 16, timeout=20)
+    waiter = ShmCommunicator.attach(name, 1, 2, 1 << 16, timeout=0.3)
+    started = threading.Event()
+
+    def rank0():
+        started.wait()
+        time.sleep(1.0)
+        slow.broadcast(np.array([7, 8], dtype=np.int64))
+        time.sleep(1.0)
+        slow.broadcast(np.array([9], dtype=np.int64))
+
+    thread = threading.Thread(target=rank0)
+    thread.start()
+    try:
+        started.set()
+        with pytest.raises(PeerGone, match=r"rank\(s\) \[0\] missed generation 1 for 0.3 s"):
+            waiter.broadcast(None)
+        ticks = []
+        assert waiter.broadcast(None, patience=10, waiting=lambda: ticks.append(1)).tolist() == [9]
+        assert len(ticks) > 10
+    finally:
+        thread.join(10)
+        slow.close()
+        waiter.close()

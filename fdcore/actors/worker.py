@@ -203,10 +203,21 @@ class WorkerActor(Actor):
                           time.perf_counter() - started, scores)
 
     def _follow(self, sampling: list) -> None:
-        """A rank above 0: the tokens rank 0 drew this step, appended as if drawn here."""
-        if sampling:
-            for (_, _, state), token in zip(sampling, self.model.group.comm.broadcast(None), strict=True):
-                state.output.append(int(token))
+        """A rank above 0: the tokens rank 0 drew this step, appended as if drawn here. Rank 0 may first
+        wait up to GRAMMAR_GRACE hang timeouts for a grammar (``_await``): this rank waits as long (and
+        a hang timeout more), its heartbeat ticking, instead of taking a slow start for a dead peer. A
+        rank 0 that really hangs is the supervisor's to find (its heartbeat stops) and abort."""
+        if not sampling:
+            return
+        supervisor = self.config.supervisor
+
+        def tick() -> None:
+            self.board.write(self.slot, health.HEARTBEAT, time.monotonic_ns())
+
+        tokens = self.model.group.comm.broadcast(None, patience=(GRAMMAR_GRACE + 1) * supervisor.hang_timeout,
+                                                 waiting=tick)
+        for (_, _, state), token in zip(sampling, tokens, strict=True):
+            state.output.append(int(token))
 
     def _score_prompt(self, item, state: SeqState, hidden) -> PromptScores:
         """prompt_logprobs: how this step's positions of the sequence scored the prompt tokens after them."""

@@ -111,16 +111,18 @@ class ShmCommunicator:
             pieces.append(piece.reshape(x.shape[:-1] + (piece.size // rows if rows else 0,)))
         return np.concatenate(pieces, axis=-1)
 
-    def broadcast(self, x: np.ndarray | None) -> np.ndarray:
-        """Rank 0's int64 ``x`` on every rank (the others pass None)."""
+    def broadcast(self, x: np.ndarray | None, patience: float | None = None, waiting=None) -> np.ndarray:
+        """Rank 0's int64 ``x`` on every rank (the others pass None). ``patience``: how long to wait for
+        a peer this time, instead of the communicator's timeout (rank 0 may be building a grammar while
+        the others wait for its tokens); ``waiting()`` is called at each nap meanwhile (a heartbeat)."""
         if self.rank == 0:
-            self._exchange(np.ascontiguousarray(x, dtype=np.int64))
+            self._exchange(np.ascontiguousarray(x, dtype=np.int64), patience, waiting)
             return x
-        part = self._exchange(_NOTHING)
+        part = self._exchange(_NOTHING, patience, waiting)
         return self._data[part, 0, :self._words[self._lines[part][0] + 1]].view(np.int64).copy()
 
     # ---------------------------------------------------------------- barrier
-    def _exchange(self, x: np.ndarray) -> int:
+    def _exchange(self, x: np.ndarray, patience: float | None = None, waiting=None) -> int:
         """Publish ``x`` for the next generation and wait for every rank's; the set it used."""
         if x.nbytes > self.capacity:
             raise ValueError(f"{x.nbytes} bytes do not fit the communicator's {self.capacity}-byte slots")
@@ -135,10 +137,10 @@ class ShmCommunicator:
         words[line] = generation  # last: publishes the byte count and the slot
         for other in self._lines[part]:
             if words[other] < generation:
-                self._wait(other, generation)
+                self._wait(other, generation, self.timeout if patience is None else patience, waiting)
         return part
 
-    def _wait(self, word: int, generation: int) -> None:
+    def _wait(self, word: int, generation: int, timeout: float, waiting=None) -> None:
         words, deadline, spins = self._words, None, 0
         while words[word] < generation:
             spins += 1
@@ -146,11 +148,13 @@ class ShmCommunicator:
                 if words[ABORT_WORD]:
                     raise GroupAborted(f"{self.name}: the group was aborted (a rank is gone)")
                 time.sleep(NAP)
+                if waiting is not None:
+                    waiting()
                 now = time.monotonic()
-                deadline = deadline or now + self.timeout
+                deadline = deadline or now + timeout
                 if now > deadline:
                     late = [rank for rank, line in enumerate(self._lines[generation & 1]) if words[line] < generation]
-                    raise PeerGone(f"{self.name}: rank(s) {late} missed generation {generation} for {self.timeout:g} s")
+                    raise PeerGone(f"{self.name}: rank(s) {late} missed generation {generation} for {timeout:g} s")
 
     # ------------------------------------------------------------------- life
     def segment(self) -> np.ndarray:

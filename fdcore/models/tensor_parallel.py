@@ -236,8 +236,9 @@ class PaddleCommunicator:
         """Never: a paddle.distributed group has no abort word (a lost peer surfaces as the runtime's error)."""
         return False
 
-    def broadcast(self, x: np.ndarray | None) -> np.ndarray:
-        """Rank 0's int64 ``x`` on every rank (its length sent first)."""
+    def broadcast(self, x: np.ndarray | None, patience: float | None = None, waiting=None) -> np.ndarray:
+        """Rank 0's int64 ``x`` on every rank (its length sent first). ``patience`` and ``waiting`` are
+        the shared-memory communicator's; gloo waits by its own timeout and ticks nothing."""
         import paddle
 
         dist = self._dist or self._join()
