@@ -23,6 +23,7 @@ from safetensors.numpy import load_file
 
 from fdcore.models import fetch, tiny
 from fdcore.models.gguf import gguf_tokenizer, read_gguf
+from fdcore.models.quantized import concatenate_rows
 from fdcore.models.gguf_file import GgufFile
 from fdcore.models.loader import Checkpoint, CheckpointError, ModelArgs
 
@@ -392,6 +393,27 @@ def test_k_quants_are_dequantized(tmp_path, tiny_models, qtype):
     got = read_gguf(file)[1]["model.layers.0.mlp.gate_proj.weight"]
     assert got.shape == (768, 256) and np.isfinite(got).all()
     np.testing.assert_array_equal(got, gguf.quants.dequantize(blocks, qtype))
+
+
+def test_q4_k_keeps_its_levels_with_float16_scales(tmp_path, tiny_models):
+    """A Q4_K tensor's levels go to wint4 as they are; each sub-block's scale d * sc and minimum
+    -dmin * m are rounded to float16 (wint4's format), so its weights move by at most that rounding."""
+    from fdcore.models.llama import Int4Matrix, LlamaModel
+    from fdcore.models.loader import load_checkpoint
+
+    config, tensors = tiny_models["llama"]
+    raw = _random_k_blocks(Q.Q4_K, 768, 256)
+    file = write_gguf(str(tmp_path / "m.gguf"), config, tensors, Q.Q4_1, skip=("blk.0.ffn_gate.weight",),
+                      raw={"blk.0.ffn_gate.weight": (raw, Q.Q4_K)})  # the rest Q4_1, as a Q4_K_M file mixes
+    _, weights, _, blocks = read_gguf(file)
+    name = "model.layers.0.mlp.gate_proj.weight"
+    got, exact = blocks[name], weights[name]
+    assert got.kind == "wint4" and got.levels.min() == 0 and got.levels.max() == 15
+    bound = 2.0 ** -11 * (15 * np.abs(got.scale) + np.abs(got.minimum))
+    assert np.all(np.abs(got.dequantized() - exact).reshape(768, -1, 32) <= bound[:, :, None] * 1.01)
+    model = LlamaModel(load_checkpoint(file), quantization="wint4")
+    gate_up = Int4Matrix.from_blocks(concatenate_rows([got, blocks["model.layers.0.mlp.up_proj.weight"]]))
+    np.testing.assert_array_equal(model.layers[0]["gate_up"].packed.numpy(), gate_up.packed.numpy())
 
 
 def test_qwen3_has_q_k_norms_and_no_permutation(tmp_path, tiny_models):

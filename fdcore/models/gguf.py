@@ -487,7 +487,7 @@ def read_gguf(file: str, progress: Callable[[int, int], None] | None = None
     - ``eos_ids``: the eos token id followed by the end-of-turn / end-of-message ids when the file
       names them (deduplicated); empty when it names none.
     - ``blocks``: HF name -> :class:`~fdcore.models.quantized.Blocks` for each projection or
-      embedding the file holds as Q8_0, Q4_0 or Q4_1 (the same rows as its float32 array): what a
+      embedding the file holds as Q8_0, Q4_0, Q4_1 or Q4_K (the same rows as its float32 array): what a
       wint8 / wint4 matrix packs level for level instead of quantizing the float32 array again.
 
     ``progress(done, total)`` is called after each tensor when given.

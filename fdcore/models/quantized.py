@@ -9,8 +9,9 @@ Quantizing the dequantized file again would not: its scale and minimum are recom
 extremes, which moves the grid (by up to half a step) wherever a block does not use both of its
 end levels.
 
-Other types (K-quants, Q5_*, and every type under another ``model.quantization``) are dequantized and,
-where asked, quantized at load as any checkpoint is.
+Q4_K (what Q4_K_M files mostly hold) keeps its levels too, its per-32 scale and minimum rounded to
+float16 (see :func:`_from_q4_k`). Other types (Q5_*, Q6_K, and every type under another
+``model.quantization``) are dequantized and, where asked, quantized at load as any checkpoint is.
 """
 
 from __future__ import annotations
@@ -72,6 +73,8 @@ def concatenate_rows(pieces: list["Blocks | None"]) -> "Blocks | None":
 def from_ggml(type_name: str, raw: np.ndarray, shape: tuple[int, int]) -> Blocks | None:
     """A 2-D tensor's blocks (``raw``: its bytes, rows of blocks) as :class:`Blocks`; None for a type
     no fdcore matrix takes as it is, or a Q8_0 tensor with a level of -128 (wint8's are symmetric)."""
+    if type_name == "Q4_K" and len(shape) == 2 and shape[1] % SUPER_BLOCK == 0:
+        return _from_q4_k(raw, shape)
     if type_name not in _LAYOUTS or len(shape) != 2 or shape[1] % BLOCK:
         return None
     size, kind = _LAYOUTS[type_name]
@@ -92,3 +95,31 @@ def from_ggml(type_name: str, raw: np.ndarray, shape: tuple[int, int]) -> Blocks
     # ggml's 4-bit block: byte j holds input j (low nibble) and input j + 16 (high nibble)
     levels = np.concatenate([packed & 0x0F, packed >> 4], axis=2).reshape(rows, cols)
     return Blocks(kind, levels, scale, minimum)
+
+
+SUPER_BLOCK = 256  # a K-quant's block: 8 sub-blocks of 32
+_Q4_K_BYTES = 2 + 2 + 12 + SUPER_BLOCK // 2
+
+
+def _from_q4_k(raw: np.ndarray, shape: tuple[int, int]) -> Blocks | None:
+    """Q4_K (llama.cpp's 4-bit K-quant, what Q4_K_M files mostly hold): per sub-block of 32,
+    ``w = (d * sc) q - (dmin * m)`` with d and dmin float16 per 256 and sc, m 6-bit. Repacked as
+    wint4 level for level; the sub-block's scale ``d * sc`` and minimum ``-dmin * m`` are rounded to
+    float16 (wint4's), a relative change of at most 2**-11, where quantizing the dequantized weights
+    again would move the levels of every sub-block whose 16 levels are not all used (K-quants fit
+    their scales to the weights, so most are not). None when a product is beyond float16's range."""
+    rows, cols = shape
+    data = np.ascontiguousarray(raw, dtype=np.uint8).reshape(rows, cols // SUPER_BLOCK, _Q4_K_BYTES)
+    d, dmin = (data[:, :, o:o + 2].copy().view(np.float16)[:, :, 0].astype(np.float32) for o in (0, 2))
+    packed = data[:, :, 4:16]  # 8 six-bit scales and 8 six-bit minimums (llama.cpp's get_scale_min_k4)
+    low, mid, high = packed[:, :, 0:4], packed[:, :, 4:8], packed[:, :, 8:12]
+    sc = np.concatenate([low & 0x3F, (high & 0x0F) | ((low >> 2) & 0x30)], axis=2).astype(np.float32)
+    m = np.concatenate([mid & 0x3F, (high >> 4) | ((mid >> 2) & 0x30)], axis=2).astype(np.float32)
+    scale = (d[:, :, None] * sc).astype(np.float16).astype(np.float32)
+    minimum = (-(dmin[:, :, None] * m)).astype(np.float16).astype(np.float32)
+    if not (np.isfinite(scale).all() and np.isfinite(minimum).all()):
+        return None
+    # 4 chunks of 32 bytes: low nibbles are sub-block 2c, high nibbles sub-block 2c + 1
+    qs = data[:, :, 16:].reshape(rows, cols // SUPER_BLOCK, 4, 1, 32)
+    levels = np.concatenate([qs & 0x0F, qs >> 4], axis=3).reshape(rows, cols)
+    return Blocks("wint4", levels, scale.reshape(rows, -1), minimum.reshape(rows, -1))
