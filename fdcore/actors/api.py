@@ -16,7 +16,6 @@ import asyncio
 import os
 import socket
 import threading
-import time
 
 from fdcore.actors import health, topology
 from fdcore.actors.runtime import Actor
@@ -71,7 +70,7 @@ class ApiActor(Actor):
         """Ticks from the event loop itself, so that a wedged loop is seen as a hung actor."""
         interval = self.config.supervisor.heartbeat_interval
         while True:
-            self.board.write(self.slot, health.HEARTBEAT, time.monotonic_ns())
+            self.heartbeat()
             await asyncio.sleep(interval)
 
     def _control(self, inbox) -> None:

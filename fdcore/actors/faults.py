@@ -99,6 +99,6 @@ def _wedge_on_work(actor, dispatch, count: int):
             return
         actor.board.write(actor.slot, health.BUSY, 1)
         while True:
-            actor.board.write(actor.slot, health.HEARTBEAT, time.monotonic_ns())
+            actor.heartbeat()
             time.sleep(actor.config.supervisor.heartbeat_interval / 2)
     return dispatch_or_wedge

@@ -111,6 +111,10 @@ class Actor:
         """How long the loop may wait for a message (shorter while there is work to retry)."""
         return interval
 
+    def heartbeat(self) -> None:
+        """Tell the supervisor this actor is alive (its health slot's heartbeat, now)."""
+        self.board.write(self.slot, health.HEARTBEAT, time.monotonic_ns())
+
     def report_suspects(self) -> None:
         """Crash handler: name the requests we were handling, so that one that keeps crashing us is
         quarantined instead of re-submitted into the next crash (best effort: we are dying)."""
@@ -183,7 +187,7 @@ def run(actor: Actor, inbox: Inbox) -> None:
     interval = actor.config.supervisor.heartbeat_interval
     progress = 0
     while not actor.stopping:
-        board.write(slot, health.HEARTBEAT, time.monotonic_ns())
+        actor.heartbeat()
         messages, actor.deferred = actor.deferred, []
         if not messages:
             try:

@@ -209,13 +209,8 @@ class WorkerActor(Actor):
         rank 0 that really hangs is the supervisor's to find (its heartbeat stops) and abort."""
         if not sampling:
             return
-        supervisor = self.config.supervisor
-
-        def tick() -> None:
-            self.board.write(self.slot, health.HEARTBEAT, time.monotonic_ns())
-
-        tokens = self.model.group.comm.broadcast(None, patience=(GRAMMAR_GRACE + 1) * supervisor.hang_timeout,
-                                                 waiting=tick)
+        patience = (GRAMMAR_GRACE + 1) * self.config.supervisor.hang_timeout
+        tokens = self.model.group.comm.broadcast(None, patience=patience, waiting=self.heartbeat)
         for (_, _, state), token in zip(sampling, tokens, strict=True):
             state.output.append(int(token))
 
@@ -241,7 +236,7 @@ class WorkerActor(Actor):
                 return masks.result(timeout=supervisor.heartbeat_interval)
             except TimeoutError:
                 if time.monotonic() < deadline:
-                    self.board.write(self.slot, health.HEARTBEAT, time.monotonic_ns())
+                    self.heartbeat()
 
     def _allowed(self, states: list[SeqState]) -> np.ndarray:
         """The next tokens each constrained sequence's grammar allows (on the mask thread): a sequence

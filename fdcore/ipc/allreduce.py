@@ -27,7 +27,6 @@ between checks (a peer still computing its share needs the core more than the wa
 from __future__ import annotations
 
 import mmap
-import os
 import time
 
 import numpy as np

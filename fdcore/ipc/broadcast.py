@@ -137,24 +137,25 @@ class BroadcastRing(Ring):
         """Open an existing ring as its producer (``reader=None``) or as reader ``reader``, woken
         through ``doorbell`` (default: the doorbell the ring names for that reader)."""
         mm = map_segment(name, None)
-        bells: list[Doorbell] = []
+        opened: list = [mm]  # closed again if the handle cannot be made
         try:
             bell_names = cls._validate(name, mm)
             if reader is not None and not 0 <= reader < len(bell_names):
                 raise ValueError(f"{name}: reader {reader} out of range: the ring has "
                                  f"{len(bell_names)} readers (0..{len(bell_names) - 1})")
             space = open_semaphore(name, create=False)
+            opened.append(space)
             if reader is None:
-                bells = [Doorbell.standalone(bell, create=False) for bell in bell_names]
-                bell, close_bell = _FanOut(bells), True
+                for bell_name in bell_names:
+                    opened.append(Doorbell.standalone(bell_name, create=False))
+                bell, close_bell = _FanOut(opened[2:]), True
             elif doorbell is None:
                 bell, close_bell = Doorbell.standalone(bell_names[reader], create=False), True
             else:
                 bell, close_bell = doorbell, False
         except BaseException:
-            for opened in bells:
-                opened.close()
-            mm.close()
+            for handle in reversed(opened):
+                handle.close()
             raise
         return cls(name, mm, bell, close_bell, space, owner=False, spin=spin, reader=reader)
 

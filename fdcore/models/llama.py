@@ -134,8 +134,7 @@ class LlamaModel:
     def _take_weights(self, checkpoint: Checkpoint) -> None:
         """The embedding, LM head, final norm and layers, packed from the checkpoint's arrays."""
         args = self.args
-        t = checkpoint.tensors
-        self._file_blocks = checkpoint.blocks  # taken (popped) with their tensors
+        t, file_blocks = checkpoint.tensors, checkpoint.blocks  # both taken (popped) as the model builds
         embed = t.pop("model.embed_tokens.weight")
         # NOTE: wint4 keeps the LM head in int8, as llama.cpp's 4-bit files keep output.weight at 6-8 bits
         # and GPTQ / AWQ leave it unquantized: on SmolLM2 a 4-bit head moved the logits by up to 4.6
@@ -148,11 +147,10 @@ class LlamaModel:
             self.embed = self._tensor(embed)
             head_name = "model.embed_tokens.weight" if args.tie_word_embeddings else "lm_head.weight"
             self.lm_head = self._matrix(embed if args.tie_word_embeddings else t.pop(head_name), head_kind,
-                                        self._blocks_of(head_name))
+                                        _blocks_of(file_blocks, head_name))
         del embed
         self.norm = _float32(t.pop("model.norm.weight"))
-        self.layers = [self._layer(t, i) for i in range(args.num_layers)]
-        del self._file_blocks
+        self.layers = [self._layer(t, file_blocks, i) for i in range(args.num_layers)]
 
     def _decoder_plan(self):
         """``(op, weights, meta, kind)`` for the one-call decoder (kernels/decoder.cc: every layer of a step
@@ -195,11 +193,6 @@ class LlamaModel:
             return _PACKED[kind].from_blocks(blocks)
         return _PACKED[kind].pack(array)
 
-    def _blocks_of(self, *names: str) -> Blocks | None:
-        """The file's blocks of these weights stacked by rows (as the model stacks q, k and v), when it
-        holds them all in one kind of block (fdcore.models.quantized); taken from the checkpoint."""
-        return concatenate_rows([self._file_blocks.pop(name, None) for name in names])
-
     def _embed(self, token_ids: np.ndarray) -> paddle.Tensor:
         """The embedding's rows for these tokens, [tokens, hidden]."""
         if self.group is not None:
@@ -223,14 +216,14 @@ class LlamaModel:
         y = linear(x, matrix, bias)
         return y if self.group is None else as_paddle(self.group.comm.all_reduce(y.numpy()))
 
-    def _layer(self, t: dict, i: int) -> dict:
+    def _layer(self, t: dict, file_blocks: dict[str, Blocks], i: int) -> dict:
         p = f"model.layers.{i}."
         take = lambda name: t.pop(p + name)  # noqa: E731  [out, in] for projections
         a = self.args
         def stacked(*names: str):  # weights multiplied as one: stacked by rows
             arrays = [take(name) for name in names]
             array = arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
-            return self._matrix(array, blocks=self._blocks_of(*(p + name for name in names)))
+            return self._matrix(array, blocks=_blocks_of(file_blocks, *(p + name for name in names)))
 
         layer = {
             "qkv": stacked(*(f"self_attn.{n}_proj.weight" for n in "qkv")),
@@ -642,7 +635,7 @@ class Int4Matrix:
 
     @classmethod
     def from_blocks(cls, blocks: Blocks) -> "Int4Matrix":
-        """A GGUF file's Q4_1 or Q4_0 weight, level for level (fdcore.models.quantized)."""
+        """A GGUF file's Q4_1, Q4_0 or Q4_K weight, level for level (fdcore.models.quantized)."""
         return cls._pack_slices(blocks.levels.shape[0], lambda part: (blocks.levels[part], blocks.scale[part],
                                                                       blocks.minimum[part]))
 
@@ -672,6 +665,12 @@ class Int4Matrix:
             halfs = values.astype(np.float16).reshape(groups, 32, blocks).transpose(0, 2, 1)
             per_block.append(np.ascontiguousarray(halfs).view(np.uint8))
         return np.concatenate(per_block, axis=2)
+
+
+def _blocks_of(file_blocks: dict[str, Blocks], *names: str) -> Blocks | None:
+    """The file's blocks of these weights stacked by rows (as the model stacks q, k and v), when it
+    holds them all in one kind of block (fdcore.models.quantized); taken from ``file_blocks``."""
+    return concatenate_rows([file_blocks.pop(name, None) for name in names])
 
 
 def _per_block(ufunc, blocks: np.ndarray) -> np.ndarray:

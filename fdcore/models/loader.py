@@ -51,7 +51,6 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from fdcore.models.quantized import Blocks
-
 from fdcore.models.rope import ROPE_TYPES, RopeSpec
 
 SUPPORTED = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
@@ -309,7 +308,7 @@ class Checkpoint:
     args: ModelArgs
     eos_token_ids: tuple[int, ...]
     tensors: dict[str, np.ndarray]  # float32, HF names; the model takes (pops) them as it builds
-    # a GGUF file's Q8_0 / Q4_0 / Q4_1 tensors as their levels (fdcore.models.quantized), by HF name:
+    # a GGUF file's Q8_0 / Q4_0 / Q4_1 / Q4_K tensors as their levels (fdcore.models.quantized), by HF name:
     # a wint8 / wint4 model packs these as they are instead of quantizing the float32 arrays again
     blocks: dict[str, Blocks] = field(default_factory=dict)
 

@@ -112,7 +112,6 @@ void GroupFourRows(const int8_t* Xq, const float* xs, const int32_t* xo, int64_t
   GroupRows<4, 2, 0>(Xq, xs, xo, Kp, Wg, ws, N, g, m0, Y);
   if (g * kGroup + 32 < N) GroupRows<4, 2, 2>(Xq, xs, xo, Kp, Wg, ws, N, g, m0, Y);
 }
-#define FDCORE_INT8_FOUR_ROWS 1
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 constexpr int kGroup = 32;
 constexpr int kBlocks = kGroup / 16;
@@ -190,6 +189,14 @@ void GroupRows(const int8_t*, const float*, const int32_t*, int64_t, const uint8
 }
 #endif
 
+#if !(defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__))
+// 4 rows as passes of kRowsPerPass (the AVX-512 VNNI path splits the group's blocks instead).
+void GroupFourRows(const int8_t* Xq, const float* xs, const int32_t* xo, int64_t Kp, const uint8_t* Wg,
+                   const uint16_t* ws, int64_t N, int64_t g, int64_t m0, float* Y) {
+  for (int j = 0; j < 4; j += kRowsPerPass) GroupRows<kRowsPerPass>(Xq, xs, xo, Kp, Wg, ws, N, g, m0 + j, Y);
+}
+#endif
+
 void Linear(const float* X, int64_t M, int64_t K, const uint8_t* Wp, const uint16_t* ws, int64_t G, int64_t Kp,
             int64_t N, float* Y) {
   thread_local std::vector<int8_t> q;
@@ -208,9 +215,7 @@ void Linear(const float* X, int64_t M, int64_t K, const uint8_t* Wp, const uint1
     const uint8_t* Wg = Wp + g * group_size;
     const uint16_t* wsg = ws + g * (Kp / kQuant) * kGroup;
     int64_t m0 = 0;
-#ifdef FDCORE_INT8_FOUR_ROWS
     for (; m0 + 4 <= M; m0 += 4) GroupFourRows(xq, xs, xo, Kp, Wg, wsg, N, g, m0, Y);
-#endif
     for (; m0 + kRowsPerPass <= M; m0 += kRowsPerPass) GroupRows<kRowsPerPass>(xq, xs, xo, Kp, Wg, wsg, N, g, m0, Y);
     for (; m0 < M; ++m0) GroupRows<1>(xq, xs, xo, Kp, Wg, wsg, N, g, m0, Y);
   }
