@@ -642,12 +642,15 @@ class Int4Matrix:
     @classmethod
     def _pack_slices(cls, rows: int, quantized) -> "Int4Matrix":
         """Pack ``quantized(rows slice) -> (q, scale, minimum)`` (see :meth:`quantize`) slice by slice."""
-        groups = -(-rows // 32)
-        # NOTE: in slices of rows, so the temporaries stay small (and in cache) for the 49152-row head
-        records = [cls._records(*quantized(slice(start, start + 2048))) for start in range(0, rows, 2048)]
-        packed = records[0] if len(records) == 1 else np.concatenate(records)
-        assert packed.shape[0] == groups
-        return cls(as_paddle(on_huge_pages(packed)), rows)
+        groups, packed = -(-rows // 32), None
+        # NOTE: in slices of rows, so the temporaries stay small (and in cache) for the 49152-row head;
+        # each slice's records go straight to their place in the packed matrix
+        for start in range(0, rows, 2048):
+            records = cls._records(*quantized(slice(start, start + 2048)))
+            if packed is None:
+                packed = zeros_on_huge_pages((groups, *records.shape[1:]), np.uint8)
+            packed[start // 32:start // 32 + records.shape[0]] = records
+        return cls(as_paddle(packed), rows)
 
     @classmethod
     def _records(cls, q: np.ndarray, scale: np.ndarray, minimum: np.ndarray) -> np.ndarray:
