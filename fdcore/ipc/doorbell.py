@@ -4,20 +4,24 @@ A doorbell is a ``waiting`` byte in shared memory plus a POSIX semaphore. The
 consumer announces it is about to sleep by setting ``waiting``, re-checks its
 rings, and only then blocks on the semaphore. A producer, after publishing a
 record, reads ``waiting``; when it is set it clears it and posts the semaphore.
-Producers that see ``waiting == 0`` pay one byte read and nothing else, so the
-hot path never makes a system call.
+Producers that see ``waiting == 0`` pay one byte read and a barrier, and no
+system call.
 
 NOTE: this is Dekker's pattern (each side stores its own word, then loads the
-other's). Textbook Dekker needs a full barrier between the store and the load on
-*both* sides, because a store may still sit in the CPU's store buffer while a
-later load runs. Python has no cheap barrier (an uncontended lock round trip,
-which is one, costs ~250 ns: as much as the rest of a ``put``), so only the
-sleeper pays: it issues the barrier after setting ``waiting``, and its first
-nap is a short ``SETTLE`` wait after which it re-checks. The only wake-up a
-producer can miss is one whose publish raced that first check; its store leaves
-the store buffer within nanoseconds, so the re-check after ``SETTLE`` finds it.
-Later naps are longer but bounded (``MAX_NAP``), so nothing ever hangs on a
-lost post, and an idle consumer wakes once a second, ~0.01% of a core.
+other's). It needs a full barrier between the store and the load on *both*
+sides, because a store may still sit in the CPU's store buffer while a later
+load runs. Python has no barrier instruction; an uncontended lock round trip
+runs locked instructions, which are one (``full_barrier``, ~150 ns). The
+sleeper issues it after setting ``waiting``, and a record's producer
+(``Ring.put``) after publishing its tail: then one of the two always sees the
+other's store, no post is lost, and a sleeper blocks until it is woken
+(``first_nap=MAX_NAP``). Before, only the sleeper paid and its first nap was a
+short ``SETTLE`` wait to catch a raced post; every sleep longer than that cost
+a second wake-up, ~6 a step of the actor tree, far more than the producers'
+barriers. The reverse direction (a consumer freeing space for a producer that
+waits on a full ring: rare, and ``get`` is hotter than ``put``) keeps the
+sleeper-only barrier and the ``SETTLE`` nap. Naps stay bounded (``MAX_NAP``)
+either way, so an idle consumer wakes once a second, ~0.01% of a core.
 """
 
 from __future__ import annotations
@@ -43,13 +47,14 @@ def full_barrier() -> None:
 
 
 def sleep_until(mm: mmap.mmap, offset: int, semaphore: posix_ipc.Semaphore, ready,
-                deadline: float | None) -> bool:
+                deadline: float | None, first_nap: float = SETTLE) -> bool:
     """Sleep on ``semaphore`` with the ``waiting`` byte at ``mm[offset]`` set.
 
     Returns True as soon as ``ready()`` holds, False once ``deadline``
-    (``time.monotonic()`` seconds; None: never) has passed.
+    (``time.monotonic()`` seconds; None: never) has passed. ``first_nap``: SETTLE
+    where the waker issues no barrier before reading ``waiting``, MAX_NAP where it does.
     """
-    nap = SETTLE
+    nap = first_nap
     try:
         while True:
             mm[offset] = 1
@@ -64,7 +69,7 @@ def sleep_until(mm: mmap.mmap, offset: int, semaphore: posix_ipc.Semaphore, read
             except (posix_ipc.BusyError, posix_ipc.SignalError):
                 pass  # timed out, or a signal whose handler returned (posix_ipc ran it; only a
                 # KeyboardInterrupt it raised comes through, every other exception is lost)
-            nap = MAX_NAP if nap == SETTLE else nap
+            nap = MAX_NAP
             if ready():
                 return True
     finally:
@@ -103,7 +108,7 @@ class Doorbell:
             raise
 
     def ring(self) -> None:
-        """Producer side, after publishing: wake the consumer if it sleeps."""
+        """Producer side, after publishing and a full_barrier(): wake the consumer if it sleeps."""
         if self.mm[self.offset]:
             self.mm[self.offset] = 0
             self.rings += 1
@@ -111,7 +116,7 @@ class Doorbell:
 
     def wait(self, ready, deadline: float | None) -> bool:
         """Consumer side: sleep until ``ready()`` or ``deadline`` (see :func:`sleep_until`)."""
-        return sleep_until(self.mm, self.offset, self.semaphore, ready, deadline)
+        return sleep_until(self.mm, self.offset, self.semaphore, ready, deadline, first_nap=MAX_NAP)
 
     def close(self) -> None:
         self.semaphore.close()

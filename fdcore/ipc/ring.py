@@ -64,7 +64,7 @@ from dataclasses import dataclass
 import posix_ipc
 
 from fdcore.ipc import names
-from fdcore.ipc.doorbell import Doorbell, sleep_until
+from fdcore.ipc.doorbell import Doorbell, full_barrier, sleep_until
 from fdcore.ipc.shm import map_segment, open_semaphore, unlink_quietly
 
 MAGIC = b"FDCRING1"
@@ -299,6 +299,7 @@ class Ring:
         self._tail = tail = tail + size
         self._puts += 1
         self._words[TAIL] = tail
+        full_barrier()  # the tail's store before the waiting byte's load (see fdcore.ipc.doorbell)
         if self._bell_mm[self._bell_off]:
             self._bell.ring()
         return True
@@ -337,6 +338,7 @@ class Ring:
             self._tail = tail
             self._puts += count
             self._words[TAIL] = tail
+            full_barrier()
             if self._bell_mm[self._bell_off]:
                 self._bell.ring()
         return count
