@@ -288,7 +288,8 @@ class EngineActor(Actor):
 
     def _render(self, tracked: TrackedRequest, m: SeqTokens, i: int, now: float) -> Update:
         """One request's new token: appended, detokenized, checked for stop strings."""
-        faults.check(self.poison, tracked.seq, tracked.prompt_token_ids)
+        if self.poison is not None:
+            faults.check(self.poison, tracked.seq, tracked.prompt_token_ids)
         if tracked.prompt_scores is not None and None in tracked.prompt_scores[1:]:
             missing = tracked.prompt_scores[1:].count(None)
             raise RuntimeError(f"prompt_logprobs: {missing} prompt tokens were not scored (backend "
@@ -296,12 +297,13 @@ class EngineActor(Actor):
         token, reason = m.token_ids[i], m.finish_reasons[i]
         tracked.output_token_ids.append(token)
         tracked.first_token_time = tracked.first_token_time or now
-        text = tracked.detokenizer.add(token)
-        if tracked.detokenizer.stopped and reason is None:
+        detokenizer = tracked.detokenizer
+        text = detokenizer.add(token)
+        if detokenizer.stopped and reason is None:
             reason = "stop"
             self.send("scheduler", FinishSeq(tracked.seq, "stop"))
         elif reason is not None:
-            text += tracked.detokenizer.finish()
+            text += detokenizer.finish()
         logprobs = [m.logprobs[i]] if m.logprobs and m.logprobs[i] is not None else None
         return self._update(tracked, [token], text, reason, logprobs, now)
 

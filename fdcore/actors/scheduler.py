@@ -194,14 +194,17 @@ class SchedulerActor(Actor):
             return  # a result of a step that no longer counts
         _, scheduled = self.in_flight.popleft()
         self.handling = list(result.seqs)
-        live = [i for i, seq in enumerate(result.seqs) if seq in self.policy.requests]
-        scores = result.prompt_scores and [s for s in result.prompt_scores if s.seq in self.policy.requests]
+        requests = self.policy.requests
+        seqs, tokens, logprobs = result.seqs, result.token_ids, result.logprobs or None
+        live = [i for i, seq in enumerate(seqs) if seq in requests]
+        scores = result.prompt_scores and [s for s in result.prompt_scores if s.seq in requests]
+        if len(live) < len(seqs):  # some ended (an abort) while the step ran: not reported
+            seqs, tokens = [seqs[i] for i in live], [tokens[i] for i in live]
+            logprobs = logprobs and [logprobs[i] for i in live]
         finished = self.policy.update(scheduled, dict(zip(result.seqs, result.token_ids, strict=True)))
         reasons = {r.request_id: r.finish_reason for r in finished}
-        logprobs = [result.logprobs[i] for i in live] if result.logprobs else None
-        seqs = [result.seqs[i] for i in live]
-        self.send("engine", SeqTokens(self.epoch, seqs, [result.token_ids[i] for i in live],
-                                      [reasons.get(s) for s in seqs], logprobs, scores or None))
+        self.send("engine", SeqTokens(self.epoch, seqs, tokens, [reasons.get(s) for s in seqs] if reasons
+                                      else [None] * len(seqs), logprobs, scores or None))
         for request in finished:
             self._forget(request.request_id)
 
@@ -235,15 +238,15 @@ class SchedulerActor(Actor):
         if not scheduled:
             return False
         self.handling = [s.request.request_id for s in scheduled]
-        new, items = [], []
+        new, items, unsent, sent_tables = [], [], self.unsent, self.sent_tables
         for s in scheduled:
             seq = s.request.request_id
-            if seq in self.unsent:
-                new.append(self.unsent.pop(seq))
+            if unsent and seq in unsent:
+                new.append(unsent.pop(seq))
             table = s.block_table
-            changed = self.sent_tables.get(seq) is not table
+            changed = sent_tables.get(seq) is not table
             if changed:
-                self.sent_tables[seq] = table
+                sent_tables[seq] = table
             items.append(StepItem(seq, s.start, s.num_tokens, table if changed else None))
         self.policy.launch(scheduled)
         self.step_number += 1

@@ -153,18 +153,22 @@ class WorkerActor(Actor):
                                           tuple(new.eos_token_ids))
         self.handling = [item.seq for item in step.items]  # a failing forward names the whole batch
         token_ids, starts, tables, prompt_lengths, sampling, scoring = [], [], [], [], [], []
-        for row, item in enumerate(step.items):
-            state = self.seqs[item.seq]
+        states = self.seqs
+        for row, item in enumerate(step.items):  # (per sequence and step: kept flat)
+            state = states[item.seq]
             if item.blocks is not None:
                 state.blocks = item.blocks
-            end = item.start + item.num_tokens
-            token_ids.append(state.tokens(item.start, end))
-            starts.append(item.start)
+            start = item.start
+            end = start + item.num_tokens
+            prompt_length = len(state.prompt)
+            token_ids.append(state.output[start - prompt_length:end - prompt_length] if start >= prompt_length
+                             else state.tokens(start, end))
+            starts.append(start)
             tables.append(state.blocks)
-            prompt_lengths.append(len(state.prompt))
-            if end == state.num_tokens:
+            prompt_lengths.append(prompt_length)
+            if end == prompt_length + len(state.output):
                 sampling.append((row, item.seq, state))
-            if state.scored_in(item.start, end):
+            if state.params.prompt_logprobs is not None and state.scored_in(start, end):
                 scoring.append((row, item, state))
         seqs = [seq for _, seq, _ in sampling]
         if self.cache is None and self.rank > 0:
