@@ -140,6 +140,9 @@ void QuantizeRow(const float* x, int64_t K, int64_t Kp, int8_t* q, float* scales
 // 8 products of a block's 32 inputs stay below 2^15 in int16 (8 x 2 x 15 x 127 = 30480), so they are
 // added there and widened once a block (vpmaddwd by ones): the same integers as the VNNI path, then
 // the same float32 arithmetic, so the same bits. The group's 32 rows are 4 vectors of 8.
+// Prefetch distance (bytes) of this path, as linear_int8.cc's (the same reason: ~20 instructions per 128 bytes).
+constexpr int kPrefetchAhead = 4096;
+
 template <int MB>
 void GroupRows(const int8_t* Xq, const float* xs, const float* xsum, int64_t Kp, const uint8_t* Wg, int64_t outputs,
                int64_t N, float* Y) {
@@ -164,6 +167,8 @@ void GroupRows(const int8_t* Xq, const float* xs, const float* xsum, int64_t Kp,
         first[j] = _mm256_set1_epi32(a);
         second[j] = _mm256_set1_epi32(b);
       }
+      _mm_prefetch(reinterpret_cast<const char*>(w + v * 128 + kPrefetchAhead), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(w + v * 128 + kPrefetchAhead + 64), _MM_HINT_T0);
       for (int r = 0; r < R; ++r) {  // rows 8 r .. 8 r + 7: 16-row vector r / 2, its half r % 2
         const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + v * 128 + r * 32));
         const __m256i lo = _mm256_and_si256(packed, low);
