@@ -29,7 +29,33 @@ namespace {
 
 constexpr int kQuant = 32;  // inputs per activation scale
 
-// x rows -> int8 per block of 32 (padded with zeros to Kp), their scales and 128 * their sums.
+#if defined(__AVX2__)
+// The 32 values of x from k0 (zeros past K), as 4 vectors of 8.
+inline void LoadBlock(const float* x, int64_t left, __m256* v) {
+  for (int i = 0; i < 4; ++i) {
+    const int64_t n = left - 8 * i;
+    if (n >= 8) {
+      v[i] = _mm256_loadu_ps(x + 8 * i);
+    } else if (n <= 0) {
+      v[i] = _mm256_setzero_ps();
+    } else {
+      const __m256i lanes = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+      v[i] = _mm256_maskload_ps(x + 8 * i, lanes);
+    }
+  }
+}
+
+inline float MaxOf(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+#endif
+
+// x rows -> int8 per block of 32 (padded with zeros to Kp), their scales and 128 * their sums. On AVX2 8
+// values at a time with the same operations (the maximum of |x|, 127 / top, the product rounded to nearest
+// even by vcvtps2dq as nearbyint does, an integer sum), so the same bits: the scalar loop took ~7 us of a
+// SmolLM2 batch-1 projection's ~85, on one thread while the others waited.
 void QuantizeRows(const float* X, int64_t M, int64_t K, int64_t Kp, std::vector<int8_t>& q,
                   std::vector<float>& scales, std::vector<int32_t>& offsets) {
   const int64_t blocks = Kp / kQuant;
@@ -39,16 +65,36 @@ void QuantizeRows(const float* X, int64_t M, int64_t K, int64_t Kp, std::vector<
   for (int64_t m = 0; m < M; ++m) {
     for (int64_t blk = 0; blk < blocks; ++blk) {
       const int64_t k0 = blk * kQuant, k1 = std::min(K, k0 + kQuant);
+#if defined(__AVX2__)
+      __m256 v[4];
+      LoadBlock(X + m * K + k0, k1 - k0, v);
+      const __m256 sign = _mm256_set1_ps(-0.f);
+      const float top = MaxOf(_mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+                                            _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3]))));
+      const __m256 inverse = _mm256_set1_ps(top > 0.f ? 127.f / top : 0.f);
+      __m256i r[4];
+      for (int i = 0; i < 4; ++i) r[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inverse));
+      // to bytes in order: packs interleave the 128-bit lanes, the permutation puts them back
+      const __m256i bytes = _mm256_permutevar8x32_epi32(
+          _mm256_packs_epi16(_mm256_packs_epi32(r[0], r[1]), _mm256_packs_epi32(r[2], r[3])),
+          _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q.data() + m * Kp + k0), bytes);
+      __m256i total = _mm256_add_epi32(_mm256_add_epi32(r[0], r[1]), _mm256_add_epi32(r[2], r[3]));
+      __m128i half = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
+      half = _mm_add_epi32(half, _mm_shuffle_epi32(half, 0x4e));
+      const int32_t sum = _mm_cvtsi128_si32(_mm_add_epi32(half, _mm_shuffle_epi32(half, 0xb1)));
+#else
       float top = 0.f;
       for (int64_t k = k0; k < k1; ++k) top = std::max(top, std::fabs(X[m * K + k]));
-      const float scale = top / 127.f, inverse = top > 0.f ? 127.f / top : 0.f;
+      const float inverse = top > 0.f ? 127.f / top : 0.f;
       int32_t sum = 0;
       for (int64_t k = k0; k < k1; ++k) {
         const int value = static_cast<int>(std::nearbyint(X[m * K + k] * inverse));
         q[m * Kp + k] = static_cast<int8_t>(value);
         sum += value;
       }
-      scales[m * blocks + blk] = scale;
+#endif
+      scales[m * blocks + blk] = top / 127.f;
       offsets[m * blocks + blk] = 128 * sum;
     }
   }
