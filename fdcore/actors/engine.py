@@ -288,8 +288,7 @@ class EngineActor(Actor):
 
     def _render(self, tracked: TrackedRequest, m: SeqTokens, i: int, now: float) -> Update:
         """One request's new token: appended, detokenized, checked for stop strings."""
-        if self.poison is not None:
-            faults.check(self.poison, tracked.seq, tracked.prompt_token_ids)
+        faults.check(self.poison, tracked.seq, tracked.prompt_token_ids)
         if tracked.prompt_scores is not None and None in tracked.prompt_scores[1:]:
             missing = tracked.prompt_scores[1:].count(None)
             raise RuntimeError(f"prompt_logprobs: {missing} prompt tokens were not scored (backend "

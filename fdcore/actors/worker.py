@@ -161,14 +161,13 @@ class WorkerActor(Actor):
             start = item.start
             end = start + item.num_tokens
             prompt_length = len(state.prompt)
-            token_ids.append(state.output[start - prompt_length:end - prompt_length] if start >= prompt_length
-                             else state.tokens(start, end))
+            token_ids.append(state.tokens(start, end))
             starts.append(start)
             tables.append(state.blocks)
             prompt_lengths.append(prompt_length)
-            if end == prompt_length + len(state.output):
+            if end == state.num_tokens:
                 sampling.append((row, item.seq, state))
-            if state.params.prompt_logprobs is not None and state.scored_in(start, end):
+            if state.scored_in(start, end):
                 scoring.append((row, item, state))
         seqs = [seq for _, seq, _ in sampling]
         if self.cache is None and self.rank > 0:

@@ -135,14 +135,14 @@ void QuantizeRow(const float* x, int64_t K, int64_t Kp, int8_t* q, float* scales
   }
 }
 
+// Prefetch distance (bytes) of this path, as linear_int8.cc's (the same reason: ~20 instructions per 128 bytes).
+constexpr int kPrefetchAhead = 4096;
+
 // AVX2 has no vpdpbusd: a 32-byte half of a 64-byte load is 8 rows x 8 inputs; its low and high
 // nibbles (unsigned, <= 15) times a broadcast quad of x are summed in pairs to int16 by vpmaddubsw. All
 // 8 products of a block's 32 inputs stay below 2^15 in int16 (8 x 2 x 15 x 127 = 30480), so they are
 // added there and widened once a block (vpmaddwd by ones): the same integers as the VNNI path, then
 // the same float32 arithmetic, so the same bits. The group's 32 rows are 4 vectors of 8.
-// Prefetch distance (bytes) of this path, as linear_int8.cc's (the same reason: ~20 instructions per 128 bytes).
-constexpr int kPrefetchAhead = 4096;
-
 template <int MB>
 void GroupRows(const int8_t* Xq, const float* xs, const float* xsum, int64_t Kp, const uint8_t* Wg, int64_t outputs,
                int64_t N, float* Y) {
