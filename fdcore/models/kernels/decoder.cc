@@ -1,8 +1,9 @@
 // Every decoder layer of one step in a single operator call: the same functions the per-layer path
-// calls from Python (AddRmsNorm, the packed linear kernels, AttentionBlock, SiluMul), in the same order
-// on the same values, so the logits are the same to the bit; what goes is the Python loop and ~8
-// Paddle custom-op dispatches per layer (~10 us each: ~2.4 ms a step on a 30-layer model, a quarter of
-// a 4-bit batch-1 decode step).
+// calls from Python (AddRmsNorm, the packed linear kernels, AttentionBlock, SiluMul: their ...Into
+// forms), in the same order on the same values, so the logits are the same to the bit; what goes is the
+// Python loop and ~8 Paddle custom-op dispatches per layer (~10 us each: ~2.4 ms a step on a 30-layer
+// model, a quarter of a 4-bit batch-1 decode step), and their ~10 output tensors a layer: every
+// intermediate row lives in one Workspace per call.
 //
 // weights: kSlots tensors per layer (see Slot; an empty tensor where a layer has none of that kind),
 // meta: per layer the output rows of qkv, o, gate_up and down, then its sliding window (0: none);
@@ -23,20 +24,19 @@
 
 #include "paddle/extension.h"
 
-std::vector<paddle::Tensor> LinearF32(const paddle::Tensor& x, const paddle::Tensor& w, int64_t rows);
-std::vector<paddle::Tensor> LinearBf16(const paddle::Tensor& x, const paddle::Tensor& w, int64_t rows);
-std::vector<paddle::Tensor> LinearInt8(const paddle::Tensor& x, const paddle::Tensor& w, const paddle::Tensor& scales,
-                                       int64_t rows);
-std::vector<paddle::Tensor> LinearInt4(const paddle::Tensor& x, const paddle::Tensor& w, int64_t rows);
-std::vector<paddle::Tensor> AddRmsNorm(const paddle::Tensor& hidden, const paddle::Tensor& delta,
-                                       const paddle::Tensor& weight, float eps);
-std::vector<paddle::Tensor> SiluMul(const paddle::Tensor& gate_up);
-std::vector<paddle::Tensor> AttentionBlock(const paddle::Tensor& qkv, const paddle::Tensor& cos,
-                                           const paddle::Tensor& sin, const paddle::Tensor& slots,
-                                           const paddle::Tensor& k_cache, const paddle::Tensor& v_cache,
-                                           const paddle::Tensor& tables, const paddle::Tensor& lengths,
-                                           const paddle::Tensor& q_norm, const paddle::Tensor& k_norm,
-                                           int64_t num_heads, float scale, int64_t window, float norm_eps);
+void LinearF32Into(const float* X, int64_t M, int64_t K, const paddle::Tensor& w, int64_t rows, float* Y);
+void LinearBf16Into(const float* X, int64_t M, int64_t K, const paddle::Tensor& w, int64_t rows, float* Y);
+void LinearInt8Into(const float* X, int64_t M, int64_t K, const paddle::Tensor& w, const paddle::Tensor& scales,
+                    int64_t rows, float* Y);
+void LinearInt4Into(const float* X, int64_t M, int64_t K, const paddle::Tensor& w, int64_t rows, float* Y);
+void AddRmsNormInto(const float* H, const float* DL, const float* W, int64_t T, int64_t E, float eps, float* S,
+                    float* N);
+void SiluMulInto(const float* G, int64_t T, int64_t I, float* O);
+void AttentionBlockInto(const float* X, int64_t Tn, int64_t width, const paddle::Tensor& cos, const paddle::Tensor& sin,
+                        const paddle::Tensor& slots, const paddle::Tensor& k_cache, const paddle::Tensor& v_cache,
+                        const paddle::Tensor& tables, const paddle::Tensor& lengths, const paddle::Tensor& q_norm,
+                        const paddle::Tensor& k_norm, int64_t num_heads, float scale, int64_t window, float norm_eps,
+                        float* Qo, float* O);
 
 namespace {
 
@@ -47,27 +47,45 @@ enum Slot : int {
 };
 constexpr int kMeta = 5;  // qkv, o, gate_up, down rows; window
 
-// x . W^T (+ bias, added as Paddle's broadcast add does: one float add per element).
-paddle::Tensor Project(int64_t kind, const paddle::Tensor& x, const paddle::Tensor* w, int slot, int64_t rows) {
-  paddle::Tensor y;
+// Y [M, rows] = X [M, K] . W^T (+ bias, added as Paddle's broadcast add does: one float add per element).
+void Project(int64_t kind, const float* X, int64_t M, int64_t K, const paddle::Tensor* w, int slot, int64_t rows,
+             float* Y) {
   switch (kind) {
-    case kFloat32: y = LinearF32(x, w[slot], rows)[0]; break;
-    case kBfloat16: y = LinearBf16(x, w[slot], rows)[0]; break;
-    case kInt8: y = LinearInt8(x, w[slot], w[slot + 1], rows)[0]; break;
-    case kInt4: y = LinearInt4(x, w[slot], rows)[0]; break;
+    case kFloat32: LinearF32Into(X, M, K, w[slot], rows, Y); break;
+    case kBfloat16: LinearBf16Into(X, M, K, w[slot], rows, Y); break;
+    case kInt8: LinearInt8Into(X, M, K, w[slot], w[slot + 1], rows, Y); break;
+    case kInt4: LinearInt4Into(X, M, K, w[slot], rows, Y); break;
     default: PD_CHECK(false, "decoder_layers: unknown matrix kind");
   }
   const paddle::Tensor& bias = w[slot + 2];
   if (bias.numel() > 0) {
     PD_CHECK(bias.numel() == rows, "decoder_layers: bias width != rows");
-    float* Y = y.data<float>();
     const float* B = bias.data<float>();
-    const int64_t M = x.shape()[0];
     for (int64_t m = 0; m < M; ++m)
       for (int64_t n = 0; n < rows; ++n) Y[m * rows + n] += B[n];
   }
-  return y;
 }
+
+// The step's intermediate rows, carved out of one allocation (~10 Paddle tensors a layer cost ~25 us of
+// a ~300 us SmolLM2 batch-1 layer, all of it on one thread while the others waited).
+class Workspace {
+ public:
+  // widths: of each buffer, per row.
+  Workspace(int64_t rows, const std::vector<int64_t>& widths) {
+    int64_t total = 0;
+    for (int64_t width : widths) {
+      offsets_.push_back(total);
+      total += (rows * width + kAlign - 1) / kAlign * kAlign;
+    }
+    memory_ = paddle::empty({std::max<int64_t>(total, 1)}, paddle::DataType::FLOAT32, paddle::CPUPlace());
+  }
+  float* operator[](size_t i) { return memory_.data<float>() + offsets_[i]; }
+
+ private:
+  static constexpr int64_t kAlign = 16;  // floats: every buffer on its own cache lines
+  std::vector<int64_t> offsets_;
+  paddle::Tensor memory_;
+};
 
 // The communicator's segment: per buffer set (2) and rank a 64-byte line (generation, byte count; word 2 of
 // set 0 rank 0's line: the supervisor's abort flag), then per set and rank a slot of `capacity` bytes.
@@ -145,25 +163,43 @@ std::vector<paddle::Tensor> DecoderLayers(const paddle::Tensor& hidden, const pa
   PD_CHECK(meta.size() == layers * kMeta, "decoder_layers: meta is not kMeta per layer");
   PD_CHECK(group.size() == 3, "decoder_layers: group is (rank, world, capacity)");
   const Group comm(group_segment, group[0], group[1], group[2], group_timeout);
-  const paddle::Tensor none = paddle::empty({0}, paddle::DataType::FLOAT32, paddle::CPUPlace());
-  paddle::Tensor h = hidden, delta = none;
+  const int64_t T = hidden.shape()[0], E = hidden.shape()[1];
+  const int64_t attn_width = num_heads * (layers > 0 ? k_caches[0].shape()[3] : 0);
+  int64_t qkv_width = 0, out_width = E, gate_up_width = 0;
+  for (size_t i = 0; i < layers; ++i) {
+    const int64_t* m = meta.data() + i * kMeta;
+    PD_CHECK(m[1] == E && m[3] == E, "decoder_layers: o and down must give back the hidden width");
+    qkv_width = std::max(qkv_width, m[0]);
+    gate_up_width = std::max(gate_up_width, m[2]);
+  }
+  enum Buffer { kSumA, kSumB, kNormed, kQkvOut, kQuery, kAttn, kOut, kGateUpOut, kAct };
+  Workspace ws(T, {E, E, E, qkv_width, attn_width, attn_width, out_width, gate_up_width, gate_up_width / 2});
+  const float* h = hidden.data<float>();
+  const float* delta = nullptr;
+  float* x = ws[kNormed];
   for (size_t i = 0; i < layers; ++i) {
     const paddle::Tensor* w = weights.data() + i * kSlots;
     const int64_t* m = meta.data() + i * kMeta;
-    auto normed = AddRmsNorm(h, delta, w[kInNorm], eps);
-    h = normed[0];
-    const paddle::Tensor qkv = Project(kind, normed[1], w, kQkv, m[0]);
-    const paddle::Tensor attn = AttentionBlock(qkv, cos, sin, slots, k_caches[i], v_caches[i], tables, lengths,
-                                               w[kQNorm], w[kKNorm], num_heads, scale, m[4], eps)[0];
-    paddle::Tensor o = Project(kind, attn, w, kO, m[1]);
-    if (comm.active()) comm.AllReduce(o.data<float>(), o.numel());
-    normed = AddRmsNorm(h, o, w[kPostNorm], eps);
-    h = normed[0];
-    const paddle::Tensor gate_up = Project(kind, normed[1], w, kGateUp, m[2]);
-    delta = Project(kind, SiluMul(gate_up)[0], w, kDown, m[3]);
-    if (comm.active()) comm.AllReduce(delta.data<float>(), delta.numel());
+    // The residual stream alternates between two rows: AddRmsNormInto's outputs overlap none of its inputs.
+    AddRmsNormInto(h, delta, w[kInNorm].data<float>(), T, E, eps, ws[kSumA], x);
+    h = ws[kSumA];
+    Project(kind, x, T, E, w, kQkv, m[0], ws[kQkvOut]);
+    AttentionBlockInto(ws[kQkvOut], T, m[0], cos, sin, slots, k_caches[i], v_caches[i], tables, lengths, w[kQNorm],
+                       w[kKNorm], num_heads, scale, m[4], eps, ws[kQuery], ws[kAttn]);
+    float* o = ws[kOut];
+    Project(kind, ws[kAttn], T, attn_width, w, kO, m[1], o);
+    if (comm.active()) comm.AllReduce(o, T * m[1]);
+    AddRmsNormInto(h, o, w[kPostNorm].data<float>(), T, E, eps, ws[kSumB], x);
+    h = ws[kSumB];
+    Project(kind, x, T, E, w, kGateUp, m[2], ws[kGateUpOut]);
+    SiluMulInto(ws[kGateUpOut], T, m[2] / 2, ws[kAct]);
+    Project(kind, ws[kAct], T, m[2] / 2, w, kDown, m[3], o);  // o is spent: the down product reuses it
+    if (comm.active()) comm.AllReduce(o, T * m[3]);
+    delta = o;
   }
-  return {AddRmsNorm(h, delta, final_norm, eps)[1]};
+  auto normed = paddle::empty({T, E}, paddle::DataType::FLOAT32, paddle::CPUPlace());
+  AddRmsNormInto(h, delta, final_norm.data<float>(), T, E, eps, ws[kSumA], normed.data<float>());
+  return {normed};
 }
 
 PD_BUILD_OP(fdcore_decoder_layers)

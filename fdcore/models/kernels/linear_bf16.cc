@@ -123,16 +123,22 @@ FDCORE_BF16_TARGET void Linear(const float* X, int64_t M, int64_t K, const uint1
 }  // namespace
 
 // x [M, K] float32; w [G, KP, 2, 16, 2] bfloat16 (the packed weight); rows = N, the real output count.
-std::vector<paddle::Tensor> LinearBf16(const paddle::Tensor& x, const paddle::Tensor& w, int64_t rows) {
+// Y [M, rows] = X [M, K] . W^T into the caller's memory (decoder_layers' workspace, or the op's output).
+void LinearBf16Into(const float* X, int64_t M, int64_t K, const paddle::Tensor& w, int64_t rows, float* Y) {
   const auto& ws = w.shape();
-  PD_CHECK(x.dtype() == paddle::DataType::FLOAT32, "linear_bf16: x must be float32");
   PD_CHECK(w.dtype() == paddle::DataType::BFLOAT16, "linear_bf16: w must be bfloat16");
   PD_CHECK(ws.size() == 5 && ws[2] == kBlocks && ws[3] == 16 && ws[4] == 2, "linear_bf16: w is not packed");
-  const int64_t M = x.shape()[0], K = x.shape()[1], G = ws[0], KP = ws[1];
+  const int64_t G = ws[0], KP = ws[1];
   PD_CHECK(KP == (K + 1) / 2, "linear_bf16: x and w disagree on the inner dimension");
   PD_CHECK(rows > G * kGroup - kGroup && rows <= G * kGroup, "linear_bf16: rows does not fit the packed groups");
+  Linear(X, M, K, static_cast<const uint16_t*>(w.data()), G, KP, rows, Y);
+}
+
+std::vector<paddle::Tensor> LinearBf16(const paddle::Tensor& x, const paddle::Tensor& w, int64_t rows) {
+  PD_CHECK(x.dtype() == paddle::DataType::FLOAT32, "linear_bf16: x must be float32");
+  const int64_t M = x.shape()[0];
   auto y = paddle::empty({M, rows}, paddle::DataType::FLOAT32, paddle::CPUPlace());
-  Linear(x.data<float>(), M, K, static_cast<const uint16_t*>(w.data()), G, KP, rows, y.data<float>());
+  LinearBf16Into(x.data<float>(), M, x.shape()[1], w, rows, y.data<float>());
   return {y};
 }
 

@@ -135,17 +135,23 @@ void Linear(const float* X, int64_t M, int64_t K, const float* W, int64_t P, int
 }  // namespace
 
 // x [M, K] float32; w [P, K, 32] float32 (the packed weight); rows = N, the real output count.
-std::vector<paddle::Tensor> LinearF32(const paddle::Tensor& x, const paddle::Tensor& w, int64_t rows) {
+// Y [M, rows] = X [M, K] . W^T into the caller's memory (decoder_layers' workspace, or the op's output).
+void LinearF32Into(const float* X, int64_t M, int64_t K, const paddle::Tensor& w, int64_t rows, float* Y) {
   const auto& s = w.shape();
-  PD_CHECK(x.dtype() == paddle::DataType::FLOAT32, "linear_f32: x must be float32");
   PD_CHECK(w.dtype() == paddle::DataType::FLOAT32, "linear_f32: w must be float32");
   PD_CHECK(s.size() == 3 && s[2] == kPanel, "linear_f32: w is not packed");
-  PD_CHECK(x.shape().size() == 2, "linear_f32: x must be [M, K]");
-  const int64_t M = x.shape()[0], K = x.shape()[1], P = s[0];
+  const int64_t P = s[0];
   PD_CHECK(s[1] == K, "linear_f32: x and w disagree on the inner dimension");
   PD_CHECK(rows > P * kPanel - kPanel && rows <= P * kPanel, "linear_f32: rows does not fit the packed panels");
+  if (M > 0) Linear(X, M, K, w.data<float>(), P, rows, Y);
+}
+
+std::vector<paddle::Tensor> LinearF32(const paddle::Tensor& x, const paddle::Tensor& w, int64_t rows) {
+  PD_CHECK(x.dtype() == paddle::DataType::FLOAT32, "linear_f32: x must be float32");
+  PD_CHECK(x.shape().size() == 2, "linear_f32: x must be [M, K]");
+  const int64_t M = x.shape()[0];
   auto y = paddle::empty({M, rows}, paddle::DataType::FLOAT32, paddle::CPUPlace());
-  if (M > 0) Linear(x.data<float>(), M, K, w.data<float>(), P, rows, y.data<float>());
+  LinearF32Into(x.data<float>(), M, x.shape()[1], w, rows, y.data<float>());
   return {y};
 }
 

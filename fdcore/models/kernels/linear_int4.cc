@@ -249,17 +249,23 @@ void Linear(const float* X, int64_t M, int64_t K, const uint8_t* Wp, int64_t G, 
 }  // namespace
 
 // x [M, K] float32; w [G, Kp / 32, 640] uint8 (records packed as above); rows = N.
-std::vector<paddle::Tensor> LinearInt4(const paddle::Tensor& x, const paddle::Tensor& w, int64_t rows) {
+// Y [M, rows] = X [M, K] . W^T into the caller's memory (decoder_layers' workspace, or the op's output).
+void LinearInt4Into(const float* X, int64_t M, int64_t K, const paddle::Tensor& w, int64_t rows, float* Y) {
   const auto& s = w.shape();
-  PD_CHECK(x.dtype() == paddle::DataType::FLOAT32, "linear_int4: x must be float32");
   PD_CHECK(w.dtype() == paddle::DataType::UINT8, "linear_int4: w must be uint8");
   PD_CHECK(s.size() == 3 && s[2] == kRecord, "linear_int4: w is not packed");
-  PD_CHECK(x.shape().size() == 2, "linear_int4: x must be [M, K]");
-  const int64_t M = x.shape()[0], K = x.shape()[1], G = s[0], Kp = s[1] * kQuant;
+  const int64_t G = s[0], Kp = s[1] * kQuant;
   PD_CHECK(K >= 1 && Kp >= K && Kp - K < kQuant, "linear_int4: x and w disagree on the inner dimension");
   PD_CHECK(rows > G * kGroup - kGroup && rows <= G * kGroup, "linear_int4: rows does not fit the packed groups");
+  if (M > 0) Linear(X, M, K, w.data<uint8_t>(), G, Kp, rows, Y);
+}
+
+std::vector<paddle::Tensor> LinearInt4(const paddle::Tensor& x, const paddle::Tensor& w, int64_t rows) {
+  PD_CHECK(x.dtype() == paddle::DataType::FLOAT32, "linear_int4: x must be float32");
+  PD_CHECK(x.shape().size() == 2, "linear_int4: x must be [M, K]");
+  const int64_t M = x.shape()[0];
   auto y = paddle::empty({M, rows}, paddle::DataType::FLOAT32, paddle::CPUPlace());
-  if (M > 0) Linear(x.data<float>(), M, K, w.data<uint8_t>(), G, Kp, rows, y.data<float>());
+  LinearInt4Into(x.data<float>(), M, x.shape()[1], w, rows, y.data<float>());
   return {y};
 }
 

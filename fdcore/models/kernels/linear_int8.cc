@@ -280,20 +280,26 @@ void Linear(const float* X, int64_t M, int64_t K, const uint8_t* Wp, const uint1
 // x [M, K] float32; w [G, Kp / 4, kBlocks, 16, 4] uint8 (q + 128, packed); scales [G, Kp / 32, kGroup] float16
 // as int16;
 // rows = N.
-std::vector<paddle::Tensor> LinearInt8(const paddle::Tensor& x, const paddle::Tensor& w, const paddle::Tensor& scales,
-                                       int64_t rows) {
+// Y [M, rows] = X [M, K] . W^T into the caller's memory (decoder_layers' workspace, or the op's output).
+void LinearInt8Into(const float* X, int64_t M, int64_t K, const paddle::Tensor& w, const paddle::Tensor& scales,
+                    int64_t rows, float* Y) {
   const auto& s = w.shape();
-  PD_CHECK(x.dtype() == paddle::DataType::FLOAT32, "linear_int8: x must be float32");
   PD_CHECK(w.dtype() == paddle::DataType::UINT8, "linear_int8: w must be uint8");
   PD_CHECK(s.size() == 5 && s[2] == kBlocks && s[3] == 16 && s[4] == 4, "linear_int8: w is not packed");
-  const int64_t M = x.shape()[0], K = x.shape()[1], G = s[0], Kp = s[1] * 4;
+  const int64_t G = s[0], Kp = s[1] * 4;
   PD_CHECK(Kp % kQuant == 0 && Kp >= K && Kp - K < kQuant, "linear_int8: x and w disagree on the inner dimension");
   PD_CHECK(rows > G * kGroup - kGroup && rows <= G * kGroup, "linear_int8: rows does not fit the packed groups");
   PD_CHECK(scales.numel() == G * kGroup * (Kp / kQuant), "linear_int8: one scale per packed row and block");
   PD_CHECK(scales.dtype() == paddle::DataType::INT16, "linear_int8: scales must be float16 bits (int16)");
+  Linear(X, M, K, w.data<uint8_t>(), reinterpret_cast<const uint16_t*>(scales.data<int16_t>()), G, Kp, rows, Y);
+}
+
+std::vector<paddle::Tensor> LinearInt8(const paddle::Tensor& x, const paddle::Tensor& w, const paddle::Tensor& scales,
+                                       int64_t rows) {
+  PD_CHECK(x.dtype() == paddle::DataType::FLOAT32, "linear_int8: x must be float32");
+  const int64_t M = x.shape()[0];
   auto y = paddle::empty({M, rows}, paddle::DataType::FLOAT32, paddle::CPUPlace());
-  Linear(x.data<float>(), M, K, w.data<uint8_t>(), reinterpret_cast<const uint16_t*>(scales.data<int16_t>()), G, Kp,
-         rows, y.data<float>());
+  LinearInt8Into(x.data<float>(), M, x.shape()[1], w, scales, rows, y.data<float>());
   return {y};
 }
 

@@ -19,6 +19,19 @@
 constexpr int kMostHeads = 4;     // query heads per pass over a row's keys (AVX-512: 1 past D = 128)
 constexpr int64_t kFewestTasks = 8;  // (row, KV head) pairs below which attention is shared out by query head
 
+// Visits a row's keys (or values) in order with their index l from 0, block by block (a division per block, not
+// per key: BS is not a compile-time constant). (Prefetching the next block's rows measured no gain on SmolLM2's
+// batch-1 decode, where a layer's cache comes from memory.)
+template <typename Visit>
+static inline void ForEachKey(const float* base, int64_t kv_base, int64_t BS, int64_t D, const int64_t* table,
+                              int64_t first, int64_t L, Visit&& visit) {
+  for (int64_t key = first, l = 0; key < first + L;) {
+    const int64_t offset = key % BS, run = std::min(BS - offset, first + L - key);
+    const float* row = base + (kv_base + table[key / BS] * BS + offset) * D;
+    for (int64_t j = 0; j < run; ++j, ++key, ++l) visit(l, row + j * D);
+  }
+}
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 
@@ -78,14 +91,7 @@ static void AttendHeads(const float* qg, int64_t D, const float* K, const float*
                         const int64_t* table, int64_t first, int64_t L, float* scores, float* out) {
   __mmask16 masks[C];
   for (int c = 0; c < C; ++c) masks[c] = Tail(D - 16 * c);
-  // Keys block by block (a division per block, not per key: BS is not a constant here).
-  auto each_key = [&](const float* base, auto&& visit) {
-    for (int64_t key = first, l = 0; key < first + L;) {
-      const int64_t offset = key % BS, run = std::min(BS - offset, first + L - key);
-      const float* row = base + (kv_base + table[key / BS] * BS + offset) * D;
-      for (int64_t j = 0; j < run; ++j, ++key, ++l) visit(l, row + j * D);
-    }
-  };
+  auto each_key = [&](const float* base, auto&& visit) { ForEachKey(base, kv_base, BS, D, table, first, L, visit); };
   __m512 q[HB][C];
   for (int h = 0; h < HB; ++h)
     for (int c = 0; c < C; ++c) q[h][c] = _mm512_maskz_loadu_ps(masks[c], qg + h * D + 16 * c);
@@ -217,13 +223,7 @@ static void AttendHeads8(const float* qg, int64_t D, const float* K, const float
                          const int64_t* table, int64_t first, int64_t L, float* scores, float* out) {
   constexpr int kRegs = CC > 0 ? CC : 1;
   const int64_t C = CC > 0 ? CC : D / 8;
-  auto each_key = [&](const float* base, auto&& visit) {
-    for (int64_t key = first, l = 0; key < first + L;) {
-      const int64_t offset = key % BS, run = std::min(BS - offset, first + L - key);
-      const float* row = base + (kv_base + table[key / BS] * BS + offset) * D;
-      for (int64_t j = 0; j < run; ++j, ++key, ++l) visit(l, row + j * D);
-    }
-  };
+  auto each_key = [&](const float* base, auto&& visit) { ForEachKey(base, kv_base, BS, D, table, first, L, visit); };
   __m256 q[HB][kRegs];
   if constexpr (CC > 0)
     for (int h = 0; h < HB; ++h)
@@ -424,32 +424,28 @@ static void AttendRows(const float* Q, int64_t B, int64_t H, int64_t D, const fl
 // embedding (HF's rotate-half, with cos / sin [T, D/2] computed by the caller, any scaling folded
 // in), q scaled, k and v written into the paged cache at each row's slot, then attention over each
 // row's prefix (its last `window` keys when window > 0).
-// qkv [T, (H + 2 KVH) D]; slots [T] int64 (block * BS + offset); out [T, H D].
-std::vector<paddle::Tensor> AttentionBlock(const paddle::Tensor& qkv, const paddle::Tensor& cos,
-                                           const paddle::Tensor& sin, const paddle::Tensor& slots,
-                                           const paddle::Tensor& k_cache, const paddle::Tensor& v_cache,
-                                           const paddle::Tensor& tables, const paddle::Tensor& lengths,
-                                           const paddle::Tensor& q_norm, const paddle::Tensor& k_norm,
-                                           int64_t num_heads, float scale, int64_t window, float norm_eps) {
+// qkv [T, (H + 2 KVH) D]; slots [T] int64 (block * BS + offset); out [T, H D]. Into the caller's memory
+// (decoder_layers' workspace, or the op's outputs): Qo [T, H D] (the rotated, scaled queries) and O.
+void AttentionBlockInto(const float* X, int64_t Tn, int64_t width, const paddle::Tensor& cos, const paddle::Tensor& sin,
+                        const paddle::Tensor& slots, const paddle::Tensor& k_cache, const paddle::Tensor& v_cache,
+                        const paddle::Tensor& tables, const paddle::Tensor& lengths, const paddle::Tensor& q_norm,
+                        const paddle::Tensor& k_norm, int64_t num_heads, float scale, int64_t window, float norm_eps,
+                        float* Qo, float* O) {
   const auto ks = k_cache.shape();
   const int64_t KVH = ks[0], NB = ks[1], BS = ks[2], D = ks[3], H = num_heads, half = D / 2;
-  const int64_t Tn = qkv.shape()[0];
-  PD_CHECK(qkv.shape()[1] == (H + 2 * KVH) * D, "attention_block: qkv width does not match the heads");
+  PD_CHECK(width == (H + 2 * KVH) * D, "attention_block: qkv width does not match the heads");
   PD_CHECK(H % KVH == 0 && v_cache.shape() == ks, "attention_block: cache shapes do not match");
-  auto q = paddle::empty({Tn, H, D}, paddle::DataType::FLOAT32, paddle::CPUPlace());
-  auto out = paddle::empty({Tn, H * D}, paddle::DataType::FLOAT32, paddle::CPUPlace());
-  const float* X = qkv.data<float>();
+  PD_CHECK(D <= 256, "attention: head_dim above 256");
   const float* C = cos.data<float>();
   const float* S = sin.data<float>();
   const int64_t* SLOT = slots.data<int64_t>();
   float* Kc = const_cast<float*>(k_cache.data<float>());  // the cache is written in place
   float* Vc = const_cast<float*>(v_cache.data<float>());
-  float* Qo = q.data<float>();
   const bool normed = q_norm.numel() > 0;
   PD_CHECK(!normed || (q_norm.numel() == D && k_norm.numel() == D), "attention_block: q/k norm width != D");
   const float* QN = normed ? q_norm.data<float>() : nullptr;
   const float* KN = normed ? k_norm.data<float>() : nullptr;
-  std::vector<float> head(D);
+  float head[256];
   for (int64_t t = 0; t < Tn; ++t) {
     const float* row = X + t * (H + 2 * KVH) * D;
     const float* c = C + t * half;
@@ -463,7 +459,7 @@ std::vector<paddle::Tensor> AttentionBlock(const paddle::Tensor& qkv, const padd
         const float inv = 1.f / std::sqrt(squares / static_cast<float>(D) + norm_eps);
         const float* w = h < H ? QN : KN;
         for (int64_t i = 0; i < D; ++i) head[i] = x[i] * inv * w[i];
-        x = head.data();
+        x = head;
       }
       float* dst = h < H ? Qo + (t * H + h) * D : Kc + ((h - H) * NB * BS + SLOT[t]) * D;
       const float mul = h < H ? scale : 1.f;
@@ -481,7 +477,20 @@ std::vector<paddle::Tensor> AttentionBlock(const paddle::Tensor& qkv, const padd
     }
   }
   AttendRows(Qo, Tn, H, D, Kc, Vc, KVH, NB, BS, tables.data<int64_t>(), tables.shape()[1],
-             lengths.data<int64_t>(), window, out.data<float>());
+             lengths.data<int64_t>(), window, O);
+}
+
+std::vector<paddle::Tensor> AttentionBlock(const paddle::Tensor& qkv, const paddle::Tensor& cos,
+                                           const paddle::Tensor& sin, const paddle::Tensor& slots,
+                                           const paddle::Tensor& k_cache, const paddle::Tensor& v_cache,
+                                           const paddle::Tensor& tables, const paddle::Tensor& lengths,
+                                           const paddle::Tensor& q_norm, const paddle::Tensor& k_norm,
+                                           int64_t num_heads, float scale, int64_t window, float norm_eps) {
+  const int64_t Tn = qkv.shape()[0], D = k_cache.shape()[3];
+  auto q = paddle::empty({Tn, num_heads, D}, paddle::DataType::FLOAT32, paddle::CPUPlace());
+  auto out = paddle::empty({Tn, num_heads * D}, paddle::DataType::FLOAT32, paddle::CPUPlace());
+  AttentionBlockInto(qkv.data<float>(), Tn, qkv.shape()[1], cos, sin, slots, k_cache, v_cache, tables, lengths, q_norm,
+                     k_norm, num_heads, scale, window, norm_eps, q.data<float>(), out.data<float>());
   return {out};
 }
 
@@ -692,18 +701,10 @@ PD_BUILD_OP(fdcore_gumbel_sample)
 //   hidden_out = hidden + delta          (delta may be empty: then hidden_out = hidden)
 //   normed     = hidden_out * rsqrt(mean(hidden_out^2) + eps) * weight
 // hidden, delta [T, E] float32; weight [E] float32.
-std::vector<paddle::Tensor> AddRmsNorm(const paddle::Tensor& hidden, const paddle::Tensor& delta,
-                                       const paddle::Tensor& weight, float eps) {
-  const int64_t T = hidden.shape()[0], E = hidden.shape()[1];
-  const bool add = delta.numel() > 0;
-  PD_CHECK(!add || delta.numel() == T * E, "add_rms_norm: delta shape differs from hidden");
-  auto sum = paddle::empty({T, E}, paddle::DataType::FLOAT32, paddle::CPUPlace());
-  auto normed = paddle::empty({T, E}, paddle::DataType::FLOAT32, paddle::CPUPlace());
-  const float* __restrict__ H = hidden.data<float>();
-  const float* __restrict__ DL = add ? delta.data<float>() : nullptr;
-  const float* __restrict__ W = weight.data<float>();
-  float* __restrict__ S = sum.data<float>();
-  float* __restrict__ N = normed.data<float>();
+// Into the caller's memory (DL null: no delta): S and N, which overlap none of H, DL, W.
+void AddRmsNormInto(const float* __restrict__ H, const float* __restrict__ DL, const float* __restrict__ W, int64_t T,
+                    int64_t E, float eps, float* __restrict__ S, float* __restrict__ N) {
+  const bool add = DL != nullptr;
   for (int64_t t = 0; t < T; ++t) {
     const float* h = H + t * E;
     float* s = S + t * E;
@@ -723,6 +724,18 @@ std::vector<paddle::Tensor> AddRmsNorm(const paddle::Tensor& hidden, const paddl
 #pragma omp simd
     for (int64_t e = 0; e < E; ++e) n[e] = s[e] * scale * W[e];
   }
+}
+
+std::vector<paddle::Tensor> AddRmsNorm(const paddle::Tensor& hidden, const paddle::Tensor& delta,
+                                       const paddle::Tensor& weight, float eps) {
+  const int64_t T = hidden.shape()[0], E = hidden.shape()[1];
+  const bool add = delta.numel() > 0;
+  PD_CHECK(!add || delta.numel() == T * E, "add_rms_norm: delta shape differs from hidden");
+  PD_CHECK(weight.numel() == E, "add_rms_norm: weight width differs from hidden");
+  auto sum = paddle::empty({T, E}, paddle::DataType::FLOAT32, paddle::CPUPlace());
+  auto normed = paddle::empty({T, E}, paddle::DataType::FLOAT32, paddle::CPUPlace());
+  AddRmsNormInto(hidden.data<float>(), add ? delta.data<float>() : nullptr, weight.data<float>(), T, E, eps,
+                 sum.data<float>(), normed.data<float>());
   return {sum, normed};
 }
 
@@ -733,11 +746,8 @@ PD_BUILD_OP(fdcore_add_rms_norm)
     .SetKernelFn(PD_KERNEL(AddRmsNorm));
 
 // SwiGLU: out = silu(gate) * up for gate_up = [gate | up] along the last axis ([T, 2I] -> [T, I]).
-std::vector<paddle::Tensor> SiluMul(const paddle::Tensor& gate_up) {
-  const int64_t T = gate_up.shape()[0], I = gate_up.shape()[1] / 2;
-  auto out = paddle::empty({T, I}, paddle::DataType::FLOAT32, paddle::CPUPlace());
-  const float* __restrict__ G = gate_up.data<float>();
-  float* __restrict__ O = out.data<float>();
+// Into the caller's memory: G [T, 2I], O [T, I].
+void SiluMulInto(const float* __restrict__ G, int64_t T, int64_t I, float* __restrict__ O) {
 #pragma omp parallel for schedule(static) if (T * I >= (1 << 16))
   for (int64_t t = 0; t < T; ++t) {
     const float* g = G + t * 2 * I;
@@ -763,6 +773,12 @@ std::vector<paddle::Tensor> SiluMul(const paddle::Tensor& gate_up) {
     for (int64_t i = 0; i < I; ++i) o[i] = g[i] / (1.f + expf(-g[i])) * u[i];
 #endif
   }
+}
+
+std::vector<paddle::Tensor> SiluMul(const paddle::Tensor& gate_up) {
+  const int64_t T = gate_up.shape()[0], I = gate_up.shape()[1] / 2;
+  auto out = paddle::empty({T, I}, paddle::DataType::FLOAT32, paddle::CPUPlace());
+  SiluMulInto(gate_up.data<float>(), T, I, out.data<float>());
   return {out};
 }
 
