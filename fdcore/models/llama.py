@@ -174,7 +174,16 @@ class LlamaModel:
                     weights.append(layer["post_norm_t"])
             weights += [layer.get("q_norm_t", none), layer.get("k_norm_t", none)]
             meta += [layer[name].rows for name in _PROJECTIONS] + [layer["window"]]
-        return op, weights, meta, _KIND_CODES[kinds.pop()]
+        return op, weights, meta, _KIND_CODES[kinds.pop()], self._decoder_head()
+
+    def _decoder_head(self):
+        """The LM head as the one-call decoder takes it (see its ``head``), or None where ``_head`` must make
+        the logits: a group's rank (its slice, gathered) or a head of a kind decoder.cc does not multiply."""
+        head = self.lm_head
+        if self.group is not None or type(head) not in _KIND_CODES:
+            return None
+        none = self.no_tensor
+        return [head.packed, getattr(head, "scales", none), none], _KIND_CODES[type(head)], head.rows
 
     def _tensor(self, array: np.ndarray) -> paddle.Tensor:
         """A Paddle tensor sharing the float32 array's memory (no second copy of the weights)."""
@@ -267,8 +276,9 @@ class LlamaModel:
                                          if self.args.rope.is_dynamic else None)
         rows = {s: plan.rows_of(order.index(s)) for s in every_row_of}
         if self.fused is not None:
-            normed = self._fused_layers(hidden, cos, sin, plan, cache)
-            logits = self._head(paddle.index_select(normed, paddle.to_tensor(plan.last_rows)))
+            normed, logits = self._fused_layers(hidden, cos, sin, plan, cache)
+            logits = (self._head(paddle.index_select(normed, as_paddle(plan.last_rows))) if logits is None
+                      else logits.numpy())
             states = {s: normed[first:end] for s, (first, end) in rows.items()}
         else:
             for index, layer in enumerate(self.layers):
@@ -288,17 +298,19 @@ class LlamaModel:
     def _fused_layers(self, hidden, cos, sin, plan, cache) -> paddle.Tensor:
         """Every layer with fdcore's fused operators: each residual add travels with the next
         RMSNorm, rotary + cache write + attention are one op, SwiGLU is one op; 7 operator calls
-        per layer instead of ~25. Returns the final norm's output (all rows)."""
+        per layer instead of ~25 (or all of them in one: the one-call decoder). Returns the final
+        norm's output (all rows), and the logits of the plan's last rows where the one-call decoder
+        made them (else None). The small index arrays go over as views (``as_paddle``), not copies."""
         add_rms_norm, silu_mul, attention_block = self.fused
         a = self.args
         eps = a.rms_norm_eps
-        cos_t, sin_t = paddle.to_tensor(cos), paddle.to_tensor(sin)
-        slots = paddle.to_tensor(plan.write_slots)
+        cos_t, sin_t = as_paddle(cos), as_paddle(sin)
+        slots = as_paddle(plan.write_slots)
         tables, lengths = plan.row_tables()
         if self.decoder is not None:
-            op, weights, meta, kind = self.decoder
-            return op(hidden, cos_t, sin_t, slots, tables, lengths, *cache.all_tensors(), weights, self.norm_t, meta,
-                      kind, a.num_heads, self.scale, eps, self.decoder_group)
+            op, weights, meta, kind, head = self.decoder
+            return op(hidden, cos_t, sin_t, slots, tables, lengths, as_paddle(plan.last_rows), *cache.all_tensors(),
+                      weights, self.norm_t, meta, kind, a.num_heads, self.scale, eps, self.decoder_group, head)
         delta, none = self.no_tensor, self.no_tensor
         for index, layer in enumerate(self.layers):
             hidden, x = add_rms_norm(hidden, delta, layer["in_norm_t"], eps)
@@ -310,7 +322,7 @@ class LlamaModel:
                                      layer["post_norm_t"], eps)
             gate_up = linear(x, layer["gate_up"], layer.get("gate_up_bias"))
             delta = self._row_parallel(silu_mul(gate_up), layer["down"], layer.get("down_bias"))
-        return add_rms_norm(hidden, delta, self.norm_t, eps)[1]
+        return add_rms_norm(hidden, delta, self.norm_t, eps)[1], None
 
     def _layer_forward(self, hidden, layer, index, cos, sin, plan, cache):
         a = self.args
@@ -430,7 +442,7 @@ class _Plan:
                 tables[row:row + count, :len(table)] = table
                 lengths[row:row + count] = np.arange(start + 1, start + count + 1)
                 row += count
-            self._kernel_inputs = (paddle.to_tensor(tables), paddle.to_tensor(lengths))
+            self._kernel_inputs = (as_paddle(tables), as_paddle(lengths))
         return self._kernel_inputs
 
     def _plan_decode(self, batch, decode, block_size, windows) -> None:

@@ -274,14 +274,20 @@ def _build():
 
         no_group = paddle.empty([0], dtype="uint8")
 
-        def decoder(hidden, cos, sin, slots, tables, lengths, k_caches, v_caches, weights, final_norm, meta, kind,
-                    num_heads, scale, eps, group=None):
-            """``group``: (segment tensor, rank, world, capacity, timeout) of a tensor-parallel rank, or None."""
+        no_head = [paddle.empty([0], dtype="float32")] * 3
+
+        def decoder(hidden, cos, sin, slots, tables, lengths, last_rows, k_caches, v_caches, weights, final_norm,
+                    meta, kind, num_heads, scale, eps, group=None, head=None):
+            """(the final norm's output, the head's logits of ``last_rows`` or None). ``group``: (segment
+            tensor, rank, world, capacity, timeout) of a tensor-parallel rank, or None; ``head``: (its
+            [packed, scales, bias] tensors, kind, rows), or None: no logits."""
             segment, rank, world, capacity, timeout = group or (no_group, 0, 1, 0, 0.0)
-            return _C_ops._run_custom_op("fdcore_decoder_layers", hidden, cos, sin, slots, tables, lengths,
-                                         k_caches, v_caches, weights, final_norm, segment, list(meta), int(kind),
-                                         int(num_heads), float(scale), float(eps),
-                                         [int(rank), int(world), int(capacity)], float(timeout))[0]
+            head_tensors, head_kind, head_rows = head or (no_head, -1, 0)
+            normed, logits = _C_ops._run_custom_op(
+                "fdcore_decoder_layers", hidden, cos, sin, slots, tables, lengths, last_rows, k_caches, v_caches,
+                weights, final_norm, head_tensors, segment, list(meta), int(kind), int(num_heads), float(scale),
+                float(eps), [int(rank), int(world), int(capacity)], float(timeout), int(head_kind), int(head_rows))
+            return normed, (logits if head else None)
 
         return (gumbel, add_rms_norm, silu_mul, attention_block, linear, linear_q8, linear_q4, linear_f32,
                 decoder)

@@ -147,21 +147,28 @@ class Group {
 
 }  // namespace
 
-// hidden [T, E] (the embeddings); returns the final norm's output [T, E].
+// hidden [T, E] (the embeddings); returns the final norm's output [T, E] and, where head_kind >= 0, the LM
+// head's logits [R, head_rows] of the rows last_rows names (head: its packed matrix, scales (or an empty tensor)
+// and an empty bias, as Project reads a slot), the product Python's linear() would make of those rows: a
+// step's last Paddle calls (a row gather, the head's op, their tensors) came after the layers had streamed
+// the weights through the caches, and cold they cost ~0.3 ms a SmolLM2 decode step.
 std::vector<paddle::Tensor> DecoderLayers(const paddle::Tensor& hidden, const paddle::Tensor& cos,
                                           const paddle::Tensor& sin, const paddle::Tensor& slots,
                                           const paddle::Tensor& tables, const paddle::Tensor& lengths,
-                                          const std::vector<paddle::Tensor>& k_caches,
+                                          const paddle::Tensor& last_rows, const std::vector<paddle::Tensor>& k_caches,
                                           const std::vector<paddle::Tensor>& v_caches,
                                           const std::vector<paddle::Tensor>& weights, const paddle::Tensor& final_norm,
+                                          const std::vector<paddle::Tensor>& head,
                                           const paddle::Tensor& group_segment, const std::vector<int64_t>& meta,
                                           int64_t kind, int64_t num_heads, float scale, float eps,
-                                          const std::vector<int64_t>& group, float group_timeout) {
+                                          const std::vector<int64_t>& group, float group_timeout, int64_t head_kind,
+                                          int64_t head_rows) {
   const size_t layers = k_caches.size();
   PD_CHECK(v_caches.size() == layers, "decoder_layers: one V cache per layer");
   PD_CHECK(weights.size() == layers * kSlots, "decoder_layers: weights are not kSlots per layer");
   PD_CHECK(meta.size() == layers * kMeta, "decoder_layers: meta is not kMeta per layer");
   PD_CHECK(group.size() == 3, "decoder_layers: group is (rank, world, capacity)");
+  PD_CHECK(head_kind < 0 || head.size() == 3, "decoder_layers: the head is (packed, scales, bias)");
   const Group comm(group_segment, group[0], group[1], group[2], group_timeout);
   const int64_t T = hidden.shape()[0], E = hidden.shape()[1];
   const int64_t attn_width = num_heads * (layers > 0 ? k_caches[0].shape()[3] : 0);
@@ -172,8 +179,8 @@ std::vector<paddle::Tensor> DecoderLayers(const paddle::Tensor& hidden, const pa
     qkv_width = std::max(qkv_width, m[0]);
     gate_up_width = std::max(gate_up_width, m[2]);
   }
-  enum Buffer { kSumA, kSumB, kNormed, kQkvOut, kQuery, kAttn, kOut, kGateUpOut, kAct };
-  Workspace ws(T, {E, E, E, qkv_width, attn_width, attn_width, out_width, gate_up_width, gate_up_width / 2});
+  enum Buffer { kSumA, kSumB, kNormed, kQkvOut, kQuery, kAttn, kOut, kGateUpOut, kAct, kLast };
+  Workspace ws(T, {E, E, E, qkv_width, attn_width, attn_width, out_width, gate_up_width, gate_up_width / 2, E});
   const float* h = hidden.data<float>();
   const float* delta = nullptr;
   float* x = ws[kNormed];
@@ -199,13 +206,24 @@ std::vector<paddle::Tensor> DecoderLayers(const paddle::Tensor& hidden, const pa
   }
   auto normed = paddle::empty({T, E}, paddle::DataType::FLOAT32, paddle::CPUPlace());
   AddRmsNormInto(h, delta, final_norm.data<float>(), T, E, eps, ws[kSumA], normed.data<float>());
-  return {normed};
+  if (head_kind < 0) return {normed, paddle::empty({0}, paddle::DataType::FLOAT32, paddle::CPUPlace())};
+  const int64_t R = last_rows.numel();
+  PD_CHECK(R <= T, "decoder_layers: more last rows than rows");
+  const int64_t* last = last_rows.data<int64_t>();
+  float* rows = ws[kLast];
+  for (int64_t r = 0; r < R; ++r) {
+    PD_CHECK(last[r] >= 0 && last[r] < T, "decoder_layers: last row out of range");
+    std::memcpy(rows + r * E, normed.data<float>() + last[r] * E, E * sizeof(float));
+  }
+  auto logits = paddle::empty({R, head_rows}, paddle::DataType::FLOAT32, paddle::CPUPlace());
+  Project(head_kind, rows, R, E, head.data(), 0, head_rows, logits.data<float>());
+  return {normed, logits};
 }
 
 PD_BUILD_OP(fdcore_decoder_layers)
-    .Inputs({"Hidden", "Cos", "Sin", "Slots", "Tables", "Lengths", paddle::Vec("KCaches"), paddle::Vec("VCaches"),
-             paddle::Vec("Weights"), "FinalNorm", "GroupSegment"})
-    .Outputs({"Normed"})
+    .Inputs({"Hidden", "Cos", "Sin", "Slots", "Tables", "Lengths", "LastRows", paddle::Vec("KCaches"),
+             paddle::Vec("VCaches"), paddle::Vec("Weights"), "FinalNorm", paddle::Vec("Head"), "GroupSegment"})
+    .Outputs({"Normed", "Logits"})
     .Attrs({"meta: std::vector<int64_t>", "kind: int64_t", "num_heads: int64_t", "scale: float", "eps: float",
-            "group: std::vector<int64_t>", "group_timeout: float"})
+            "group: std::vector<int64_t>", "group_timeout: float", "head_kind: int64_t", "head_rows: int64_t"})
     .SetKernelFn(PD_KERNEL(DecoderLayers));
