@@ -211,7 +211,7 @@ class LlamaModel:
     def _embed_rows(self, token_ids: np.ndarray) -> paddle.Tensor:
         if isinstance(self.embed, F32Matrix):
             return as_paddle(self.embed.take_rows(token_ids))
-        return paddle.index_select(self.embed, paddle.to_tensor(token_ids))
+        return paddle.index_select(self.embed, as_paddle(token_ids))
 
     def _head(self, states: paddle.Tensor) -> np.ndarray:
         """The LM head's logits, [rows, vocab] float32 (a group's rank: its slice, then everyone's gathered)."""
