@@ -116,20 +116,18 @@ void GroupRows(const int8_t* Xq, const float* xs, const float* xsum, int64_t Kp,
 }
 
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-// As the AVX-512 QuantizeRow, one value at a time: the same operations (a maximum, 127 / top, a product
-// rounded to nearest even, an integer sum), so the same bits.
+}  // namespace
+void QuantizeBlockAvx2(const float* x, int64_t left, int8_t* q, float* top, int32_t* sum);  // linear_int8.cc
+namespace {
+
+// As the AVX-512 QuantizeRow, 8 values at a time: the same operations (a maximum, 127 / top, a product
+// rounded to nearest even, an integer sum), so the same bits (checked on K = 7, 45, 100, 576, 1536), on one
+// thread while the others wait: a 576-wide row 0.63 -> 0.23 us warm, 1536 1.6 -> 0.62.
 void QuantizeRow(const float* x, int64_t K, int64_t Kp, int8_t* q, float* scales, float* sums) {
   for (int64_t blk = 0, k0 = 0; k0 < Kp; ++blk, k0 += kQuant) {
-    const int64_t k1 = std::min(K, k0 + kQuant);
-    float top = 0.f;
-    for (int64_t k = k0; k < k1; ++k) top = std::max(top, std::fabs(x[k]));
-    const float inverse = top > 0.f ? 127.f / top : 0.f;
-    int32_t sum = 0;
-    for (int64_t k = k0; k < k0 + kQuant; ++k) {
-      const int value = k < k1 ? static_cast<int>(std::nearbyint(x[k] * inverse)) : 0;
-      q[k] = static_cast<int8_t>(value);
-      sum += value;
-    }
+    float top;
+    int32_t sum;
+    QuantizeBlockAvx2(x + k0, std::min<int64_t>(K - k0, kQuant), q + k0, &top, &sum);
     scales[blk] = top / 127.f;
     sums[blk] = scales[blk] * static_cast<float>(sum);
   }

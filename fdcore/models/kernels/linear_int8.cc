@@ -52,6 +52,36 @@ inline float MaxOf(__m256 v) {
 }
 #endif
 
+#if defined(__AVX2__)
+}  // namespace
+
+// One block of 32 activations as int8, 8 values at a time with the scalar loop's operations (the maximum of
+// |x|, 127 / top, the product rounded to nearest even by vcvtps2dq as nearbyint does, an integer sum), so
+// its bits: q[32] (zeros past `left`, the block's real values), top (the block's scale is top / 127) and the
+// sum of q. Shared with linear_int4.cc, whose activations are quantized the same way.
+void QuantizeBlockAvx2(const float* x, int64_t left, int8_t* q, float* top, int32_t* sum) {
+  __m256 v[4];
+  LoadBlock(x, left, v);
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  *top = MaxOf(_mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+                             _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3]))));
+  const __m256 inverse = _mm256_set1_ps(*top > 0.f ? 127.f / *top : 0.f);
+  __m256i r[4];
+  for (int i = 0; i < 4; ++i) r[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inverse));
+  // to bytes in order: packs interleave the 128-bit lanes, the permutation puts them back
+  const __m256i bytes = _mm256_permutevar8x32_epi32(
+      _mm256_packs_epi16(_mm256_packs_epi32(r[0], r[1]), _mm256_packs_epi32(r[2], r[3])),
+      _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), bytes);
+  __m256i total = _mm256_add_epi32(_mm256_add_epi32(r[0], r[1]), _mm256_add_epi32(r[2], r[3]));
+  __m128i half = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
+  half = _mm_add_epi32(half, _mm_shuffle_epi32(half, 0x4e));
+  *sum = _mm_cvtsi128_si32(_mm_add_epi32(half, _mm_shuffle_epi32(half, 0xb1)));
+}
+
+namespace {
+#endif
+
 // x rows -> int8 per block of 32 (padded with zeros to Kp), their scales and 128 * their sums. On AVX2 8
 // values at a time with the same operations (the maximum of |x|, 127 / top, the product rounded to nearest
 // even by vcvtps2dq as nearbyint does, an integer sum), so the same bits: the scalar loop took ~7 us of a
@@ -66,23 +96,9 @@ void QuantizeRows(const float* X, int64_t M, int64_t K, int64_t Kp, std::vector<
     for (int64_t blk = 0; blk < blocks; ++blk) {
       const int64_t k0 = blk * kQuant, k1 = std::min(K, k0 + kQuant);
 #if defined(__AVX2__)
-      __m256 v[4];
-      LoadBlock(X + m * K + k0, k1 - k0, v);
-      const __m256 sign = _mm256_set1_ps(-0.f);
-      const float top = MaxOf(_mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
-                                            _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3]))));
-      const __m256 inverse = _mm256_set1_ps(top > 0.f ? 127.f / top : 0.f);
-      __m256i r[4];
-      for (int i = 0; i < 4; ++i) r[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inverse));
-      // to bytes in order: packs interleave the 128-bit lanes, the permutation puts them back
-      const __m256i bytes = _mm256_permutevar8x32_epi32(
-          _mm256_packs_epi16(_mm256_packs_epi32(r[0], r[1]), _mm256_packs_epi32(r[2], r[3])),
-          _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q.data() + m * Kp + k0), bytes);
-      __m256i total = _mm256_add_epi32(_mm256_add_epi32(r[0], r[1]), _mm256_add_epi32(r[2], r[3]));
-      __m128i half = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
-      half = _mm_add_epi32(half, _mm_shuffle_epi32(half, 0x4e));
-      const int32_t sum = _mm_cvtsi128_si32(_mm_add_epi32(half, _mm_shuffle_epi32(half, 0xb1)));
+      float top;
+      int32_t sum;
+      QuantizeBlockAvx2(X + m * K + k0, k1 - k0, q.data() + m * Kp + k0, &top, &sum);
 #else
       float top = 0.f;
       for (int64_t k = k0; k < k1; ++k) top = std::max(top, std::fabs(X[m * K + k]));
