@@ -295,7 +295,7 @@ class LlamaModel:
         """The LM head over final hidden states (from :meth:`forward_rows`), [rows, vocab] float32."""
         return self._head(states)
 
-    def _fused_layers(self, hidden, cos, sin, plan, cache) -> paddle.Tensor:
+    def _fused_layers(self, hidden, cos, sin, plan, cache) -> tuple[paddle.Tensor, paddle.Tensor | None]:
         """Every layer with fdcore's fused operators: each residual add travels with the next
         RMSNorm, rotary + cache write + attention are one op, SwiGLU is one op; 7 operator calls
         per layer instead of ~25 (or all of them in one: the one-call decoder). Returns the final

@@ -172,7 +172,7 @@ std::vector<paddle::Tensor> DecoderLayers(const paddle::Tensor& hidden, const pa
   const Group comm(group_segment, group[0], group[1], group[2], group_timeout);
   const int64_t T = hidden.shape()[0], E = hidden.shape()[1];
   const int64_t attn_width = num_heads * (layers > 0 ? k_caches[0].shape()[3] : 0);
-  int64_t qkv_width = 0, out_width = E, gate_up_width = 0;
+  int64_t qkv_width = 0, gate_up_width = 0;
   for (size_t i = 0; i < layers; ++i) {
     const int64_t* m = meta.data() + i * kMeta;
     PD_CHECK(m[1] == E && m[3] == E, "decoder_layers: o and down must give back the hidden width");
@@ -180,7 +180,7 @@ std::vector<paddle::Tensor> DecoderLayers(const paddle::Tensor& hidden, const pa
     gate_up_width = std::max(gate_up_width, m[2]);
   }
   enum Buffer { kSumA, kSumB, kNormed, kQkvOut, kQuery, kAttn, kOut, kGateUpOut, kAct, kLast };
-  Workspace ws(T, {E, E, E, qkv_width, attn_width, attn_width, out_width, gate_up_width, gate_up_width / 2, E});
+  Workspace ws(T, {E, E, E, qkv_width, attn_width, attn_width, E, gate_up_width, gate_up_width / 2, E});
   const float* h = hidden.data<float>();
   const float* delta = nullptr;
   float* x = ws[kNormed];
