@@ -59,7 +59,7 @@ def test_the_needed_features_follow_the_cpu_flags():
 @pytest.mark.parametrize("setting, margin, spread, most_flips", [
     (("bfloat16", "none"), 0.1, 1.0, 3),
     (("float32", "wint8"), 0.5, 3.0, 10),
-    (("float32", "wint4"), 0.2, 2.5, 8),
+    (("float32", "wint4"), 0.5, 2.5, 10),
 ])
 def test_low_precision_picks_float32s_token_wherever_float32_is_not_at_a_near_tie(setting, margin, spread,
                                                                                   most_flips):
@@ -70,8 +70,13 @@ def test_low_precision_picks_float32s_token_wherever_float32_is_not_at_a_near_ti
     0.24, activations quantized per block of 32 as llama.cpp's Q8_0 does; on an Intel Xeon with the same
     kernels, whose float32 rounds a little differently: 7 in 144, margins 0.002 to 0.44; on an AVX2-only
     EPYC, whose attention's exp is libm's: 4, up to 0.44), wint4 3 in 144 (margins 0.018 to 0.082, logits
-    within 1.6; on the AVX2 EPYC 7, margins 0.007 to 0.114) — free-running greedy then follows another, about as likely
-    continuation. (This SmolLM2 is a Q4_1 file: its layers come back exact in wint4, whose error here
+    within 1.6; on the AVX2 EPYC 7, margins 0.007 to 0.114; on a Zen 4 EPYC with AVX-512 6, margins 0.007
+    to 0.436, logits within 1.9) — free-running greedy then follows another, about as likely
+    continuation. Which near-ties flip is chance: quantizing the activations makes a low-precision model
+    discontinuous (a 1e-6 relative change of the embeddings moves SmolLM2's wint4 logits by up to 0.54,
+    float32's by 5e-5), so the attention's summation order on one CPU or another (AVX-512 against
+    AVX2, 1e-4 apart in float32) draws another set of flips of the same size; wint4 and wint8 share
+    the activation quantizer and so the bound. (This SmolLM2 is a Q4_1 file: its layers come back exact in wint4, whose error here
     is the activations' and the int8 head's; a 4-bit head measured 14 flips, margins up to 0.66, and
     the minimum's share on the float sum of x instead of the quantized one 8, up to 0.72.)"""
     kind = setting[0] if setting[1] == "none" else setting[1]
