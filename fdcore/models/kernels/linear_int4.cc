@@ -61,6 +61,11 @@ void QuantizeRow(const float* x, int64_t K, int64_t Kp, int8_t* q, float* scales
   }
 }
 
+// How many records (640 bytes each) ahead one row's pass prefetches: SmolLM2 wint4 at batch 1 on a Zen 4
+// EPYC (2 threads, the forward alone, steps alternating in one process) 4.29 -> 4.22 ms a step (-1.7 %;
+// three runs -1.5 to -2.8 %). Less than wint8's gain: a record's nibbles cost twice the instructions per byte.
+constexpr int kPrefetchRecords = 8;
+
 // MB rows of x (from Xq, xs, xsum at the first of them) against one group of 32 output rows (Wg: its
 // records, one per block); Y at the first row's first output of the group.
 template <int MB>
@@ -79,6 +84,10 @@ void GroupRows(const int8_t* Xq, const float* xs, const float* xsum, int64_t Kp,
       for (int b = 0; b < kLanes; ++b)
         for (int h = 0; h < H; ++h) dot[j][b][h] = _mm512_setzero_si512();
     const int8_t* xb = Xq + blk * kQuant;
+    if (MB == 1) {  // a record's 10 lines, 8 records ahead (see kPrefetchRecords)
+      for (int line = 0; line < kRecord / 64; ++line)
+        _mm_prefetch(reinterpret_cast<const char*>(w + line * 64 + kPrefetchRecords * kRecord), _MM_HINT_T0);
+    }
     for (int v = 0; v < kQuant / 8; ++v) {
       for (int b = 0; b < kLanes; ++b) {
         const __m512i packed = _mm512_loadu_si512(w + (v * kLanes + b) * 64);
