@@ -52,6 +52,7 @@ import msgspec
 from fdcore.actors import health, topology
 from fdcore.actors.health import HealthBoard, State
 from fdcore.config import Config, ConfigError, load_config, write_config_file
+from fdcore.core import placement
 from fdcore.ipc import Inbox, Receiver, Ring, RingEmpty, RingFull, Sender, names
 from fdcore.protocol import (
     AbortRequest,
@@ -122,8 +123,9 @@ class _Tree:
     """The supervisor we started (if any) and the instance id we talk to."""
 
     def __init__(self, instance: str, proc: subprocess.Popen | None = None, config_file: str | None = None,
-                 lifeline: int | None = None):
+                 lifeline: int | None = None, control_cpus: list[int] | None = None):
         self.instance = instance
+        self.control_cpus = control_cpus  # where the tree's control plane runs (the supervisor's plan), if pinned
         self.proc = proc
         self.config_file = config_file
         self.lifeline = lifeline  # write end of the pipe whose EOF tells the supervisor we are gone
@@ -145,7 +147,7 @@ class _Tree:
             os.close(write_fd)
             os.close(watch_fd)
         try:
-            instance = _read_ready(read_fd, proc, timeout)
+            instance, *control = _read_ready(read_fd, proc, timeout).split()
         except BaseException:
             _terminate(proc, 5.0)
             os.close(lifeline)
@@ -154,7 +156,8 @@ class _Tree:
             raise
         finally:
             os.close(read_fd)
-        return cls(instance, proc, path if temporary else None, lifeline)
+        return cls(instance, proc, path if temporary else None, lifeline,
+                   placement.decode_cpus(control[0]) if control else None)
 
     @classmethod
     def find(cls, instance: str | None) -> _Tree:
@@ -513,6 +516,11 @@ class _Router:
     # ------------------------------------------------------------ reader
     def _run(self) -> None:
         try:
+            if self.tree.control_cpus:  # the tree we started pinned its control plane: we are part of it
+                try:
+                    placement.pin_this_thread(self.tree.control_cpus)
+                except OSError:
+                    pass  # (CPUs this program may not use: it reads from wherever it runs)
             self._read()
         except BaseException as exc:  # noqa: BLE001 -- the watchdog: whatever killed us fails every request loudly
             self._die(f"the client's reader thread died: {exc!r}")

@@ -118,6 +118,7 @@ class WorkersConfig(_Section):
     tensor_parallel_size: int = 1  # ranks of the worker group (fdcore.models.tensor_parallel)
     communicator: Literal["shm", "paddle"] = "shm"
     omp_threads: int = 0  # 0: see worker_threads()
+    pin_cpus: bool = True  # each rank's main thread alone on a CPU, the control plane beside (fdcore.core.placement)
     standby: bool = True
 
 
@@ -131,7 +132,12 @@ def worker_threads(workers: WorkersConfig, environ=os.environ) -> int:
     pinned = environ.get("OMP_NUM_THREADS", "")
     if pinned.isdigit() and int(pinned) > 0:
         return int(pinned)
-    return max(1, len(os.sched_getaffinity(0)) // (workers.count * workers.tensor_parallel_size))
+    return max(1, len(os.sched_getaffinity(0)) // worker_ranks(workers))
+
+
+def worker_ranks(workers: WorkersConfig) -> int:
+    """Worker processes of the tree (every rank of every worker group)."""
+    return workers.count * workers.tensor_parallel_size
 
 
 class SupervisorConfig(_Section):

@@ -34,7 +34,8 @@ import posix_ipc
 
 from fdcore.actors import health, topology
 from fdcore.actors.health import HealthBoard, State
-from fdcore.config import Config, ConfigError, load_config, model_path, render_config, worker_threads
+from fdcore.config import Config, ConfigError, load_config, model_path, render_config, worker_ranks, worker_threads
+from fdcore.core import placement
 from fdcore.ipc import BroadcastRing, Inbox, Ring, Sender, names
 from fdcore.protocol import Restarted, Stop
 from fdcore.supervision import Backoff, ChildSpec, RestartIntensity, plan_restart, should_restart
@@ -88,11 +89,18 @@ class Supervisor:
         self.step_ring: BroadcastRing | None = None  # the scheduler's steps, read by every worker rank
         self.group_comm = None  # the worker group's communicator segment (tensor_parallel_size > 1)
         self.group_master = ""  # a paddle.distributed group's rendezvous host:port
+        # (taken before the supervisor binds itself to the control CPUs: the children's plan starts from all)
+        self.cpus = sorted(os.sched_getaffinity(0))
+        self.worker_threads = worker_threads(config.workers)
+        self.placement = (placement.plan(self.cpus, worker_ranks(config.workers), self.worker_threads)
+                          if config.workers.pin_cpus else None)
 
     # ------------------------------------------------------------------ main
     def run(self) -> int:
         started = time.monotonic()
         self._install_signals()
+        if self.placement is not None:
+            placement.pin_process_threads(None, self.placement.control)
         try:
             self._create_ipc()
             self._start_all()
@@ -117,7 +125,8 @@ class Supervisor:
         if self.ready_fd is None:
             return
         try:
-            os.write(self.ready_fd, f"{self.instance}\n".encode())
+            control = "" if self.placement is None else " " + placement.encode_cpus(self.placement.control)
+            os.write(self.ready_fd, f"{self.instance}{control}\n".encode())
         except OSError as exc:
             log("notify_failed", error=repr(exc))
         finally:
@@ -339,7 +348,11 @@ class Supervisor:
 
     def _child_env(self) -> dict[str, str]:
         env = dict(os.environ)
-        env["OMP_NUM_THREADS"] = str(worker_threads(self.config.workers))
+        env["OMP_NUM_THREADS"] = str(self.worker_threads)
+        if self.placement is not None:
+            env[placement.CPUS_ENV] = placement.encode_cpus(self.cpus)
+        else:
+            env.pop(placement.CPUS_ENV, None)  # (a tree started from within another's actor)
         package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
         if self.group_master:

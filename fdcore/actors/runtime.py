@@ -27,7 +27,8 @@ import traceback
 
 from fdcore.actors import faults, health, topology
 from fdcore.actors.health import HealthBoard, State
-from fdcore.config import Config, load_config
+from fdcore.config import Config, load_config, worker_ranks, worker_threads
+from fdcore.core import placement
 from fdcore.ipc import BroadcastRing, Inbox, Receiver, Ring, RingEmpty, Sender
 from fdcore.models.loader import CheckpointError
 from fdcore.protocol import ControlMessage, Ping, Pong, Stop, Suspects
@@ -66,6 +67,7 @@ class Actor:
         self._senders: dict[str, Sender] = {}
         self.stopping = False
         self.standby = False  # a warm spare that has not taken over yet: it must not touch the slot
+        self.placement: placement.Placement | None = None  # the tree's CPU plan, where the supervisor set one
         self.stop_reason = "stopped"
         self.restarting = False  # stopped only to be started again: open work goes to the successor
         self.receiver: Receiver | None = None  # set by run()
@@ -223,6 +225,7 @@ def main(actor_cls, argv=None) -> int:
         board.write(args.slot, health.STATE, State.STARTING)
     actor = actor_cls(args.id, args.instance, config, board, args.slot)
     actor.standby = standby
+    actor.placement = _take_place(args.id, config)
     faults.install(actor)
     inbox = None
     try:
@@ -302,6 +305,25 @@ def _die_with_parent(parent_pid: int) -> None:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
     if os.getppid() != parent_pid:  # it died before prctl took effect
         os._exit(1)
+
+
+def _take_place(child_id: str, config: Config) -> placement.Placement | None:
+    """Bind this process to its CPUs in the supervisor's plan (fdcore.core.placement): a worker rank to
+    its share (it places its main thread itself, once its threads exist), any other actor to the
+    control CPUs. The plan, or None where there is none."""
+    if not config.workers.pin_cpus:
+        return None
+    plan = placement.inherited_plan(worker_ranks(config.workers), worker_threads(config.workers))
+    if plan is None:
+        return None
+    mine = (placement.rank_cpus(plan, topology.worker_rank(child_id)) if topology.kind_of(child_id) == "worker"
+            else plan.control)
+    try:
+        placement.pin_process_threads(None, mine)
+    except OSError as exc:  # (CPUs taken away since the supervisor started, e.g. by a cgroup): run unpinned
+        sys.stderr.write(f"{child_id}: CPU placement given up: {exc}\n")
+        return None
+    return plan
 
 
 def _set_title(title: str) -> None:

@@ -28,6 +28,7 @@ import numpy as np
 from fdcore.actors import faults, health, topology
 from fdcore.actors.runtime import Actor, StopRequested
 from fdcore.config import model_path
+from fdcore.core import placement
 from fdcore.core.batch import BatchInput
 from fdcore.protocol import PromptScores, SamplingParams, Step, StepResult, WorkerMessage, WorkerSync
 
@@ -79,7 +80,8 @@ class WorkerActor(Actor):
         self.epoch: int | None = None  # no step is run before the scheduler's WorkerSync
         self.poison = faults.poison_for("worker")
         self.grammars = None  # built on the first constrained sequence
-        self.masks = ThreadPoolExecutor(1, thread_name_prefix="fdcore-masks")
+        self.placed_threads = 0  # the thread count when _place_threads last ran
+        self.masks = ThreadPoolExecutor(1, thread_name_prefix="fdcore-masks", initializer=self._off_the_main_cpu)
         self.rank, self.world = topology.worker_rank(self.child_id), self.config.workers.tensor_parallel_size
         if self.config.model.backend == "null":
             from fdcore.models.null import NullModel
@@ -94,6 +96,24 @@ class WorkerActor(Actor):
         self.model = LlamaModel(checkpoint, dtype, self.config.model.quantization, group)
         cache = self.config.cache
         self.cache = PagedKVCache(checkpoint.args, cache.num_blocks, cache.block_size)
+
+    def _place_threads(self) -> None:
+        """The main thread alone on its CPU, every other thread (OpenMP's, the grammar masks') on the
+        rest of the rank's CPUs (fdcore.core.placement). Run after a step whenever the thread count
+        changed: OpenMP starts its threads at the first parallel region, and a thread inherits the
+        CPUs of the thread that starts it (here the main thread's one CPU)."""
+        rank = topology.worker_rank(self.child_id)
+        try:
+            placement.pin_process_threads(self.placement.mains[rank], self.placement.helpers[rank])
+        except OSError as exc:  # (CPUs taken away since the start, e.g. by a cgroup): run unpinned
+            sys.stderr.write(f"{self.child_id}: CPU placement given up: {exc}\n")
+            self.placement = None
+        self.placed_threads = placement.thread_count()
+
+    def _off_the_main_cpu(self) -> None:
+        """A helper thread's start: onto the rank's other CPUs, away from the main thread's."""
+        if self.placement is not None:
+            placement.pin_this_thread(self.placement.helpers[topology.worker_rank(self.child_id)])
 
     def _join_group(self, checkpoint):
         """A rank of a tensor-parallel group: its shard of the checkpoint, and the group's communicator
@@ -124,6 +144,8 @@ class WorkerActor(Actor):
                 result = self._group_step(message)
                 if result is not None:  # (rank 0 answers for its group)
                     self.send("scheduler", result)
+                if self.placement is not None and placement.thread_count() != self.placed_threads:
+                    self._place_threads()
         elif isinstance(message, WorkerSync):
             self.seqs.clear()
             self.epoch = message.epoch
