@@ -11,15 +11,17 @@ generation tokens/s, for:
   llama-bench reports them. Settings: float32, bfloat16, wint8 and wint4, each only when this
   fdcore's configuration accepts it on this CPU (asked of ``parse_config``; a refused one is shown
   with the reason).
-- llama.cpp: ``llama-bench -m GGUF -p 32 -n 64 -t T -r REPEAT`` (tg64: 64 single-token decodes
-  from an empty context, after a warm-up; pp32: one 32-token prompt). The GGUFs hold fdcore's own
+- llama.cpp: ``llama-bench -m GGUF -p 32 -n 64 -t T -r 1``, REPEAT times (``-r REPEAT`` once where
+  fdcore does not run beside it) (tg64: 64 single-token decodes from an empty context, after a
+  warm-up; pp32: one 32-token prompt). The GGUFs hold fdcore's own
   weights: fdcore's GGUF reader exports SmolLM2's Q4_1 file (what fdcore runs) to a float32 HF
   directory (tools/export_hf.py), which llama.cpp's ``convert_hf_to_gguf.py`` writes as F32, BF16
   and Q8_0; Q4_1 is the original file. Rows pair float32/F32, bfloat16/BF16, wint8/Q8_0,
   wint4/Q4_1. Converted files are cached in ``$FDCORE_HOME/bench/`` (default ~/.cache/fdcore).
 
-Both use the same thread count T (``--threads``, default: all cores). Each fdcore setting runs
-right before its llama.cpp twin, so a pair sees the same machine. Needs the llama.cpp peer
+Both use the same thread count T (``--threads``, default: all cores). A pair alternates: each
+timed fdcore request is followed by one llama-bench run (``-r 1``) while the tree idles, so both
+sides see the same minutes of the machine (its speed drifts by 10-25 % within minutes here). Needs the llama.cpp peer
 (``/tmp/llama-cpp-peer``, made by ``../shared/peers/llama-cpp/setup.sh``) and a python with
 torch + transformers for the converter (``--convert-python``; /tmp/refvenv or the vLLM peer's
 venv are found by themselves).
@@ -105,14 +107,39 @@ async def decode_rate(llm: AsyncLLM, prompt: list[int]) -> float:
     return (total - before) / (last - first)
 
 
-def run_fdcore(config: Config, vocab: int, repeat: int) -> list[float]:
+def run_fdcore(config: Config, vocab: int, repeat: int, between=None) -> list[float]:
+    """fdcore's timed requests; ``between()`` (if given) runs after each, in a thread, while the tree
+    idles: how llama-bench's repetitions alternate with fdcore's requests."""
     async def main() -> list[float]:
         async with AsyncLLM(config) as llm:
             warm, *timed = prompts(repeat + 1, vocab)
             await decode_rate(llm, warm)
-            return [await decode_rate(llm, p) for p in timed]
+            rates = []
+            for prompt in timed:
+                rates.append(await decode_rate(llm, prompt))
+                if between is not None:
+                    await asyncio.to_thread(between)
+            return rates
 
     return asyncio.run(main())
+
+
+class LlamaRuns:
+    """llama-bench repetitions gathered one call at a time (``-r 1`` each), so that they can alternate
+    with fdcore's requests: this host's speed drifts by 10-25 % within minutes, and a pair measured in
+    alternation sees the same drift on both sides."""
+
+    def __init__(self, llama_dir: str, gguf: str, threads: int):
+        self.args = (llama_dir, gguf, threads)
+        self.samples: dict[str, list[float]] = {}
+        self.notes: set[str] = set()
+
+    def __call__(self, repeat: int = 1) -> None:
+        out, note = run_llama_bench(*self.args, repeat)
+        for test, values in out.items():
+            self.samples.setdefault(test, []).extend(values)
+        if note:
+            self.notes.add(note)
 
 
 # ---------------------------------------------------------------------- llama.cpp
@@ -222,23 +249,28 @@ def main(argv=None) -> int:
     load = os.getloadavg()[0]
     rows = []
     for setting in settings:
-        fd, fd_note, llama = None, "", {}
+        fd, fd_note = None, ""
+        llama = LlamaRuns(args.llama_dir, ggufs[setting], args.threads) if setting in ggufs else None
         if not args.no_fdcore:
             try:
                 config = fdcore_config(source, setting, args.threads)
             except ConfigError as exc:
                 fd_note = f"not run: {str(exc).split(': ', 1)[-1]}"
             else:
-                print(f"fdcore {setting}: {args.repeat} requests ...", flush=True)
+                print(f"fdcore {setting}: {args.repeat} requests"
+                      + (f", each followed by one llama-bench {SETTINGS[setting][2]} run" if llama else "")
+                      + " ...", flush=True)
                 try:
-                    fd = run_fdcore(config, vocab, args.repeat)
+                    fd = run_fdcore(config, vocab, args.repeat, llama)
                 except Exception as exc:  # noqa: BLE001 (one failing setting does not lose the others' figures)
                     fd_note = f"failed: {exc}"
-        if setting in ggufs:
+        if llama is not None and len(llama.samples.get(f"tg{OUTPUT_LEN}", [])) < args.repeat:
             print(f"llama-bench {SETTINGS[setting][2]}: {os.path.basename(ggufs[setting])} ...", flush=True)
-            llama, llama_note = run_llama_bench(args.llama_dir, ggufs[setting], args.threads, args.repeat)
-            fd_note = "; ".join(n for n in (fd_note, llama_note) if n)
-        rows.append((setting, fd, fd_note, llama))
+            llama.samples.clear()
+            llama(args.repeat)  # alone: fdcore did not run (or failed) beside it
+        if llama is not None:
+            fd_note = "; ".join(n for n in (fd_note, *sorted(llama.notes)) if n)
+        rows.append((setting, fd, fd_note, llama.samples if llama else {}))
 
     print(f"\nSmolLM2-135M-Instruct, batch 1, {INPUT_LEN} tokens in / {OUTPUT_LEN} out, {args.threads} threads "
           f"each, mean ± sd of {args.repeat}; load average {load:.2f} before, {os.getloadavg()[0]:.2f} after "
