@@ -27,7 +27,8 @@ def _bf16(array: np.ndarray) -> np.ndarray:
                                      (5, 64, 8), (32, 96, 130), (9, 1, 3)])
 def test_the_kernel_equals_a_float64_reference(m, k, n):
     """Every shape edge: one row or several (8 at a time, then 4, then the rest), an odd inner
-    dimension, output counts that are not a multiple of the 32-row groups or of 16."""
+    dimension, output counts that are not a multiple of the 32-row groups or of 16; and each row's
+    bits are the row's alone."""
     import paddle
 
     from fdcore.models.llama import Bf16Matrix
@@ -40,6 +41,9 @@ def test_the_kernel_equals_a_float64_reference(m, k, n):
     expected = _bf16(x).astype(np.float64) @ _bf16(w).T.astype(np.float64)  # x is rounded to bf16 too
     assert got.shape == (m, n)
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-4 * np.sqrt(k))
+    for i in range(m):  # a row's bits whatever pass it falls in (8 rows, 4, or 1): a crash's recompute
+        alone = linear_bf16()(paddle.to_tensor(x[i:i + 1]), matrix.packed, matrix.rows).numpy()
+        np.testing.assert_array_equal(got[i], alone[0])
 
 
 def test_paddle_rounds_to_bfloat16_as_the_kernel_does():

@@ -14,6 +14,13 @@
 // rather than 64: SmolLM2's 576-row projections are then 18 groups, 9 a thread on 2 threads, where 9
 // groups of 64 left one thread a fifth more to stream than the other.
 //
+// Every output is one chain of `vdpbf16ps` over the pairs of K in order, whatever the pass (8 rows, 4 or
+// 1): a row's bits are the same alone as in any batch, as float32's and wint8's are, which is what a
+// crash's recompute in other batches wants. One row alone used to run 4 chains per output (summed at
+// the end), for more instructions in flight; on a Zen 4 EPYC (AVX512-BF16, 2 threads) the single chain
+// is faster: SmolLM2's bf16 forward at batch 1, steps alternating in one process, 1 chain 0.85-0.95x
+// the time of 4, 2 chains 0.91x, 8 chains 1.07x (session 9 chose 4 on an Intel Xeon, unmeasured since).
+//
 // The caller checks the CPU's flags (/proc/cpuinfo) before using this; the function carries its own
 // target attribute, so the library builds on any x86-64 compiler and CPU.
 #include <immintrin.h>
@@ -69,32 +76,6 @@ FDCORE_BF16_TARGET void GroupRows(const uint32_t* Xp, int64_t KP, const uint16_t
     for (int b = 0; b < kBlocks; ++b) StoreBlock(Y + (m0 + j) * N, g * kGroup + b * 16, N, acc[j][b]);
 }
 
-// One row of X (decoding one sequence): four accumulator sets over consecutive pairs (8 chains of
-// `vdpbf16ps`), so the additions into one output do not wait on each other; summed at the end.
-FDCORE_BF16_TARGET void GroupOneRow(const uint32_t* Xp, int64_t KP, const uint16_t* Wg, int64_t N, int64_t g,
-                                    float* Y) {
-  constexpr int kUnroll = 4;
-  __m512 acc[kUnroll][kBlocks];
-  for (int u = 0; u < kUnroll; ++u)
-    for (int b = 0; b < kBlocks; ++b) acc[u][b] = _mm512_setzero_ps();
-  const uint16_t* w = Wg;
-  int64_t kp = 0;
-  for (; kp + kUnroll <= KP; kp += kUnroll, w += kUnroll * kGroup * 2) {
-    for (int u = 0; u < kUnroll; ++u) {
-      const __m512bh x = (__m512bh)_mm512_set1_epi32(static_cast<int>(Xp[kp + u]));
-      for (int b = 0; b < kBlocks; ++b)
-        acc[u][b] = _mm512_dpbf16_ps(acc[u][b], (__m512bh)_mm512_loadu_si512(w + u * kGroup * 2 + b * 32), x);
-    }
-  }
-  for (; kp < KP; ++kp, w += kGroup * 2) {
-    const __m512bh x = (__m512bh)_mm512_set1_epi32(static_cast<int>(Xp[kp]));
-    for (int b = 0; b < kBlocks; ++b) acc[0][b] = _mm512_dpbf16_ps(acc[0][b], (__m512bh)_mm512_loadu_si512(w + b * 32), x);
-  }
-  for (int b = 0; b < kBlocks; ++b)
-    StoreBlock(Y, g * kGroup + b * 16, N,
-               _mm512_add_ps(_mm512_add_ps(acc[0][b], acc[1][b]), _mm512_add_ps(acc[2][b], acc[3][b])));
-}
-
 FDCORE_BF16_TARGET void Linear(const float* X, int64_t M, int64_t K, const uint16_t* Wp, int64_t G, int64_t KP,
                                int64_t N, float* Y) {
   thread_local std::vector<uint16_t> rounded;
@@ -109,10 +90,6 @@ FDCORE_BF16_TARGET void Linear(const float* X, int64_t M, int64_t K, const uint1
 #pragma omp parallel for schedule(static) if (parallel)
   for (int64_t g = 0; g < G; ++g) {
     const uint16_t* Wg = Wp + g * group_size;
-    if (M == 1) {
-      GroupOneRow(Xp, KP, Wg, N, g, Y);
-      continue;
-    }
     int64_t m0 = 0;
     for (; m0 + 8 <= M; m0 += 8) GroupRows<8>(Xp, KP, Wg, N, g, m0, Y);
     for (; m0 + 4 <= M; m0 += 4) GroupRows<4>(Xp, KP, Wg, N, g, m0, Y);
