@@ -100,7 +100,11 @@ class Supervisor:
         started = time.monotonic()
         self._install_signals()
         if self.placement is not None:
-            placement.pin_process_threads(None, self.placement.control)
+            try:
+                placement.pin_process_threads(None, self.placement.control)
+            except OSError as exc:  # (CPUs this process may not take): the tree runs unpinned
+                log("placement_given_up", error=repr(exc))
+                self.placement = None
         try:
             self._create_ipc()
             self._start_all()
