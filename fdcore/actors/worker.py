@@ -102,9 +102,8 @@ class WorkerActor(Actor):
         rest of the rank's CPUs (fdcore.core.placement). Run after a step whenever the thread count
         changed: OpenMP starts its threads at the first parallel region, and a thread inherits the
         CPUs of the thread that starts it (here the main thread's one CPU)."""
-        rank = topology.worker_rank(self.child_id)
         try:
-            placement.pin_process_threads(self.placement.mains[rank], self.placement.helpers[rank])
+            placement.pin_process_threads(self.placement.mains[self.rank], self.placement.helpers[self.rank])
         except OSError as exc:  # (CPUs taken away since the start, e.g. by a cgroup): run unpinned
             sys.stderr.write(f"{self.child_id}: CPU placement given up: {exc}\n")
             self.placement = None
@@ -113,7 +112,7 @@ class WorkerActor(Actor):
     def _off_the_main_cpu(self) -> None:
         """A helper thread's start: onto the rank's other CPUs, away from the main thread's."""
         if self.placement is not None:
-            placement.pin_this_thread(self.placement.helpers[topology.worker_rank(self.child_id)])
+            placement.pin_this_thread(self.placement.helpers[self.rank])  # (set by on_start, before any submit)
 
     def _join_group(self, checkpoint):
         """A rank of a tensor-parallel group: its shard of the checkpoint, and the group's communicator
