@@ -269,37 +269,47 @@ def test_wint4_is_refused_without_avx2(monkeypatch):
         _matrix_kind("float32", "wint4")
 
 
+ROWS = (1, 70, 120)  # 120 x 576: the activations' quantization is shared out too (M K >= 2^16)
 _THREADED = """
 import sys
 import numpy as np
 import paddle
 from fdcore.models.llama import Int4Matrix, Int8Matrix, _matrix_kind, linear
+from fdcore.models.kernels import fused_ops
 _matrix_kind("float32", "wint4")  # loads both kernels
 data = np.load(sys.argv[1])
 out = {}
 for kind, cls in (("int8", Int8Matrix), ("int4", Int4Matrix)):
     matrix = cls.pack(data["w"])
-    for m in (1, 70):
+    for m in ROWS:
         out[f"{kind}-{m}"] = linear(paddle.to_tensor(data["x"][:m]), matrix).numpy()
+summed, normed = fused_ops()[0](paddle.to_tensor(data["x"]), paddle.to_tensor(data["delta"]),
+                                paddle.to_tensor(data["norm"]), 1e-5)
+out["sum"], out["normed"] = summed.numpy(), normed.numpy()
 np.savez(sys.argv[2], **out)
-"""
+""".replace("ROWS", repr(ROWS))
 
 
 @needs_int_kernels
 def test_the_int_kernels_give_the_same_result_on_two_threads(on_threads):
-    """OMP_NUM_THREADS=2 (the shapes take the parallel path: groups of output rows shared out, for
-    wint4 also chunks of 64 rows of x) gives one thread's results to the bit. The int8 kernel once
-    read its thread_local activations inside the parallel loop, i.e. each helper thread's empty copy:
-    a SIGSEGV whenever more than one thread ran."""
+    """OMP_NUM_THREADS=2 (the shapes take the parallel paths: groups of output rows shared out, for
+    wint4 also chunks of 64 rows of x; at 120 rows the activations' quantization and the residual
+    norm shared out by rows) gives one thread's results to the bit. The int8 kernel once read its
+    thread_local activations inside the parallel loop, i.e. each helper thread's empty copy: a SIGSEGV
+    whenever more than one thread ran."""
     import paddle
 
+    from fdcore.models.kernels import fused_ops
     from fdcore.models.llama import Int4Matrix, Int8Matrix, _matrix_kind, linear
 
     rng = np.random.default_rng(2)
-    x, w = rng.standard_normal((70, 576)).astype(np.float32), rng.standard_normal((960, 576)).astype(np.float32)
-    threaded = on_threads(_THREADED, {"x": x, "w": w})
+    x, w = rng.standard_normal((120, 576)).astype(np.float32), rng.standard_normal((960, 576)).astype(np.float32)
+    delta, norm = rng.standard_normal((120, 576)).astype(np.float32), rng.standard_normal(576).astype(np.float32)
+    threaded = on_threads(_THREADED, {"x": x, "w": w, "delta": delta, "norm": norm})
     _matrix_kind("float32", "wint4")
     for kind, cls in (("int8", Int8Matrix), ("int4", Int4Matrix)):
         matrix = cls.pack(w)
-        for m in (1, 70):
+        for m in ROWS:
             assert np.array_equal(threaded[f"{kind}-{m}"], linear(paddle.to_tensor(x[:m]), matrix).numpy())
+    summed, normed = fused_ops()[0](paddle.to_tensor(x), paddle.to_tensor(delta), paddle.to_tensor(norm), 1e-5)
+    assert np.array_equal(threaded["sum"], summed.numpy()) and np.array_equal(threaded["normed"], normed.numpy())

@@ -705,6 +705,7 @@ PD_BUILD_OP(fdcore_gumbel_sample)
 void AddRmsNormInto(const float* __restrict__ H, const float* __restrict__ DL, const float* __restrict__ W, int64_t T,
                     int64_t E, float eps, float* __restrict__ S, float* __restrict__ N) {
   const bool add = DL != nullptr;
+#pragma omp parallel for schedule(static) if (T >= 8 && T * E >= (1 << 16))  // rows alone: the same bits
   for (int64_t t = 0; t < T; ++t) {
     const float* h = H + t * E;
     float* s = S + t * E;
