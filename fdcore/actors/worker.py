@@ -94,6 +94,11 @@ class WorkerActor(Actor):
         checkpoint, group = self._join_group(checkpoint) if self.world > 1 else (checkpoint, None)
         dtype = "float32" if self.config.model.dtype == "auto" else self.config.model.dtype
         self.model = LlamaModel(checkpoint, dtype, self.config.model.quantization, group)
+        timing = self.model.prefetch_timing
+        if timing:  # (measured at load: fdcore.models.llama.LlamaModel.tune_weight_prefetch)
+            chosen = "on" if timing[True] <= timing[False] else "off"
+            sys.stderr.write(f"{self.child_id}: weight prefetch {chosen} (a pass over the int weights: on "
+                             f"{timing[True] * 1e3:.2f} ms, off {timing[False] * 1e3:.2f} ms)\n")
         cache = self.config.cache
         self.cache = PagedKVCache(checkpoint.args, cache.num_blocks, cache.block_size)
 

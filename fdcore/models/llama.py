@@ -130,6 +130,32 @@ class LlamaModel:
         self.decoder_group = group.decoder_args() if group is not None else None
         one_call = self.fused is not None and (group is None or self.decoder_group is not None)
         self.decoder = self._decoder_plan() if one_call else None
+        self.prefetch_timing = self.tune_weight_prefetch()
+
+    def tune_weight_prefetch(self, rounds: int = 8) -> dict | None:
+        """Set the int8 / int4 kernels' weight prefetch (fdcore.models.kernels.set_weight_prefetch) to whichever
+        of on and off makes one pass of one row over every int matrix of the model faster here (each pass
+        streams them from memory, as a batch-1 decode step does); {on: median seconds, off: ...}. None for a
+        model with no int matrix or without the kernels. The bits are the same either way."""
+        from fdcore.models.kernels import set_weight_prefetch
+        from fdcore.models.tuning import fastest
+
+        matrices = [m for m in self._matrices() if isinstance(m, (Int8Matrix, Int4Matrix))]
+        if not matrices or not set_weight_prefetch(True):
+            return None
+        rows = {width: paddle.ones([1, width], dtype=paddle.float32) for width in {m.inputs for m in matrices}}
+
+        def one_pass() -> None:
+            for matrix in matrices:
+                linear(rows[matrix.inputs], matrix)
+
+        _, medians = fastest((True, False), set_weight_prefetch, one_pass, rounds)
+        return medians
+
+    def _matrices(self) -> list:
+        """Every packed matrix of the model: the layers' and the LM head."""
+        return [value for layer in self.layers for value in layer.values()
+                if isinstance(value, (F32Matrix, Bf16Matrix, Int8Matrix, Int4Matrix))] + [self.lm_head]
 
     def _take_weights(self, checkpoint: Checkpoint) -> None:
         """The embedding, LM head, final norm and layers, packed from the checkpoint's arrays."""
@@ -565,6 +591,11 @@ class Int8Matrix:
     def __init__(self, packed: paddle.Tensor, scales: paddle.Tensor, rows: int):
         self.packed, self.scales, self.rows = packed, scales, rows
 
+    @property
+    def inputs(self) -> int:
+        """The inner dimension it was packed with (a multiple of 32, as x may be)."""
+        return self.packed.shape[1] * 4
+
     @staticmethod
     def quantize(weight: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(q int8 [out, in'] in [-127, 127], scale float32 [out, in' / 32]) with weight ~= scale * q
@@ -619,6 +650,11 @@ class Int4Matrix:
 
     def __init__(self, packed: paddle.Tensor, rows: int):
         self.packed, self.rows = packed, rows
+
+    @property
+    def inputs(self) -> int:
+        """The inner dimension it was packed with (a multiple of 32, as x may be)."""
+        return self.packed.shape[1] * 32
 
     @staticmethod
     def quantize(weight: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

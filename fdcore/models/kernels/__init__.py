@@ -132,6 +132,34 @@ def linear_int4():
     return ops and ops[6]
 
 
+def set_weight_prefetch(on: bool) -> bool:
+    """Whether the int8 and int4 kernels prefetch the weights a one-row pass streams (linear_int8.cc: it
+    helps on one machine and day and hurts on another, so LlamaModel measures it at load). The setting is
+    the process's; it changes no result. False when the kernels are not built here."""
+    library = _library()
+    if library is None:
+        return False
+    library.fdcore_set_weight_prefetch(int(on))
+    return True
+
+
+def weight_prefetch() -> bool | None:
+    """The int8 and int4 kernels' prefetch setting (set_weight_prefetch); None when they are not built here."""
+    library = _library()
+    return None if library is None else bool(library.fdcore_weight_prefetch())
+
+
+def _library():
+    """The built library for ctypes (its plain C functions: settings, not operators), or None."""
+    if not _ops():
+        return None
+    if "ctypes" not in _loaded:
+        import ctypes
+
+        _loaded["ctypes"] = ctypes.CDLL(_loaded["library"])  # (dlopen: the copy Paddle loaded, not a second)
+    return _loaded["ctypes"]
+
+
 # The /proc/cpuinfo flags each kernel needs, by path (the first the CPU has is built), with their usual name.
 KERNEL_PATHS = {
     "float32": ((("avx512f",), "AVX-512F"), (("avx2", "fma"), "AVX2")),
@@ -289,6 +317,7 @@ def _build():
                 float(eps), [int(rank), int(world), int(capacity)], float(timeout), int(head_kind), int(head_rows))
             return normed, (logits if head else None)
 
+        _loaded["library"] = library
         return (gumbel, add_rms_norm, silu_mul, attention_block, linear, linear_q8, linear_q4, linear_f32,
                 decoder)
     except Exception as exc:  # a missing compiler must not stop serving

@@ -31,6 +31,8 @@
 
 #include "paddle/extension.h"
 
+extern int fdcore_prefetch_weights;  // linear_int8.cc
+
 namespace {
 
 constexpr int kGroup = 32;                               // output rows per packed group
@@ -64,7 +66,7 @@ void QuantizeRow(const float* x, int64_t K, int64_t Kp, int8_t* q, float* scales
 // How many records (640 bytes each) ahead one row's pass prefetches: SmolLM2 wint4 at batch 1 on a Zen 4
 // EPYC (2 threads, the forward alone, steps alternating in one process) 4.29 -> 4.22 ms a step (-1.7 %;
 // three runs -1.5 to -2.8 %). Less than wint8's gain: a record's nibbles cost twice the instructions per byte.
-constexpr int kPrefetchRecords = 8;
+constexpr int kPrefetchRecords = 8;  // (when fdcore_prefetch_weights is on: linear_int8.cc says why it may not be)
 
 // MB rows of x (from Xq, xs, xsum at the first of them) against one group of 32 output rows (Wg: its
 // records, one per block); Y at the first row's first output of the group.
@@ -78,13 +80,14 @@ void GroupRows(const int8_t* Xq, const float* xs, const float* xsum, int64_t Kp,
   for (int j = 0; j < MB; ++j)
     for (int b = 0; b < kLanes; ++b) acc[j][b] = _mm512_setzero_ps();
   const uint8_t* w = Wg;
+  const bool prefetch = fdcore_prefetch_weights;
   for (int64_t blk = 0; blk < blocks; ++blk, w += kRecord) {
     __m512i dot[MB][kLanes][H];
     for (int j = 0; j < MB; ++j)
       for (int b = 0; b < kLanes; ++b)
         for (int h = 0; h < H; ++h) dot[j][b][h] = _mm512_setzero_si512();
     const int8_t* xb = Xq + blk * kQuant;
-    if (MB == 1) {  // a record's 10 lines, 8 records ahead (see kPrefetchRecords)
+    if (MB == 1 && prefetch) {  // a record's 10 lines, 8 records ahead (see kPrefetchRecords)
       for (int line = 0; line < kRecord / 64; ++line)
         _mm_prefetch(reinterpret_cast<const char*>(w + line * 64 + kPrefetchRecords * kRecord), _MM_HINT_T0);
     }
@@ -160,6 +163,7 @@ void GroupRows(const int8_t* Xq, const float* xs, const float* xsum, int64_t Kp,
   for (int j = 0; j < MB; ++j)
     for (int r = 0; r < R; ++r) acc[j][r] = _mm256_setzero_ps();
   const uint8_t* w = Wg;
+  const bool prefetch = fdcore_prefetch_weights;
   for (int64_t blk = 0; blk < blocks; ++blk, w += kRecord) {
     __m256i dot[MB][R];
     for (int j = 0; j < MB; ++j)
@@ -174,8 +178,10 @@ void GroupRows(const int8_t* Xq, const float* xs, const float* xsum, int64_t Kp,
         first[j] = _mm256_set1_epi32(a);
         second[j] = _mm256_set1_epi32(b);
       }
-      _mm_prefetch(reinterpret_cast<const char*>(w + v * 128 + kPrefetchAhead), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(w + v * 128 + kPrefetchAhead + 64), _MM_HINT_T0);
+      if (prefetch) {
+        _mm_prefetch(reinterpret_cast<const char*>(w + v * 128 + kPrefetchAhead), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(w + v * 128 + kPrefetchAhead + 64), _MM_HINT_T0);
+      }
       for (int r = 0; r < R; ++r) {  // rows 8 r .. 8 r + 7: 16-row vector r / 2, its half r % 2
         const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + v * 128 + r * 32));
         const __m256i lo = _mm256_and_si256(packed, low);

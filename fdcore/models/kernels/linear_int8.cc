@@ -29,6 +29,20 @@ namespace {
 
 constexpr int kQuant = 32;  // inputs per activation scale
 
+}  // namespace
+
+// Whether a one-row pass prefetches the weights it streams (this file's and linear_int4.cc's kernels). It
+// helps or hurts by the host and even the hour: SmolLM2 wint8's forward on 2 threads of a Zen 4 EPYC VM
+// (steps alternating in one process) was 9 % faster with it in one session, and in a later one 15 % slower
+// (wint4: 7 %), then no different half an hour on. So the model measures both at load
+// (LlamaModel.tune_weight_prefetch) and sets it here. The arithmetic is the same either way: so are the bits.
+int fdcore_prefetch_weights = 1;
+
+extern "C" void fdcore_set_weight_prefetch(int on) { fdcore_prefetch_weights = on; }
+extern "C" int fdcore_weight_prefetch() { return fdcore_prefetch_weights; }
+
+namespace {
+
 #if defined(__AVX2__)
 // The 32 values of x from k0 (zeros past K), as 4 vectors of 8.
 inline void LoadBlock(const float* x, int64_t left, __m256* v) {
@@ -131,10 +145,11 @@ constexpr int kGroup = 64;
 constexpr int kBlocks = kGroup / 16;
 constexpr int kRowsPerPass = 2;
 
-// How far ahead of the weights one row's pass prefetches (bytes), as the AVX2 path below does and for the
-// same reason (~13 instructions per 256 bytes: the out-of-order window reaches far less of the stream than
-// float32's does). SmolLM2 wint8 at batch 1 on a Zen 4 EPYC (2 threads, the model's forward alone, steps
-// alternating in one process): 6.46 -> 5.90 ms a step (-9 %); 2, 8, 16 and 32 KiB and the L2 hint gave the same.
+// How far ahead of the weights one row's pass prefetches (bytes; when fdcore_prefetch_weights is on), as the AVX2
+// path below does and for the same reason (~13 instructions per 256 bytes: the out-of-order window reaches
+// far less of the stream than float32's does). SmolLM2 wint8 at batch 1 on a Zen 4 EPYC (2 threads, the
+// model's forward alone, steps alternating in one process): 6.46 -> 5.90 ms a step (-9 %); 2, 8, 16 and
+// 32 KiB and the L2 hint gave the same. On a later day the same model ran 15 % faster without (see above).
 constexpr int kPrefetchAhead = 4096;
 
 // MB rows of x against NB of the 4 16-row blocks of one group of 64 output rows, from block B0 (ws: the
@@ -150,12 +165,13 @@ void GroupRows(const int8_t* Xq, const float* xs, const int32_t* xo, int64_t Kp,
   for (int j = 0; j < MB; ++j)
     for (int b = 0; b < NB; ++b) acc[j][b] = _mm512_setzero_ps();
   const uint8_t* w = Wg;
+  const bool prefetch = MB == 1 && fdcore_prefetch_weights;  // (batches re-read a group's quads from L1, 4 rows at a time)
   for (int64_t blk = 0; blk < blocks; ++blk) {
     __m512i dot[MB][NB];
     for (int j = 0; j < MB; ++j)
       for (int b = 0; b < NB; ++b) dot[j][b] = _mm512_setzero_si512();
     for (int quad = 0; quad < kQuant / 4; ++quad, w += kGroup * 4) {
-      if (MB == 1) {  // (batches re-read a group's quads from L1, 4 rows at a time)
+      if (prefetch) {
         for (int b = 0; b < NB; ++b) _mm_prefetch(reinterpret_cast<const char*>(w + (B0 + b) * 64 + kPrefetchAhead), _MM_HINT_T0);
       }
       __m512i wb[NB];
@@ -221,6 +237,7 @@ void GroupRows(const int8_t* Xq, const float* xs, const int32_t*, int64_t Kp, co
   for (int j = 0; j < MB; ++j)
     for (int r = 0; r < R; ++r) acc[j][r] = _mm256_setzero_ps();
   const uint8_t* w = Wg;
+  const bool prefetch = fdcore_prefetch_weights;
   for (int64_t blk = 0; blk < blocks; ++blk) {
     __m256i dot[MB][R];
     for (int j = 0; j < MB; ++j)
@@ -232,8 +249,10 @@ void GroupRows(const int8_t* Xq, const float* xs, const int32_t*, int64_t Kp, co
         __builtin_memcpy(&four, Xq + (m0 + j) * Kp + blk * kQuant + quad * 4, 4);
         x[j] = _mm256_set1_epi32(four);
       }
-      _mm_prefetch(reinterpret_cast<const char*>(w + kPrefetchAhead), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(w + kPrefetchAhead + 64), _MM_HINT_T0);
+      if (prefetch) {
+        _mm_prefetch(reinterpret_cast<const char*>(w + kPrefetchAhead), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(w + kPrefetchAhead + 64), _MM_HINT_T0);
+      }
       for (int r = 0; r < R; ++r) {
         const __m256i q = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + r * 32)), flip);
         const __m256i magnitude = _mm256_abs_epi8(q);
