@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from fdcore.models.kernels import kernel_path
-from fdcore.models.tuning import fastest
+from fdcore.models.tuning import SwitchTrial, fastest
 
 
 class FakeHost:
@@ -96,3 +96,80 @@ def test_a_quantized_model_measures_both_and_keeps_the_faster(tmp_path, quantiza
     assert weight_prefetch() is min((True, False), key=lambda on: timing[on])
     plain = LlamaModel(load_checkpoint(path, progress=lambda *_: None))
     assert plain.prefetch_timing is None  # nothing of int8 or int4 to stream
+
+
+def _drive(trial: SwitchTrial, cost: dict, steps: int) -> list:
+    """Runs ``steps`` eligible steps whose time is cost[value]; the values used, in order."""
+    used = []
+    for _ in range(steps):
+        value = trial.next()
+        used.append(value)
+        trial.record(cost[value])
+    return used
+
+
+def test_a_trial_every_period_alternates_and_keeps_a_value_that_stays_faster():
+    trial = SwitchTrial(True, False, period=10, pairs=3)
+    used = _drive(trial, {True: 1.0, False: 1.2}, 16)
+    assert used[:10] == [True] * 10  # the period: the current value only
+    assert used[10:16] == [False, True] * 3  # then the trial: other first in each pair
+    assert trial.current is True and trial.last_ratio == pytest.approx(1.2)
+    assert _drive(trial, {True: 1.0, False: 1.2}, 10) == [True] * 10  # the next period starts over
+
+
+def test_the_other_value_takes_over_when_the_host_changes_its_mind():
+    trial = SwitchTrial(True, False, period=4, pairs=2)
+    _drive(trial, {True: 1.0, False: 0.8}, 4 + 3)
+    value = trial.next()
+    assert trial.record(0.8 if value is False else 1.0) is True  # the trial's last step: switched
+    assert trial.current is False and trial.other is True and trial.last_ratio == pytest.approx(0.8)
+    assert _drive(trial, {True: 1.0, False: 0.8}, 4) == [False] * 4
+
+
+def test_a_difference_inside_the_margin_switches_nothing():
+    trial = SwitchTrial(True, False, period=2, pairs=2, margin=0.05)
+    _drive(trial, {True: 1.0, False: 0.97}, 2 + 4)
+    assert trial.current is True and trial.last_ratio == pytest.approx(0.97)
+
+
+def test_a_trial_takes_the_median_so_one_slow_step_decides_nothing():
+    trial = SwitchTrial(True, False, period=1, pairs=3)
+    trial.record(1.0)  # the period
+    for other, current in ((0.9, 1.0), (5.0, 1.0), (0.9, 1.0)):  # one preempted step of the other value
+        assert trial.next() is False
+        trial.record(other)
+        assert trial.next() is True
+        trial.record(current)
+    assert trial.current is False
+
+
+@pytest.mark.parametrize("period, pairs, margin", [(0, 1, 0.0), (1, 0, 0.0), (1, 1, 1.0)])
+def test_a_trial_without_steps_or_with_a_margin_of_everything_is_refused(period, pairs, margin):
+    with pytest.raises(ValueError, match="period and pairs at least 1"):
+        SwitchTrial(True, False, period=period, pairs=pairs, margin=margin)
+
+
+@needs_int_kernels
+def test_the_worker_tries_the_prefetch_at_batch_1_decode_steps_only(capsys):
+    from fdcore.actors.worker import WorkerActor
+    from fdcore.models.kernels import set_weight_prefetch, weight_prefetch
+    from fdcore.models.llama import _matrix_kind
+
+    _matrix_kind("float32", "wint8")  # (builds and loads the kernels)
+    saved = weight_prefetch()
+    worker = WorkerActor.__new__(WorkerActor)  # the two methods alone: no process, no model
+    worker.child_id, worker.prefetch_trial, worker.prefetch_applied = "worker0", SwitchTrial(True, False, 1, 1), True
+    set_weight_prefetch(True)
+    try:
+        assert worker._prefetch_trial([[5, 6, 7]]) is None and worker._prefetch_trial([[5], [6]]) is None
+        trial = worker._prefetch_trial([[5]])
+        worker._prefetch_tried(trial, 1.0)  # the period's step, with the current value
+        assert worker._prefetch_trial([[5]]) is trial and weight_prefetch() is False  # the trial's "other" step
+        worker._prefetch_tried(trial, 0.5)
+        assert worker._prefetch_trial([[5]]) is trial and weight_prefetch() is True
+        worker._prefetch_tried(trial, 1.0)  # off took half the time: it takes over
+        assert trial.current is False and "weight prefetch now off" in capsys.readouterr().err
+        worker._prefetch_trial([[5]])
+        assert weight_prefetch() is False
+    finally:
+        set_weight_prefetch(saved)

@@ -30,6 +30,7 @@ from fdcore.actors.runtime import Actor, StopRequested
 from fdcore.config import model_path
 from fdcore.core import placement
 from fdcore.core.batch import BatchInput
+from fdcore.models.tuning import SwitchTrial
 from fdcore.protocol import PromptScores, SamplingParams, Step, StepResult, WorkerMessage, WorkerSync
 
 GRAMMAR_GRACE = 3  # hang timeouts a step may wait for its grammar masks while the heartbeat ticks
@@ -83,6 +84,7 @@ class WorkerActor(Actor):
         self.placed_threads = 0  # the thread count when _place_threads last ran
         self.masks = ThreadPoolExecutor(1, thread_name_prefix="fdcore-masks", initializer=self._off_the_main_cpu)
         self.rank, self.world = topology.worker_rank(self.child_id), self.config.workers.tensor_parallel_size
+        self.prefetch_trial = None  # a model with int weights: their prefetch, re-tried at batch-1 decode steps
         if self.config.model.backend == "null":
             from fdcore.models.null import NullModel
 
@@ -95,10 +97,11 @@ class WorkerActor(Actor):
         dtype = "float32" if self.config.model.dtype == "auto" else self.config.model.dtype
         self.model = LlamaModel(checkpoint, dtype, self.config.model.quantization, group)
         timing = self.model.prefetch_timing
-        if timing:  # (measured at load: fdcore.models.llama.LlamaModel.tune_weight_prefetch)
-            chosen = "on" if timing[True] <= timing[False] else "off"
-            sys.stderr.write(f"{self.child_id}: weight prefetch {chosen} (a pass over the int weights: on "
-                             f"{timing[True] * 1e3:.2f} ms, off {timing[False] * 1e3:.2f} ms)\n")
+        if timing:  # (measured at load: fdcore.models.llama.LlamaModel.tune_weight_prefetch), then re-tried
+            chosen = timing[True] <= timing[False]
+            self.prefetch_trial, self.prefetch_applied = SwitchTrial(chosen, not chosen), chosen
+            sys.stderr.write(f"{self.child_id}: weight prefetch {'on' if chosen else 'off'} (a pass over the int "
+                             f"weights: on {timing[True] * 1e3:.2f} ms, off {timing[False] * 1e3:.2f} ms)\n")
         cache = self.config.cache
         self.cache = PagedKVCache(checkpoint.args, cache.num_blocks, cache.block_size)
 
@@ -206,7 +209,11 @@ class WorkerActor(Actor):
         constrained = [state for _, _, state in sampling if state.grammar is not None and self.rank == 0]
         masks = self.masks.submit(self._allowed, constrained) if constrained else None  # beside the forward
         batch = BatchInput(token_ids, starts, tables, prompt_lengths)
+        trial = self._prefetch_trial(token_ids)
+        forward_started = time.perf_counter()
         logits, hidden = self.model.forward_rows(batch, self.cache, tuple(row for row, _, _ in scoring))
+        if trial is not None:
+            self._prefetch_tried(trial, time.perf_counter() - forward_started)
         # every rank scores (the LM head's gather is a collective); rank 0 sends them
         scores = [self._score_prompt(item, state, hidden[row]) for row, item, state in scoring] or None
         if self.rank > 0:
@@ -230,6 +237,26 @@ class WorkerActor(Actor):
                 state.matcher.consume_token(pick.token_id)  # (a token the mask allowed: it cannot fail)
         return StepResult(step.step, step.epoch, seqs, [p.token_id for p in picks], logprobs,
                           time.perf_counter() - started, scores)
+
+    def _prefetch_trial(self, token_ids: list) -> SwitchTrial | None:
+        """The weight-prefetch trial a step takes part in, its value applied: batch-1 decode steps only (the
+        one-row passes are the ones that prefetch); None for any other step or model."""
+        trial = self.prefetch_trial
+        if trial is None or len(token_ids) != 1 or len(token_ids[0]) != 1:
+            return None
+        value = trial.next()
+        if value != self.prefetch_applied:
+            from fdcore.models.kernels import set_weight_prefetch
+
+            set_weight_prefetch(value)
+            self.prefetch_applied = value
+        return trial
+
+    def _prefetch_tried(self, trial: SwitchTrial, seconds: float) -> None:
+        if trial.record(seconds):
+            sys.stderr.write(f"{self.child_id}: weight prefetch now {'on' if trial.current else 'off'} (batch-1 "
+                             f"steps alternating: {'off' if trial.current else 'on'} took {1 / trial.last_ratio:.3f}x "
+                             f"the time)\n")
 
     def _follow(self, sampling: list) -> None:
         """A rank above 0: the tokens rank 0 drew this step, appended as if drawn here. Rank 0 may first

@@ -34,3 +34,52 @@ def fastest(settings: Sequence, apply: Callable, run: Callable[[], object], roun
     best = min(settings, key=lambda setting: medians[setting])  # (min keeps the first of equals)
     apply(best)
     return best, medians
+
+
+class SwitchTrial:
+    """Keeps re-measuring a two-valued speed setting while it is in use, for a host whose best value
+    changes after the load (the int kernels' weight prefetch: fdcore.models.kernels.set_weight_prefetch).
+
+    Every ``period`` steps that the setting can speed up (the caller decides which: batch-1 decode steps
+    for the prefetch), the next ``2 * pairs`` such steps alternate other, current, other, current...; the
+    other value takes over when the median of its pairs' time ratios is below ``1 - margin``. Adjacent
+    steps of a decode see the same host minute and nearly the same work, which one long comparison
+    would not. A step in a trial costs at most the difference between the two values, for 1 / period
+    of the steps per value tried.
+    """
+
+    def __init__(self, current, other, period: int = 256, pairs: int = 8, margin: float = 0.02):
+        if period < 1 or pairs < 1 or not 0 <= margin < 1:
+            raise ValueError("SwitchTrial: period and pairs at least 1, margin in [0, 1)")
+        self.current, self.other = current, other
+        self.period, self.pairs, self.margin = period, pairs, margin
+        self.steps = 0  # eligible steps since the last trial ended
+        self.times: list[float] = []  # the running trial's step times, other's first in each pair
+        self.last_ratio: float | None = None  # the last trial's median other / current
+
+    @property
+    def trying(self) -> bool:
+        return self.steps >= self.period
+
+    def next(self):
+        """The value to use for the next eligible step."""
+        if not self.trying:
+            return self.current
+        return self.other if len(self.times) % 2 == 0 else self.current
+
+    def record(self, seconds: float) -> bool:
+        """The eligible step run with ``next()``'s value took ``seconds``; True when this ended a trial that
+        switched the values."""
+        if not self.trying:
+            self.steps += 1
+            return False
+        self.times.append(seconds)
+        if len(self.times) < 2 * self.pairs:
+            return False
+        ratios = [self.times[i] / self.times[i + 1] for i in range(0, len(self.times), 2) if self.times[i + 1] > 0]
+        self.times, self.steps = [], 0
+        self.last_ratio = statistics.median(ratios) if ratios else None
+        if self.last_ratio is not None and self.last_ratio < 1 - self.margin:
+            self.current, self.other = self.other, self.current
+            return True
+        return False

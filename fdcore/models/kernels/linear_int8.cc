@@ -35,7 +35,8 @@ constexpr int kQuant = 32;  // inputs per activation scale
 // helps or hurts by the host and even the hour: SmolLM2 wint8's forward on 2 threads of a Zen 4 EPYC VM
 // (steps alternating in one process) was 9 % faster with it in one session, and in a later one 15 % slower
 // (wint4: 7 %), then no different half an hour on. So the model measures both at load
-// (LlamaModel.tune_weight_prefetch) and sets it here. The arithmetic is the same either way: so are the bits.
+// (LlamaModel.tune_weight_prefetch), the worker re-tries the other now and then (tuning.SwitchTrial), and
+// they set it here. The arithmetic is the same either way: so are the bits.
 int fdcore_prefetch_weights = 1;
 
 extern "C" void fdcore_set_weight_prefetch(int on) { fdcore_prefetch_weights = on; }
