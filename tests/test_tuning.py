@@ -109,7 +109,7 @@ def _drive(trial: SwitchTrial, cost: dict, steps: int) -> list:
 
 
 def test_a_trial_every_period_alternates_and_keeps_a_value_that_stays_faster():
-    trial = SwitchTrial(True, False, period=10, pairs=3)
+    trial = SwitchTrial(True, False, period=10, pairs=3, first_after=None)
     used = _drive(trial, {True: 1.0, False: 1.2}, 16)
     assert used[:10] == [True] * 10  # the period: the current value only
     assert used[10:16] == [False, True] * 3  # then the trial: other first in each pair
@@ -118,7 +118,7 @@ def test_a_trial_every_period_alternates_and_keeps_a_value_that_stays_faster():
 
 
 def test_the_other_value_takes_over_when_the_host_changes_its_mind():
-    trial = SwitchTrial(True, False, period=4, pairs=2)
+    trial = SwitchTrial(True, False, period=4, pairs=2, first_after=None)
     _drive(trial, {True: 1.0, False: 0.8}, 4 + 3)
     value = trial.next()
     assert trial.record(0.8 if value is False else 1.0) is True  # the trial's last step: switched
@@ -127,13 +127,13 @@ def test_the_other_value_takes_over_when_the_host_changes_its_mind():
 
 
 def test_a_difference_inside_the_margin_switches_nothing():
-    trial = SwitchTrial(True, False, period=2, pairs=2, margin=0.05)
+    trial = SwitchTrial(True, False, period=2, pairs=2, margin=0.05, first_after=None)
     _drive(trial, {True: 1.0, False: 0.97}, 2 + 4)
     assert trial.current is True and trial.last_ratio == pytest.approx(0.97)
 
 
 def test_a_trial_takes_the_median_so_one_slow_step_decides_nothing():
-    trial = SwitchTrial(True, False, period=1, pairs=3)
+    trial = SwitchTrial(True, False, period=1, pairs=3, first_after=None)
     trial.record(1.0)  # the period
     for other, current in ((0.9, 1.0), (5.0, 1.0), (0.9, 1.0)):  # one preempted step of the other value
         assert trial.next() is False
@@ -141,6 +141,12 @@ def test_a_trial_takes_the_median_so_one_slow_step_decides_nothing():
         assert trial.next() is True
         trial.record(current)
     assert trial.current is False
+
+
+def test_the_first_trial_comes_early_then_one_a_period():
+    trial = SwitchTrial(True, False, period=100, pairs=2, first_after=3)
+    assert _drive(trial, {True: 1.0, False: 1.2}, 3 + 4 + 5) == [True] * 3 + [False, True] * 2 + [True] * 5
+    assert trial.steps == 5 and not trial.trying  # the next trial after a whole period
 
 
 @pytest.mark.parametrize("period, pairs, margin", [(0, 1, 0.0), (1, 0, 0.0), (1, 1, 1.0)])
@@ -158,7 +164,7 @@ def test_the_worker_tries_the_prefetch_at_batch_1_decode_steps_only(capsys):
     _matrix_kind("float32", "wint8")  # (builds and loads the kernels)
     saved = weight_prefetch()
     worker = WorkerActor.__new__(WorkerActor)  # the two methods alone: no process, no model
-    worker.child_id, worker.prefetch_trial, worker.prefetch_applied = "worker0", SwitchTrial(True, False, 1, 1), True
+    worker.child_id, worker.prefetch_trial, worker.prefetch_applied = "worker0", SwitchTrial(True, False, 1, 1, first_after=None), True
     set_weight_prefetch(True)
     try:
         assert worker._prefetch_trial([[5, 6, 7]]) is None and worker._prefetch_trial([[5], [6]]) is None

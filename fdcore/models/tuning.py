@@ -48,12 +48,16 @@ class SwitchTrial:
     of the steps per value tried.
     """
 
-    def __init__(self, current, other, period: int = 256, pairs: int = 8, margin: float = 0.02):
+    def __init__(self, current, other, period: int = 256, pairs: int = 8, margin: float = 0.02,
+                 first_after: int | None = 16):
+        """``first_after``: eligible steps before the first trial (default 16: a value chosen outside real
+        steps, e.g. at load, is checked against them early); None: a whole period."""
         if period < 1 or pairs < 1 or not 0 <= margin < 1:
             raise ValueError("SwitchTrial: period and pairs at least 1, margin in [0, 1)")
         self.current, self.other = current, other
         self.period, self.pairs, self.margin = period, pairs, margin
-        self.steps = 0  # eligible steps since the last trial ended
+        # eligible steps since the last trial ended (counted up to the period)
+        self.steps = 0 if first_after is None else max(0, period - first_after)
         self.times: list[float] = []  # the running trial's step times, other's first in each pair
         self.last_ratio: float | None = None  # the last trial's median other / current
 
