@@ -98,7 +98,9 @@ class WorkerActor(Actor):
         self.model = LlamaModel(checkpoint, dtype, self.config.model.quantization, group)
         timing = self.model.prefetch_timing
         if timing:  # (measured at load: fdcore.models.llama.LlamaModel.tune_weight_prefetch), then re-tried
-            chosen = timing[True] <= timing[False]
+            from fdcore.models.kernels import weight_prefetch
+
+            chosen = weight_prefetch()  # (the load's choice, as the kernels hold it)
             self.prefetch_trial, self.prefetch_applied = SwitchTrial(chosen, not chosen), chosen
             sys.stderr.write(f"{self.child_id}: weight prefetch {'on' if chosen else 'off'} (a pass over the int "
                              f"weights: on {timing[True] * 1e3:.2f} ms, off {timing[False] * 1e3:.2f} ms)\n")

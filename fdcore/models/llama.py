@@ -140,7 +140,8 @@ class LlamaModel:
         from fdcore.models.kernels import set_weight_prefetch
         from fdcore.models.tuning import fastest
 
-        matrices = [m for m in self._matrices() if isinstance(m, (Int8Matrix, Int4Matrix))]
+        matrices = [m for layer in self.layers for m in layer.values() if isinstance(m, (Int8Matrix, Int4Matrix))]
+        matrices += [self.lm_head] if isinstance(self.lm_head, (Int8Matrix, Int4Matrix)) else []
         if not matrices or not set_weight_prefetch(True):
             return None
         rows = {width: paddle.ones([1, width], dtype=paddle.float32) for width in {m.inputs for m in matrices}}
@@ -151,11 +152,6 @@ class LlamaModel:
 
         _, medians = fastest((True, False), set_weight_prefetch, one_pass, rounds)
         return medians
-
-    def _matrices(self) -> list:
-        """Every packed matrix of the model: the layers' and the LM head."""
-        return [value for layer in self.layers for value in layer.values()
-                if isinstance(value, (F32Matrix, Bf16Matrix, Int8Matrix, Int4Matrix))] + [self.lm_head]
 
     def _take_weights(self, checkpoint: Checkpoint) -> None:
         """The embedding, LM head, final norm and layers, packed from the checkpoint's arrays."""

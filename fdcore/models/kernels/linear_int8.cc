@@ -150,7 +150,7 @@ constexpr int kRowsPerPass = 2;
 // path below does and for the same reason (~13 instructions per 256 bytes: the out-of-order window reaches
 // far less of the stream than float32's does). SmolLM2 wint8 at batch 1 on a Zen 4 EPYC (2 threads, the
 // model's forward alone, steps alternating in one process): 6.46 -> 5.90 ms a step (-9 %); 2, 8, 16 and
-// 32 KiB and the L2 hint gave the same. On a later day the same model ran 15 % faster without (see above).
+// 32 KiB and the L2 hint gave the same. In a later session the same model ran 15 % faster without (see above).
 constexpr int kPrefetchAhead = 4096;
 
 // MB rows of x against NB of the 4 16-row blocks of one group of 64 output rows, from block B0 (ws: the
@@ -166,7 +166,8 @@ void GroupRows(const int8_t* Xq, const float* xs, const int32_t* xo, int64_t Kp,
   for (int j = 0; j < MB; ++j)
     for (int b = 0; b < NB; ++b) acc[j][b] = _mm512_setzero_ps();
   const uint8_t* w = Wg;
-  const bool prefetch = MB == 1 && fdcore_prefetch_weights;  // (batches re-read a group's quads from L1, 4 rows at a time)
+  // (batches re-read a group's quads from L1, 4 rows at a time: only a row alone prefetches)
+  const bool prefetch = MB == 1 && fdcore_prefetch_weights;
   for (int64_t blk = 0; blk < blocks; ++blk) {
     __m512i dot[MB][NB];
     for (int j = 0; j < MB; ++j)
