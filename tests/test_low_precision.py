@@ -46,6 +46,38 @@ def test_the_kernel_equals_a_float64_reference(m, k, n):
         np.testing.assert_array_equal(got[i], alone[0])
 
 
+_ROUNDED = """
+import sys
+import numpy as np
+import paddle
+from fdcore.models.kernels import linear_bf16
+from fdcore.models.llama import Bf16Matrix
+data = np.load(sys.argv[1])
+matrix = Bf16Matrix.pack(data["w"])
+np.savez(sys.argv[2], y=linear_bf16()(paddle.to_tensor(data["x"]), matrix.packed, matrix.rows).numpy())
+"""
+
+
+@needs_bf16
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_kernel_rounds_x_to_nearest_even(on_threads, threads):
+    """x goes to bfloat16 16 lanes at a time, its rows shared out across the threads (16 rows of 4097: the
+    parallel path, an odd row with its padded last pair): picked out by a weight of unit rows, each
+    output is one input as _bf16 rounds it, ties (exactly half a step) to even in both directions."""
+    rng = np.random.default_rng(3)
+    m, k = 16, 4097
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    bits = x.view(np.uint32)
+    bits[:, ::3] = (bits[:, ::3] & 0xFFFF0000) | 0x8000  # ties: odd and even upper halves alike
+    ties = x[:, ::3]
+    assert (_bf16(ties) > ties).any() and (_bf16(ties) < ties).any()
+    picked = np.concatenate([rng.choice(k - 1, 63, replace=False), [k - 1]])
+    w = np.zeros((len(picked), k), dtype=np.float32)
+    w[np.arange(len(picked)), picked] = 1.0
+    got = on_threads(_ROUNDED, {"x": x, "w": w}, threads=threads)["y"]
+    assert np.array_equal(got, _bf16(x)[:, picked])
+
+
 def test_paddle_rounds_to_bfloat16_as_the_kernel_does():
     import paddle
 
