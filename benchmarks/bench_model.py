@@ -32,7 +32,7 @@ import paddle  # noqa: E402
 
 from fdcore.core.batch import BatchInput  # noqa: E402
 from fdcore.models import tiny  # noqa: E402
-from fdcore.models.llama import LlamaModel, PagedKVCache, linear  # noqa: E402
+from fdcore.models.llama import LlamaModel, linear  # noqa: E402
 from fdcore.models.loader import load_checkpoint  # noqa: E402
 
 BLOCK = 16
@@ -83,7 +83,7 @@ def gemm_floor(model: LlamaModel, rows: int, decode_context: int = 0):
 def decode_step(model: LlamaModel, batch: int, repeat: int):
     """B sequences with a CONTEXT-token context; returns the function that decodes one token."""
     blocks_per_seq = -(-(CONTEXT + 2 * repeat + 4) // BLOCK)
-    cache = PagedKVCache(model.args, blocks_per_seq * batch, BLOCK)
+    cache = model.new_cache(blocks_per_seq * batch, BLOCK)  # the dtype the worker takes
     tables = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(batch)]
     prompt = [(7 * i) % model.args.vocab_size for i in range(CONTEXT)]
     for i in range(batch):  # fill each context (not timed)
@@ -99,7 +99,7 @@ def decode_step(model: LlamaModel, batch: int, repeat: int):
 
 def prefill(model: LlamaModel, tokens: int):
     blocks = -(-tokens // BLOCK)
-    cache = PagedKVCache(model.args, blocks, BLOCK)
+    cache = model.new_cache(blocks, BLOCK)
     prompt = [(3 * i) % model.args.vocab_size for i in range(tokens)]
     return lambda: model.forward(BatchInput([prompt], [0], [list(range(blocks))]), cache)
 

@@ -11,7 +11,10 @@ Two measures, every setting the CPU accepts (float32, bfloat16, wint8, wint4), o
   (``tests/data/gguf_reference.json``): how many of the first ``--tokens`` tokens equal float32's,
   per prompt (the issue's bar: every prompt's first 16).
 
-Usage: OMP_NUM_THREADS=1 python benchmarks/bench_quality.py [--chunk 256] [--tokens 16]
+Each setting runs with the KV cache the worker gives it (``--cache-dtype auto``: bfloat16 for the bfloat16
+model, float32 for the rest; see fdcore.models.llama.LlamaModel.new_cache), shown in the table.
+
+Usage: OMP_NUM_THREADS=1 python benchmarks/bench_quality.py [--chunk 256] [--tokens 16] [--cache-dtype auto]
 """
 
 from __future__ import annotations
@@ -44,15 +47,14 @@ def usable(dtype: str, quantization: str) -> str | None:
     return None
 
 
-def perplexity(model, chunks: list[list[int]]) -> float:
+def perplexity(model, chunks: list[list[int]], cache_dtype: str = "auto") -> float:
     """exp(mean negative log-likelihood) of every token after each chunk's first, all chunks read
     side by side one token per step (a decode batch), float64 softmax."""
     from fdcore.core.batch import BatchInput
-    from fdcore.models.llama import PagedKVCache
 
     length = len(chunks[0])
     blocks = -(-length // BLOCK)
-    cache = PagedKVCache(model.args, blocks * len(chunks), BLOCK)
+    cache = model.new_cache(blocks * len(chunks), BLOCK, cache_dtype)
     tables = [list(range(i * blocks, (i + 1) * blocks)) for i in range(len(chunks))]
     nll, count = 0.0, 0
     for pos in range(length - 1):
@@ -65,13 +67,12 @@ def perplexity(model, chunks: list[list[int]]) -> float:
     return float(np.exp(nll / count))
 
 
-def greedy(model, prompt: list[int], tokens: int) -> tuple[list[int], list[float]]:
+def greedy(model, prompt: list[int], tokens: int, cache_dtype: str = "auto") -> tuple[list[int], list[float]]:
     """The first ``tokens`` greedy tokens and, per step, the gap between the two best logits."""
     from fdcore.core.batch import BatchInput
-    from fdcore.models.llama import PagedKVCache
 
     blocks = -(-(len(prompt) + tokens) // BLOCK)
-    cache = PagedKVCache(model.args, blocks, BLOCK)
+    cache = model.new_cache(blocks, BLOCK, cache_dtype)
     out, gaps, ids, start = [], [], prompt, 0
     for _ in range(tokens):
         logits = model.forward(BatchInput([ids], [start], [list(range(blocks))], [len(prompt)]), cache)[0]
@@ -86,6 +87,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--chunk", type=int, default=256, help="tokens per teacher-forced piece")
     parser.add_argument("--tokens", type=int, default=16, help="greedy tokens compared per golden prompt")
+    parser.add_argument("--cache-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                        help="every setting's KV cache (cache.dtype; float32's reference keeps a float32 one)")
     args = parser.parse_args()
 
     from fdcore.core.tokenizer import ModelTokenizer
@@ -105,27 +108,30 @@ def main() -> int:
             rows.append((name, None, None, why))
             continue
         model = LlamaModel(load_checkpoint(path, progress=lambda *_: None), dtype, quantization)
-        ppl = perplexity(model, chunks)
-        outputs = [greedy(model, p, args.tokens) for p in prompts]
+        cache_dtype = "float32" if reference is None else args.cache_dtype
+        ppl = perplexity(model, chunks, cache_dtype)
+        outputs = [greedy(model, p, args.tokens, cache_dtype) for p in prompts]
         reference = reference or outputs
         agree = [next((i for i, (a, b) in enumerate(zip(o[0], r[0])) if a != b), args.tokens)
                  for o, r in zip(outputs, reference, strict=True)]
         # where one differs: float32's own gap between its two best logits at that step
         agree = [(a, reference[i][1][a] if a < args.tokens else None) for i, a in enumerate(agree)]
-        rows.append((name, ppl, agree, ""))
+        rows.append((name, ppl, agree, model.new_cache(1, BLOCK, cache_dtype).dtype))
         print(f"{name}: perplexity {ppl:.4f}", file=sys.stderr, flush=True)
     base = rows[0][1]
     print(f"\nSmolLM2-135M-Instruct (Q4_1 GGUF weights), {len(chunks)} x {args.chunk} tokens of "
           f"{os.path.relpath(TEXT)}; greedy: first {args.tokens} tokens of {len(prompts)} golden chat prompts")
-    print(f"{'setting':10s} {'perplexity':>11s} {'vs float32':>11s}  greedy tokens equal to float32's, per prompt")
-    for name, ppl, agree, why in rows:
+    print(f"{'setting':10s} {'KV cache':>9s} {'perplexity':>11s} {'vs float32':>11s}  greedy tokens equal to "
+          "float32's, per prompt")
+    for name, ppl, agree, cache in rows:
         if ppl is None:
-            print(f"{name:10s} {'-':>11s} {'-':>11s}  not run: {why}")
+            print(f"{name:10s} {'-':>9s} {'-':>11s} {'-':>11s}  not run: {cache}")
             continue
         full = sum(a == args.tokens for a, _ in agree)
         where = ", ".join(f"prompt {i} token {a} (float32's top-two gap {gap:.3f})"
                           for i, (a, gap) in enumerate(agree) if gap is not None)
-        print(f"{name:10s} {ppl:11.4f} {100 * (ppl / base - 1):+10.2f}%  {full}/{len(agree)} prompts all {args.tokens}"
+        print(f"{name:10s} {cache:>9s} {ppl:11.4f} {100 * (ppl / base - 1):+10.2f}%  {full}/{len(agree)} prompts all "
+              f"{args.tokens}"
               + (f"; first differences: {where}" if where else ""))
     return 0
 

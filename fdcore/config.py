@@ -24,6 +24,9 @@ Example (every key shown with its default)::
     block_size = 16           # tokens per KV-cache block
     num_blocks = 1024         # KV-cache blocks per worker
     enable_prefix_caching = true
+    dtype = "auto"            # auto (= the model's: bfloat16 for a bfloat16 model whose head_dim is a multiple
+                              # of 32, else float32) | float32 | bfloat16 (half the memory a token, attention's
+                              # products in bf16 with float32 sums: AVX512-BF16 CPUs only)
 
     [scheduler]
     max_num_seqs = 128
@@ -99,6 +102,7 @@ class CacheConfig(_Section):
     block_size: int = 16
     num_blocks: int = 1024
     enable_prefix_caching: bool = True
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
 
 
 class SchedulerConfig(_Section):
@@ -279,7 +283,7 @@ def _check_ranges(config: Config, source: str) -> None:
         raise ConfigError(f"{source}: key 'workers.count' is {config.workers.count}; this version runs exactly 1 "
                           "worker group (data-parallel groups are not built yet); for several worker processes "
                           "on one model use workers.tensor_parallel_size")
-    _check_compute(config.model, source)
+    _check_compute(config.model, config.cache, source)
     w = config.workers
     if w.communicator == "paddle" and w.standby and w.tensor_parallel_size > 1:
         raise ConfigError(f"{source}: key 'workers.standby' is true with workers.communicator = \"paddle\": a "
@@ -289,18 +293,20 @@ def _check_ranges(config: Config, source: str) -> None:
         raise ConfigError(f"{source}: key 'server.port' is {config.server.port}, must be <= 65535")
 
 
-def _check_compute(model: "ModelConfig", source: str) -> None:
-    """float32 anywhere; bfloat16, wint8 and wint4 where the CPU has the instructions their kernels use
-    (bfloat16: AVX512-BF16; wint8 and wint4: AVX2 at least)."""
+def _check_compute(model: "ModelConfig", cache: "CacheConfig", source: str) -> None:
+    """float32 anywhere; bfloat16 (weights or KV cache), wint8 and wint4 where the CPU has the instructions
+    their kernels use (bfloat16: AVX512-BF16; wint8 and wint4: AVX2 at least)."""
     from fdcore.models.kernels import missing_cpu_feature, needed_cpu_feature
 
     if model.dtype == "float16":
         raise ConfigError(f"{source}: key 'model.dtype' is 'float16'; the CPU model computes in float32 or "
                           "bfloat16 (float16 checkpoints load and are widened)")
-    for key, value, instead in (("dtype", model.dtype, "float32"), ("quantization", model.quantization, "none")):
+    for key, value, instead in (("model.dtype", model.dtype, "float32"),
+                                ("model.quantization", model.quantization, "none"),
+                                ("cache.dtype", cache.dtype, "auto")):
         missing = missing_cpu_feature(value)
         if missing:
-            raise ConfigError(f"{source}: key 'model.{key}' is {value!r}, which needs a CPU with {missing} "
+            raise ConfigError(f"{source}: key '{key}' is {value!r}, which needs a CPU with {missing} "
                               f"({needed_cpu_feature(value)[0]} in /proc/cpuinfo); this one has none: use "
                               f"{instead!r}")
 

@@ -90,7 +90,7 @@ class WorkerActor(Actor):
 
             self.model, self.cache = NullModel.from_path(model_path(self.config)), None
             return
-        from fdcore.models.llama import LlamaModel, PagedKVCache
+        from fdcore.models.llama import LlamaModel
 
         checkpoint = load_checkpoint(model_path(self.config), progress=self._loading)
         checkpoint, group = self._join_group(checkpoint) if self.world > 1 else (checkpoint, None)
@@ -105,7 +105,9 @@ class WorkerActor(Actor):
             sys.stderr.write(f"{self.child_id}: weight prefetch {'on' if chosen else 'off'} (a pass over the int "
                              f"weights: on {timing[True] * 1e3:.2f} ms, off {timing[False] * 1e3:.2f} ms)\n")
         cache = self.config.cache
-        self.cache = PagedKVCache(checkpoint.args, cache.num_blocks, cache.block_size)
+        self.cache = self.model.new_cache(cache.num_blocks, cache.block_size, cache.dtype)
+        sys.stderr.write(f"{self.child_id}: KV cache in {self.cache.dtype}: {cache.num_blocks} blocks of "
+                         f"{cache.block_size} tokens\n")
 
     def _place_threads(self) -> None:
         """The main thread alone on its CPU, every other thread (OpenMP's, the grammar masks') on the

@@ -36,20 +36,26 @@ from fdcore.models.tensors import as_paddle, on_huge_pages, packing_weights, zer
 
 
 class PagedKVCache:
-    """K and V of every layer: numpy ``[kv_heads, num_blocks, block_size, head_dim]``."""
+    """K and V of every layer: numpy ``[kv_heads, num_blocks, block_size, head_dim]``, in float32 or (``dtype
+    "bfloat16"``, held as int16 bits) bfloat16: half the memory a token, and attention's products in
+    AVX512-BF16's ``vdpbf16ps`` (paged_attention.cc's AttendHeadsBf16; only fdcore's C++ operators read it)."""
 
-    def __init__(self, args: ModelArgs, num_blocks: int, block_size: int, dtype=np.float32):
-        self.num_blocks, self.block_size = num_blocks, block_size
+    def __init__(self, args: ModelArgs, num_blocks: int, block_size: int, dtype: str = "float32"):
+        if dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"PagedKVCache: dtype {dtype!r}: 'float32' or 'bfloat16'")
+        self.num_blocks, self.block_size, self.dtype = num_blocks, block_size, dtype
+        storage = np.float32 if dtype == "float32" else np.int16
         shape = (args.num_kv_heads, num_blocks, block_size, args.head_dim)
-        self.k = [zeros_on_huge_pages(shape, dtype) for _ in range(args.num_layers)]
-        self.v = [zeros_on_huge_pages(shape, dtype) for _ in range(args.num_layers)]
-        self._k_buffer = self._v_buffer = np.empty(0, dtype=dtype)
+        self.k = [zeros_on_huge_pages(shape, storage) for _ in range(args.num_layers)]
+        self.v = [zeros_on_huge_pages(shape, storage) for _ in range(args.num_layers)]
+        self._k_buffer = self._v_buffer = np.empty(0, dtype=storage)
         self._views: tuple[list[paddle.Tensor], list[paddle.Tensor]] | None = None
 
     def all_tensors(self) -> tuple[list[paddle.Tensor], list[paddle.Tensor]]:
         """Paddle views (no copy, made once) of every layer's K arrays, and of its V arrays."""
         if self._views is None:
-            self._views = [as_paddle(k) for k in self.k], [as_paddle(v) for v in self.v]
+            view = as_paddle if self.dtype == "float32" else (lambda bits: as_paddle(bits).view(paddle.bfloat16))
+            self._views = [view(k) for k in self.k], [view(v) for v in self.v]
         return self._views
 
     def tensors(self, layer: int) -> tuple[paddle.Tensor, paddle.Tensor]:
@@ -65,6 +71,7 @@ class PagedKVCache:
 
     def write(self, layer: int, slots: np.ndarray, k: np.ndarray, v: np.ndarray) -> None:
         """Store new K/V rows ([tokens, kv_heads, head_dim]) at their slots."""
+        self._float32_only()
         blocks, offsets = np.divmod(slots, self.block_size)
         self.k[layer][:, blocks, offsets] = k.transpose(1, 0, 2)
         self.v[layer][:, blocks, offsets] = v.transpose(1, 0, 2)
@@ -77,6 +84,7 @@ class PagedKVCache:
         than the copy itself (measured: 20 ms vs 5 ms per step at batch 64), and
         ``mode="clip"`` keeps np.take from staging ``out`` through a temporary.
         """
+        self._float32_only()
         heads, _, size, dim = self.k[layer].shape
         shape = (heads, len(blocks), size, dim)
         need = heads * len(blocks) * size * dim
@@ -88,6 +96,10 @@ class PagedKVCache:
         np.take(self.k[layer], blocks, axis=1, out=k, mode="clip")
         np.take(self.v[layer], blocks, axis=1, out=v, mode="clip")
         return k.reshape(heads, -1, dim), v.reshape(heads, -1, dim)
+
+    def _float32_only(self) -> None:
+        if self.dtype != "float32":  # (the Python path's; a bfloat16 model has fdcore's operators or is refused)
+            raise RuntimeError("a bfloat16 KV cache is read and written by fdcore's C++ operators only")
 
 
 class LlamaModel:
@@ -131,6 +143,28 @@ class LlamaModel:
         one_call = self.fused is not None and (group is None or self.decoder_group is not None)
         self.decoder = self._decoder_plan() if one_call else None
         self.prefetch_timing = self.tune_weight_prefetch()
+
+    def new_cache(self, num_blocks: int, block_size: int, dtype: str = "auto") -> PagedKVCache:
+        """A KV cache for this model in ``dtype`` (config key ``cache.dtype``): "auto" is bfloat16 for a bfloat16
+        model whose heads the bfloat16 attention takes (head_dim a multiple of 32), as vLLM's "auto" is the
+        model's dtype, and float32 otherwise; "bfloat16" is refused where the attention cannot read it."""
+        if dtype == "auto":
+            dtype = "bfloat16" if self.matrix_dtype == "bfloat16" and self._bf16_attention() is None else "float32"
+        elif dtype == "bfloat16" and self._bf16_attention():
+            raise ValueError(f"cache.dtype is 'bfloat16', which {self._bf16_attention()}: use 'float32' or 'auto'")
+        return PagedKVCache(self.args, num_blocks, block_size, dtype)
+
+    def _bf16_attention(self) -> str | None:
+        """Why this model's attention cannot read a bfloat16 cache here (None: it can)."""
+        from fdcore.models.kernels import missing_cpu_feature
+
+        if self.fused is None:
+            return "needs fdcore's C++ operators (not built here)"
+        if missing_cpu_feature("bfloat16"):
+            return f"needs a CPU with {missing_cpu_feature('bfloat16')}"
+        if self.args.head_dim % 32:
+            return f"needs head_dim a multiple of 32 (this model's is {self.args.head_dim})"
+        return None
 
     def tune_weight_prefetch(self, rounds: int = 8) -> dict | None:
         """Set the int8 / int4 kernels' weight prefetch (fdcore.models.kernels.set_weight_prefetch) to whichever
