@@ -32,6 +32,10 @@
 #include "paddle/extension.h"
 
 extern int fdcore_prefetch_weights;  // linear_int8.cc
+#if defined(__AVX2__)
+__attribute__((visibility("hidden"))) void QuantizeBlock(const float* x, int64_t left, int8_t* q, float* top,
+                                                         int32_t* sum);  // linear_int8.cc
+#endif
 
 namespace {
 
@@ -44,25 +48,6 @@ constexpr int kRowsPerPass = 4;                          // rows of X per pass o
 constexpr int64_t kChunk = 64;                           // rows of X per chunk (their int8 copy stays in L2)
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
-// One row of x -> int8 per block of 32 (zeros past K, up to Kp), the blocks' scales and the sums of the
-// quantized x (scale * sum of the block's int8 values).
-void QuantizeRow(const float* x, int64_t K, int64_t Kp, int8_t* q, float* scales, float* sums) {
-  for (int64_t blk = 0, k0 = 0; k0 < Kp; ++blk, k0 += kQuant) {
-    const int64_t left = K - k0;  // >= 1: Kp - K < 32
-    const __mmask16 m0 = left >= 16 ? 0xffff : static_cast<__mmask16>((1u << left) - 1);
-    const __mmask16 m1 = left >= 32 ? 0xffff : left > 16 ? static_cast<__mmask16>((1u << (left - 16)) - 1) : 0;
-    const __m512 a = _mm512_maskz_loadu_ps(m0, x + k0), b = _mm512_maskz_loadu_ps(m1, x + k0 + 16);
-    const float top = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
-    const __m512 inverse = _mm512_set1_ps(top > 0.f ? 127.f / top : 0.f);
-    // round to nearest even (the default rounding mode), as numpy's rint; |values| <= 127
-    const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, inverse)), qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, inverse));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + k0), _mm512_cvtepi32_epi8(qa));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + k0 + 16), _mm512_cvtepi32_epi8(qb));
-    scales[blk] = top / 127.f;
-    sums[blk] = scales[blk] * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb)));
-  }
-}
-
 // How many records (640 bytes each) ahead one row's pass prefetches: SmolLM2 wint4 at batch 1 on a Zen 4
 // EPYC (2 threads, the forward alone, steps alternating in one process) 4.29 -> 4.22 ms a step (-1.7 %;
 // three runs -1.5 to -2.8 %). Less than wint8's gain: a record's nibbles cost twice the instructions per byte.
@@ -128,23 +113,6 @@ void GroupRows(const int8_t* Xq, const float* xs, const float* xsum, int64_t Kp,
 }
 
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-}  // namespace
-void QuantizeBlockAvx2(const float* x, int64_t left, int8_t* q, float* top, int32_t* sum);  // linear_int8.cc
-namespace {
-
-// As the AVX-512 QuantizeRow, 8 values at a time: the same operations (a maximum, 127 / top, a product
-// rounded to nearest even, an integer sum), so the same bits (checked on K = 7, 45, 100, 576, 1536), on one
-// thread while the others wait: a 576-wide row 0.63 -> 0.23 us warm, 1536 1.6 -> 0.62.
-void QuantizeRow(const float* x, int64_t K, int64_t Kp, int8_t* q, float* scales, float* sums) {
-  for (int64_t blk = 0, k0 = 0; k0 < Kp; ++blk, k0 += kQuant) {
-    float top;
-    int32_t sum;
-    QuantizeBlockAvx2(x + k0, std::min<int64_t>(K - k0, kQuant), q + k0, &top, &sum);
-    scales[blk] = top / 127.f;
-    sums[blk] = scales[blk] * static_cast<float>(sum);
-  }
-}
-
 // Prefetch distance (bytes) of this path, as linear_int8.cc's (the same reason: ~20 instructions per 128 bytes).
 constexpr int kPrefetchAhead = 4096;
 
@@ -216,12 +184,25 @@ void GroupRows(const int8_t* Xq, const float* xs, const float* xsum, int64_t Kp,
   }
 }
 #else
-void QuantizeRow(const float*, int64_t, int64_t, int8_t*, float*, float*) {
-  PD_CHECK(false, "linear_int4: built for a CPU without AVX2 (the caller must check its flags)");
-}
 template <int MB>
 void GroupRows(const int8_t*, const float*, const float*, int64_t, const uint8_t*, int64_t, int64_t, float*) {}
 #endif
+
+// One row of x -> int8 per block of 32 (zeros past K, up to Kp), the blocks' scales and the sums of the
+// quantized x (scale * sum of the block's int8 values): QuantizeBlock's bits, as wint8's activations.
+void QuantizeRow(const float* x, int64_t K, int64_t Kp, int8_t* q, float* scales, float* sums) {
+#if defined(__AVX2__)
+  for (int64_t blk = 0, k0 = 0; k0 < Kp; ++blk, k0 += kQuant) {
+    float top;
+    int32_t sum;
+    QuantizeBlock(x + k0, std::min<int64_t>(K - k0, kQuant), q + k0, &top, &sum);
+    scales[blk] = top / 127.f;
+    sums[blk] = scales[blk] * static_cast<float>(sum);
+  }
+#else
+  PD_CHECK(false, "linear_int4: built for a CPU without AVX2 (the caller must check its flags)");
+#endif
+}
 
 void Linear(const float* X, int64_t M, int64_t K, const uint8_t* Wp, int64_t G, int64_t Kp,
                                int64_t N, float* Y) {
