@@ -12,7 +12,8 @@ Usage: OMP_NUM_THREADS=1 python benchmarks/bench_model.py [--model DIR|smollm2] 
            [--quantization none|wint8] [--steps N] [--batches 1,8,32]
 
 ``--model smollm2`` is the real SmolLM2-135M-Instruct (fetched once; see
-fdcore.models.fetch); the floor uses the model's own matrix dtype.
+fdcore.models.fetch); the floor uses the model's own matrix dtype, the step the KV cache the worker
+gives the model (``cache.dtype = "auto"``: bfloat16 for ``--dtype bfloat16``, float32 otherwise).
 """
 
 from __future__ import annotations
