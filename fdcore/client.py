@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import fcntl
 import os
 import queue
@@ -140,7 +141,7 @@ class _Tree:
         read_fd, write_fd = os.pipe()
         watch_fd, lifeline = os.pipe()
         cmd = [sys.executable, "-m", "fdcore.supervisor", "--config", path, "--ready-fd", str(write_fd),
-               "--parent-fd", str(watch_fd)]
+               "--parent-fd", str(watch_fd)] + (["--remove-config"] if temporary else [])
         try:
             proc = subprocess.Popen(cmd, pass_fds=(write_fd, watch_fd), process_group=0, stdin=subprocess.DEVNULL)
         finally:
@@ -152,7 +153,7 @@ class _Tree:
             _terminate(proc, 5.0)
             os.close(lifeline)
             if temporary:
-                os.unlink(path)
+                _remove(path)
             raise
         finally:
             os.close(read_fd)
@@ -184,9 +185,14 @@ class _Tree:
         if self.lifeline is not None:
             os.close(self.lifeline)
             self.lifeline = None
-        if self.config_file:
-            os.unlink(self.config_file)
+        if self.config_file:  # (the supervisor removes it as it stops: this covers one killed first)
+            _remove(self.config_file)
             self.config_file = None
+
+
+def _remove(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
 
 
 def _config_file(config) -> tuple[str, bool]:

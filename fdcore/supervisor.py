@@ -22,6 +22,7 @@ Events go to stderr as ``fdcore.supervisor: event=NAME key=value ...`` lines.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import select
@@ -573,7 +574,19 @@ def main(argv=None) -> int:
                         help="shut down when this pipe reaches end-of-file: every holder of its write end "
                              "(the embedding process) is gone; unlike --stop-with-parent it follows the "
                              "process, not the thread that started us (used by AsyncLLM / LLM)")
+    parser.add_argument("--remove-config", action="store_true",
+                        help="delete the configuration file when the tree has stopped (it was written for this "
+                             "tree alone: AsyncLLM / LLM's, which an embedding process killed could not remove)")
     args = parser.parse_args(argv)
+    try:
+        return _supervise(args)
+    finally:
+        if args.remove_config:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(args.config)
+
+
+def _supervise(args: argparse.Namespace) -> int:
     try:
         config = load_config(args.config)
     except ConfigError as exc:
