@@ -79,7 +79,9 @@ def start_fdcore(model: str, max_num_seqs: int, omp_threads: int = 0) -> Server:
     config.write(f'[model]\npath = "{model}"\n[server]\nenabled = true\nport = {port}\nmodel_name = "bench"\n'
                  f'[scheduler]\nmax_num_seqs = {max_num_seqs}\n[workers]\nomp_threads = {omp_threads}\n')
     config.close()
-    return Server([sys.executable, "-m", "fdcore.supervisor", "--config", config.name], port, "bench")
+    # (the supervisor deletes the file as it stops)
+    return Server([sys.executable, "-m", "fdcore.supervisor", "--config", config.name, "--remove-config"], port,
+                  "bench")
 
 
 def start_vllm(model: str, peer_dir: str, max_num_seqs: int, dtype: str) -> Server:
@@ -100,7 +102,12 @@ METRICS = [("output tok/s", "output_throughput")] + [
 def bench_serve(server: Server, peer_dir: str, tokenizer: str, args, concurrency: int | None,
                 prompts: int) -> dict:
     """One ``vllm bench serve`` run against ``server``; its saved JSON result."""
-    out = tempfile.mkdtemp(prefix="fdcore-bench-serve-")
+    with tempfile.TemporaryDirectory(prefix="fdcore-bench-serve-") as out:
+        return _bench_serve_into(out, server, peer_dir, tokenizer, args, concurrency, prompts)
+
+
+def _bench_serve_into(out: str, server: Server, peer_dir: str, tokenizer: str, args, concurrency: int | None,
+                      prompts: int) -> dict:
     python = os.path.join(peer_dir, "venv", "bin", "python")
     cli = os.path.join(peer_dir, "vllm_cli.py")
     load = f"--max-concurrency {concurrency} --request-rate inf" if concurrency else f"--request-rate {args.rate}"
