@@ -27,25 +27,34 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstring>
 #include <vector>
 
 #include "paddle/extension.h"
+
+#define FDCORE_BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512bf16")))
+
+// n float32 values -> bfloat16 bits, rounded to nearest even as every bfloat16 conversion does (a NaN stays a
+// NaN, quieted), 16 lanes at a time in integer steps: bits + 0x7fff + (bit 16), the upper half. Unlike
+// vcvtneps2bf16 it keeps denormals. Shared with paged_attention.cc, whose bfloat16 KV cache is written with it
+// (hidden: a direct call within the library); like every function here, run only where the CPU has AVX512-BF16.
+__attribute__((visibility("hidden"))) FDCORE_BF16_TARGET void RoundToBf16(const float* x, int64_t n, uint16_t* r) {
+  for (int64_t k = 0; k < n; k += 16) {
+    const __mmask16 lanes = k + 16 <= n ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << (n - k)) - 1);
+    const __m512i bits = _mm512_maskz_loadu_epi32(lanes, x + k);
+    const __m512i high = _mm512_srli_epi32(bits, 16);
+    const __m512i bias = _mm512_add_epi32(_mm512_and_si512(high, _mm512_set1_epi32(1)), _mm512_set1_epi32(0x7fff));
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(bits, _mm512_set1_epi32(0x7fffffff)),
+                                                  _mm512_set1_epi32(0x7f800000));
+    const __m512i rounded = _mm512_mask_or_epi32(_mm512_srli_epi32(_mm512_add_epi32(bits, bias), 16), nan, high,
+                                                 _mm512_set1_epi32(0x40));
+    _mm512_mask_cvtepi32_storeu_epi16(r + k, lanes, rounded);
+  }
+}
 
 namespace {
 
 constexpr int kGroup = 32;            // output rows per packed group
 constexpr int kBlocks = kGroup / 16;  // 16-lane blocks per group
-
-inline uint16_t RoundToBf16(float value) {  // round to nearest even, as every bf16 conversion does
-  uint32_t bits;
-  std::memcpy(&bits, &value, sizeof(bits));
-  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40);  // NaN
-  bits += 0x7fffu + ((bits >> 16) & 1u);
-  return static_cast<uint16_t>(bits >> 16);
-}
-
-#define FDCORE_BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512bf16")))
 
 // Stores one 16-lane block of outputs (fewer lanes past the last real output row).
 FDCORE_BF16_TARGET inline void StoreBlock(float* y, int64_t first, int64_t N, __m512 value) {
@@ -76,27 +85,15 @@ FDCORE_BF16_TARGET void GroupRows(const uint32_t* Xp, int64_t KP, const uint16_t
     for (int b = 0; b < kBlocks; ++b) StoreBlock(Y + (m0 + j) * N, g * kGroup + b * 16, N, acc[j][b]);
 }
 
-// X's rows as bfloat16, each padded to 2 KP values (an odd K leaves a zero in the last pair): RoundToBf16's
-// integer steps 16 lanes at a time (so its bits, NaNs and denormals included, where vcvtneps2bf16 would
-// flush denormals), rows shared out across threads. The scalar loop, after a clearing pass, was ~2.5 % of a
-// 512-token SmolLM2 bf16 prefill's CPU time on one thread while the other waited: this made the prefill
-// 3-4 % faster (2 threads of a Zen 4 EPYC, alternating in one process), decoding unchanged.
+// X's rows as bfloat16 (RoundToBf16), each padded to 2 KP values (an odd K leaves a zero in the last pair),
+// rows shared out across threads. The scalar loop, after a clearing pass, was ~2.5 % of a 512-token SmolLM2
+// bf16 prefill's CPU time on one thread while the other waited: this made the prefill 3-4 % faster (2 threads
+// of a Zen 4 EPYC, alternating in one process), decoding unchanged.
 FDCORE_BF16_TARGET void RoundRows(const float* X, int64_t M, int64_t K, int64_t KP, uint16_t* R) {
 #pragma omp parallel for schedule(static) if (M >= 8 && M * K >= (1 << 16))
   for (int64_t m = 0; m < M; ++m) {
-    const float* x = X + m * K;
     uint16_t* r = R + m * KP * 2;
-    for (int64_t k = 0; k < K; k += 16) {
-      const __mmask16 lanes = k + 16 <= K ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << (K - k)) - 1);
-      const __m512i bits = _mm512_maskz_loadu_epi32(lanes, x + k);
-      const __m512i high = _mm512_srli_epi32(bits, 16);
-      const __m512i bias = _mm512_add_epi32(_mm512_and_si512(high, _mm512_set1_epi32(1)), _mm512_set1_epi32(0x7fff));
-      const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(bits, _mm512_set1_epi32(0x7fffffff)),
-                                                    _mm512_set1_epi32(0x7f800000));
-      const __m512i rounded = _mm512_mask_or_epi32(_mm512_srli_epi32(_mm512_add_epi32(bits, bias), 16), nan, high,
-                                                   _mm512_set1_epi32(0x40));
-      _mm512_mask_cvtepi32_storeu_epi16(r + k, lanes, rounded);
-    }
+    RoundToBf16(X + m * K, K, r);
     if (K % 2) r[K] = 0;
   }
 }

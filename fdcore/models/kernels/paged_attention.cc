@@ -19,13 +19,8 @@
 
 #include "paddle/extension.h"
 
-// float32 -> bfloat16 bits, to nearest even (a NaN stays a NaN), as every bfloat16 conversion does.
-static inline uint16_t RoundToBfloat16(float value) {
-  uint32_t bits;
-  std::memcpy(&bits, &value, sizeof(bits));
-  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40);
-  return static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
-}
+// n values to bfloat16 bits, to nearest even (linear_bf16.cc; AVX512-BF16 CPUs only).
+__attribute__((visibility("hidden"))) void RoundToBf16(const float* x, int64_t n, uint16_t* r);
 
 constexpr int kMostHeads = 4;     // query heads per pass over a row's keys (AVX-512: 1 past D = 128)
 constexpr int64_t kFewestTasks = 8;  // (row, KV head) pairs below which attention is shared out by query head
@@ -594,8 +589,7 @@ void AttentionBlockInto(const float* X, int64_t Tn, int64_t width, const paddle:
   auto store = [&](void* cache, int64_t j, int64_t slot, const float* values) {
     const int64_t at = (j * NB * BS + slot) * D;
     if (bf16) {
-      uint16_t* dst = static_cast<uint16_t*>(cache) + at;
-      for (int64_t i = 0; i < D; ++i) dst[i] = RoundToBfloat16(values[i]);
+      RoundToBf16(values, D, static_cast<uint16_t*>(cache) + at);
     } else {
       std::memcpy(static_cast<float*>(cache) + at, values, D * sizeof(float));
     }
