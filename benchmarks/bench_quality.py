@@ -116,7 +116,7 @@ def main() -> int:
                  for o, r in zip(outputs, reference, strict=True)]
         # where one differs: float32's own gap between its two best logits at that step
         agree = [(a, reference[i][1][a] if a < args.tokens else None) for i, a in enumerate(agree)]
-        rows.append((name, ppl, agree, model.new_cache(1, BLOCK, cache_dtype).dtype))
+        rows.append((name, ppl, agree, model.cache_dtype(cache_dtype)))
         print(f"{name}: perplexity {ppl:.4f}", file=sys.stderr, flush=True)
     base = rows[0][1]
     print(f"\nSmolLM2-135M-Instruct (Q4_1 GGUF weights), {len(chunks)} x {args.chunk} tokens of "

@@ -145,14 +145,20 @@ class LlamaModel:
         self.prefetch_timing = self.tune_weight_prefetch()
 
     def new_cache(self, num_blocks: int, block_size: int, dtype: str = "auto") -> PagedKVCache:
-        """A KV cache for this model in ``dtype`` (config key ``cache.dtype``): "auto" is bfloat16 for a bfloat16
-        model whose heads the bfloat16 attention takes (head_dim a multiple of 32), as vLLM's "auto" is the
-        model's dtype, and float32 otherwise; "bfloat16" is refused where the attention cannot read it."""
-        if dtype == "auto":
-            dtype = "bfloat16" if self.matrix_dtype == "bfloat16" and self._bf16_attention() is None else "float32"
-        elif dtype == "bfloat16" and self._bf16_attention():
-            raise ValueError(f"cache.dtype is 'bfloat16', which {self._bf16_attention()}: use 'float32' or 'auto'")
-        return PagedKVCache(self.args, num_blocks, block_size, dtype)
+        """A KV cache for this model in ``dtype`` as :meth:`cache_dtype` resolves it."""
+        return PagedKVCache(self.args, num_blocks, block_size, self.cache_dtype(dtype))
+
+    def cache_dtype(self, requested: str = "auto") -> str:
+        """The KV cache dtype ``requested`` (config key ``cache.dtype``) means for this model: "auto" is bfloat16
+        for a bfloat16 model whose heads the bfloat16 attention takes (head_dim a multiple of 32), as vLLM's
+        "auto" is the model's dtype, and float32 otherwise; "bfloat16" is refused where the attention cannot
+        read it."""
+        why_not = self._bf16_attention()
+        if requested == "auto":
+            return "bfloat16" if self.matrix_dtype == "bfloat16" and why_not is None else "float32"
+        if requested == "bfloat16" and why_not:
+            raise ValueError(f"cache.dtype is 'bfloat16', which {why_not}: use 'float32' or 'auto'")
+        return requested
 
     def _bf16_attention(self) -> str | None:
         """Why this model's attention cannot read a bfloat16 cache here (None: it can)."""
@@ -160,8 +166,9 @@ class LlamaModel:
 
         if self.fused is None:
             return "needs fdcore's C++ operators (not built here)"
-        if missing_cpu_feature("bfloat16"):
-            return f"needs a CPU with {missing_cpu_feature('bfloat16')}"
+        missing = missing_cpu_feature("bfloat16")
+        if missing:
+            return f"needs a CPU with {missing}"
         if self.args.head_dim % 32:
             return f"needs head_dim a multiple of 32 (this model's is {self.args.head_dim})"
         return None
