@@ -164,7 +164,7 @@ def test_the_worker_tries_the_prefetch_at_batch_1_decode_steps_only(capsys):
     _matrix_kind("float32", "wint8")  # (builds and loads the kernels)
     saved = weight_prefetch()
     worker = WorkerActor.__new__(WorkerActor)  # the two methods alone: no process, no model
-    worker.child_id, worker.prefetch_trial, worker.prefetch_applied = "worker0", SwitchTrial(True, False, 1, 1, first_after=None), True
+    worker.child_id, worker.prefetch_trial = "worker0", SwitchTrial(True, False, 1, 1, first_after=None)
     set_weight_prefetch(True)
     try:
         assert worker._prefetch_trial([[5, 6, 7]]) is None and worker._prefetch_trial([[5], [6]]) is None

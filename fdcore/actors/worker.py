@@ -101,7 +101,7 @@ class WorkerActor(Actor):
             from fdcore.models.kernels import weight_prefetch
 
             chosen = weight_prefetch()  # (the load's choice, as the kernels hold it)
-            self.prefetch_trial, self.prefetch_applied = SwitchTrial(chosen, not chosen), chosen
+            self.prefetch_trial = SwitchTrial(chosen, not chosen)
             sys.stderr.write(f"{self.child_id}: weight prefetch {'on' if chosen else 'off'} (a pass over the int "
                              f"weights: on {timing[True] * 1e3:.2f} ms, off {timing[False] * 1e3:.2f} ms)\n")
         cache = self.config.cache
@@ -248,12 +248,9 @@ class WorkerActor(Actor):
         trial = self.prefetch_trial
         if trial is None or len(token_ids) != 1 or len(token_ids[0]) != 1:
             return None
-        value = trial.next()
-        if value != self.prefetch_applied:
-            from fdcore.models.kernels import set_weight_prefetch
+        from fdcore.models.kernels import set_weight_prefetch
 
-            set_weight_prefetch(value)
-            self.prefetch_applied = value
+        set_weight_prefetch(trial.next())  # (a store to one C int: the kernels hold the setting, not us)
         return trial
 
     def _prefetch_tried(self, trial: SwitchTrial, seconds: float) -> None:
