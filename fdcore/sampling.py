@@ -61,7 +61,7 @@ def sample(logits: np.ndarray, requests: list[SamplerRequest]) -> list[Sampled]:
         kind = _kind(request)
         (greedy if kind == GREEDY else plain if kind == PLAIN else other).append(i)
     if greedy:
-        tokens[greedy] = np.argmax(_constrained(logits, requests, greedy), axis=1)
+        tokens[greedy] = np.argmax(_greedy_rows(logits, requests, greedy), axis=1)
     if plain:
         tokens[plain] = _sample_plain(logits, requests, plain)
     for i in other:
@@ -75,6 +75,14 @@ def sample(logits: np.ndarray, requests: list[SamplerRequest]) -> list[Sampled]:
 
 
 GREEDY, PLAIN, OTHER = range(3)
+
+
+def _greedy_rows(logits: np.ndarray, requests: list[SamplerRequest], rows: list[int]) -> np.ndarray:
+    """What argmax reads: the logits themselves when every row is greedy and unconstrained (a batch-1
+    step: no copy of a vocabulary's floats, ~0.05 ms cold after a forward), else ``_constrained``'s copy."""
+    if len(rows) == len(logits) and all(requests[i].allowed is None for i in rows):
+        return logits
+    return _constrained(logits, requests, rows)
 
 
 def _constrained(logits: np.ndarray, requests: list[SamplerRequest], rows: list[int]) -> np.ndarray:

@@ -228,7 +228,8 @@ class WorkerActor(Actor):
         requests = [SamplerRequest(s.params, s.prompt, s.output, s.eos) for _, _, s in sampling]
         if masks is not None:
             _constrain(requests, sampling, self._await(masks))
-        picks = sample(logits[np.asarray([row for row, _, _ in sampling])], requests)
+        rows = [row for row, _, _ in sampling]
+        picks = sample(logits if len(rows) == len(logits) else logits[np.asarray(rows)], requests)
         logprobs = None
         if any(s.params.logprobs is not None for _, _, s in sampling):
             logprobs = [None if p.logprob is None else [(p.token_id, p.logprob), *(p.top_logprobs or [])]
