@@ -234,3 +234,30 @@ def test_the_one_call_decoder_equals_the_per_layer_calls_to_the_bit(checkpoints,
         (one_prefill, one_decode), (per_layer_prefill, per_layer_decode) = results
         assert np.array_equal(one_prefill, per_layer_prefill), name
         assert np.array_equal(one_decode, per_layer_decode), name
+
+
+def test_reused_step_inputs_give_the_same_bits_as_fresh_views(checkpoints):
+    """The one-call decoder's inputs go through StepInputs' reused buffers: decode steps of one and of two
+    sequences, alternating shapes, give the logits of the same steps made with fresh views."""
+    model = LlamaModel(load_checkpoint(checkpoints["llama-gqa"], progress=lambda *_: None))
+    if model.decoder is None:
+        pytest.skip("the one-call decoder needs packed projections (AVX-512F or AVX2) and the C++ operators")
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(5, 4000, size=n).tolist() for n in (17, 9)]
+    tables = [list(range(0, 8)), list(range(8, 16))]
+    results = []
+    for largest in (0, 1 << 18):  # 0: every input viewed afresh
+        model.step_inputs.largest = largest
+        cache = PagedKVCache(model.args, 16, BLOCK)
+        logits = [model.forward(BatchInput(prompts, [0, 0], tables), cache)]
+        lengths = [len(p) for p in prompts]
+        for step in range(6):
+            both = step % 3 == 2
+            seqs = [0, 1] if both else [step % 2]
+            batch = BatchInput([[11 + step] for _ in seqs], [lengths[s] for s in seqs], [tables[s] for s in seqs])
+            logits.append(model.forward(batch, cache))
+            for s in seqs:
+                lengths[s] += 1
+        results.append(logits)
+    for fresh, reused in zip(*results, strict=True):
+        assert np.array_equal(fresh, reused)

@@ -32,7 +32,7 @@ from fdcore.core.batch import BatchInput
 from fdcore.models.loader import Checkpoint, ModelArgs
 from fdcore.models.quantized import Blocks, concatenate_rows
 from fdcore.models.tensor_parallel import GATHER_ROWS, TensorGroup
-from fdcore.models.tensors import as_paddle, on_huge_pages, packing_weights, zeros_on_huge_pages
+from fdcore.models.tensors import StepInputs, as_paddle, on_huge_pages, packing_weights, zeros_on_huge_pages
 
 
 class PagedKVCache:
@@ -142,6 +142,7 @@ class LlamaModel:
         self.decoder_group = group.decoder_args() if group is not None else None
         one_call = self.fused is not None and (group is None or self.decoder_group is not None)
         self.decoder = self._decoder_plan() if one_call else None
+        self.step_inputs = StepInputs()
         self.prefetch_timing = self.tune_weight_prefetch()
 
     def new_cache(self, num_blocks: int, block_size: int, dtype: str = "auto") -> PagedKVCache:
@@ -203,10 +204,10 @@ class LlamaModel:
         # and GPTQ / AWQ leave it unquantized: on SmolLM2 a 4-bit head moved the logits by up to 4.6
         # (int8: 1.6) and changed float32's greedy token at 14 steps of 144 (int8: 3).
         head_kind = "wint8" if self.matrix_dtype == "wint4" else self.matrix_dtype
-        self.embed_rows = None
         if args.tie_word_embeddings and head_kind == "float32":
             # one copy for both: a plain tensor, or an F32Matrix whose rows the embedding reads (``_embed``)
             self.embed = self.lm_head = self._matrix(embed)
+            self.embed_rows = None if isinstance(self.embed, F32Matrix) else np.from_dlpack(self.embed)
         else:
             self.embed_rows = _float32(embed)  # (what _embed_rows gathers from: the tensor's memory)
             self.embed = as_paddle(self.embed_rows)
@@ -267,18 +268,17 @@ class LlamaModel:
             return _PACKED[kind].from_blocks(blocks)
         return _PACKED[kind].pack(array)
 
-    def _embed(self, token_ids: np.ndarray) -> paddle.Tensor:
-        """The embedding's rows for these tokens, [tokens, hidden]."""
+    def _embed(self, token_ids: np.ndarray) -> np.ndarray:
+        """The embedding's rows for these tokens, [tokens, hidden] (a new array)."""
         if self.group is not None:
-            return as_paddle(self.group.embed(lambda local: self._embed_rows(local).numpy(), token_ids))
+            return self.group.embed(self._embed_rows, token_ids)
         return self._embed_rows(token_ids)
 
-    def _embed_rows(self, token_ids: np.ndarray) -> paddle.Tensor:
+    def _embed_rows(self, token_ids: np.ndarray) -> np.ndarray:
+        # numpy's gather: Paddle's index_select cost ~0.1 ms more a decode step
         if isinstance(self.embed, F32Matrix):
-            return as_paddle(self.embed.take_rows(token_ids))
-        if self.embed_rows is not None:  # numpy's gather: Paddle's index_select cost ~0.1 ms more a decode step
-            return as_paddle(np.take(self.embed_rows, token_ids, axis=0))
-        return paddle.index_select(self.embed, as_paddle(token_ids))
+            return self.embed.take_rows(token_ids)
+        return np.take(self.embed_rows, token_ids, axis=0)
 
     def _head(self, states: paddle.Tensor) -> np.ndarray:
         """The LM head's logits, [rows, vocab] float32 (a group's rank: its slice, then everyone's gathered)."""
@@ -348,6 +348,7 @@ class LlamaModel:
                       else logits.numpy())
             states = {s: normed[first:end] for s, (first, end) in rows.items()}
         else:
+            hidden = as_paddle(hidden)
             for index, layer in enumerate(self.layers):
                 hidden = self._layer_forward(hidden, layer, index, cos, sin, plan, cache)
             last = paddle.index_select(hidden, paddle.to_tensor(plan.last_rows))
@@ -373,13 +374,13 @@ class LlamaModel:
         add_rms_norm, silu_mul, attention_block = self.fused
         a = self.args
         eps = a.rms_norm_eps
-        cos_t, sin_t = as_paddle(cos), as_paddle(sin)
-        slots = as_paddle(plan.write_slots)
-        tables, lengths = plan.row_tables()
         if self.decoder is not None:
             op, weights, meta, kind, head = self.decoder
-            return op(hidden, cos_t, sin_t, slots, tables, lengths, as_paddle(plan.last_rows), *cache.all_tensors(),
-                      weights, self.norm_t, meta, kind, a.num_heads, self.scale, eps, self.decoder_group, head)
+            inputs = self.step_inputs.views((hidden, cos, sin, plan.write_slots, *plan.row_arrays(), plan.last_rows))
+            return op(*inputs, *cache.all_tensors(), weights, self.norm_t, meta, kind, a.num_heads, self.scale, eps,
+                      self.decoder_group, head)
+        hidden, cos_t, sin_t, slots = as_paddle(hidden), as_paddle(cos), as_paddle(sin), as_paddle(plan.write_slots)
+        tables, lengths = (as_paddle(array) for array in plan.row_arrays())
         delta, none = self.no_tensor, self.no_tensor
         for index, layer in enumerate(self.layers):
             hidden, x = add_rms_norm(hidden, delta, layer["in_norm_t"], eps)
@@ -454,7 +455,7 @@ class _Plan:
                  windows: tuple[int, ...] = (0,)):
         tokens, positions, write, last, self.prefills = [], [], [], [], []
         self._rows = []  # (block table, first position, token count) per sequence, in row order
-        self._kernel_inputs = None
+        self._row_arrays = None
         row, size = 0, cache.block_size
         for s in order:
             ids, start = batch.token_ids[s], batch.start_positions[s]
@@ -499,9 +500,9 @@ class _Plan:
         prompts = np.repeat(np.asarray([batch.prompt_lengths[s] for s in order], dtype=np.int64), counts)
         return np.maximum(self.positions + 1, prompts)
 
-    def row_tables(self) -> tuple[paddle.Tensor, paddle.Tensor]:
+    def row_arrays(self) -> tuple[np.ndarray, np.ndarray]:
         """Per row: its sequence's block table (padded) and how many keys it sees (position + 1)."""
-        if self._kernel_inputs is None:
+        if self._row_arrays is None:
             total = sum(count for _, _, count in self._rows)
             width = max(len(table) for table, _, _ in self._rows)
             tables = np.zeros((total, width), dtype=np.int64)
@@ -511,8 +512,8 @@ class _Plan:
                 tables[row:row + count, :len(table)] = table
                 lengths[row:row + count] = np.arange(start + 1, start + count + 1)
                 row += count
-            self._kernel_inputs = (as_paddle(tables), as_paddle(lengths))
-        return self._kernel_inputs
+            self._row_arrays = (tables, lengths)
+        return self._row_arrays
 
     def _plan_decode(self, batch, decode, block_size, windows) -> None:
         """Every decode sequence padded to the same number of blocks, the padding (and keys
