@@ -33,6 +33,11 @@ from fdcore.core.batch import BatchInput
 from fdcore.models.tuning import SwitchTrial
 from fdcore.protocol import PromptScores, SamplingParams, Step, StepResult, WorkerMessage, WorkerSync
 
+# The worker's threads are counted (a stat of /proc/self/task: ~45 us a step after a batch-1 forward, half
+# the actor loop's time between two steps) after each of its first steps, when OpenMP starts its threads,
+# then at most every PLACEMENT_RECHECK seconds: a thread started later runs on its creator's CPUs that long.
+PLACEMENT_FIRST_STEPS = 16
+PLACEMENT_RECHECK = 0.5
 GRAMMAR_GRACE = 3  # hang timeouts a step may wait for its grammar masks while the heartbeat ticks
 SCORE_ROWS = 256  # prompt positions scored per LM-head call (their logits: rows x vocab floats)
 
@@ -82,6 +87,8 @@ class WorkerActor(Actor):
         self.poison = faults.poison_for("worker")
         self.grammars = None  # built on the first constrained sequence
         self.placed_threads = 0  # the thread count when _place_threads last ran
+        self.steps_run = 0
+        self.placement_due = 0.0  # (time.monotonic) when the thread count is next checked
         self.masks = ThreadPoolExecutor(1, thread_name_prefix="fdcore-masks", initializer=self._off_the_main_cpu)
         self.rank, self.world = topology.worker_rank(self.child_id), self.config.workers.tensor_parallel_size
         self.prefetch_trial = None  # a model with int weights: their prefetch, re-tried at batch-1 decode steps
@@ -121,6 +128,15 @@ class WorkerActor(Actor):
             self.placement = None
         self.placed_threads = placement.thread_count()
 
+    def _check_placement(self) -> None:
+        """After a step: the threads placed again if there are new ones (see PLACEMENT_RECHECK)."""
+        self.steps_run += 1
+        if self.placement is None or (self.steps_run > PLACEMENT_FIRST_STEPS and time.monotonic() < self.placement_due):
+            return
+        self.placement_due = time.monotonic() + PLACEMENT_RECHECK
+        if placement.thread_count() != self.placed_threads:
+            self._place_threads()
+
     def _off_the_main_cpu(self) -> None:
         """A helper thread's start: onto the rank's other CPUs, away from the main thread's."""
         if self.placement is not None:
@@ -155,8 +171,7 @@ class WorkerActor(Actor):
                 result = self._group_step(message)
                 if result is not None:  # (rank 0 answers for its group)
                     self.send("scheduler", result)
-                if self.placement is not None and placement.thread_count() != self.placed_threads:
-                    self._place_threads()
+                self._check_placement()
         elif isinstance(message, WorkerSync):
             self.seqs.clear()
             self.epoch = message.epoch
