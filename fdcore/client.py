@@ -107,6 +107,10 @@ class CompletionOutput:
 
 @dataclass
 class RequestOutput:
+    """What the caller of ``AsyncLLM`` / ``LLM`` receives (the public shape, as vLLM's and FastDeploy's): one
+    streamed delta, or the whole result, of a request. The only request shape user code sees; the
+    protocol's ``Update`` is its wire form."""
+
     request_id: str
     prompt: str | list | None = None
     prompt_token_ids: list[int] | None = None
@@ -750,7 +754,9 @@ class _Backoff:
 
 @dataclass
 class _InFlight:
-    """A request as its client knows it: enough to submit it again to a restarted engine."""
+    """A request as its client knows it (owned by the client's router): the prompt and parameters as
+    submitted and the tokens and text already delivered: enough to submit it again to a restarted engine
+    and resume the stream where it was. The engine's ``TrackedRequest`` dies with the engine; this does not."""
 
     prompt: object
     params: SamplingParams

@@ -25,7 +25,10 @@ from fdcore.protocol import PromptLogprob, SamplingParams
 
 @dataclass
 class SamplerRequest:
-    """What the sampler needs of one request at one step."""
+    """What the sampler needs of one request at one step, built for that step by its caller (the worker
+    from its ``SeqState``, EngineCore from its ``Request``): parameters, the tokens so far (penalties, and
+    the position the draw's randomness is keyed by) and a grammar's mask. A value, not a record: sampling
+    is a pure function of it and the logits, so nothing in it outlives the step."""
 
     params: SamplingParams
     prompt_token_ids: list[int]

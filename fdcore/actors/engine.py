@@ -59,7 +59,9 @@ LIVENESS_INTERVAL = 0.5  # seconds between checks that each busy client slot sti
 
 @dataclass(eq=False)
 class TrackedRequest:
-    """One request in the engine's table."""
+    """One request in the engine's table: the tree's source of truth (owned by the engine actor). Which
+    client and request id it answers, every token produced, its detokenizer and timing. A restarted
+    scheduler or worker is fed from it; blocks and batches are the scheduler's ``Request``, not its."""
 
     seq: int
     client: int

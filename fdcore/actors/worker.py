@@ -44,6 +44,11 @@ SCORE_ROWS = 256  # prompt positions scored per LM-head call (their logits: rows
 
 @dataclass(eq=False)
 class SeqState:
+    """A sequence as the worker keeps it between steps (owned by the worker actor): the prompt, sent once,
+    the tokens it sampled itself, its block table and grammar matcher, so that a decode step costs the
+    scheduler three integers. It decides nothing (finishing and preemption are the scheduler's
+    ``Request``) and is rebuilt from the steps' NewSeq after a WorkerSync."""
+
     prompt: list[int]
     output: list[int]
     params: SamplingParams

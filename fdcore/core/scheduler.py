@@ -28,6 +28,11 @@ class Status(enum.Enum):
 
 @dataclass(eq=False, slots=True)  # identity: list membership tests must not compare every field
 class Request:
+    """A request as the batching policy sees it (owned by :class:`Scheduler`, in the scheduler actor or
+    EngineCore): tokens computed and pending, status, preemptions. Not the engine's ``TrackedRequest``:
+    the policy holds no text, client or timing, and a restarted scheduler rebuilds it from the engine's
+    table (AddSeq with the tokens produced so far)."""
+
     request_id: str | int
     prompt_token_ids: list[int]
     params: SamplingParams
