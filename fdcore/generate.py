@@ -59,7 +59,7 @@ def main(argv=None, prog: str = "python -m fdcore.generate") -> int:
     from fdcore.config import default_model_path
     from fdcore.core.engine_core import EngineCore
     from fdcore.core.kv_cache_manager import KVCacheManager
-    from fdcore.core.scheduler import Request, Scheduler, SchedulerConfig
+    from fdcore.core.scheduler import Request, Scheduler, BatchLimits
     from fdcore.models.llama import LlamaModel, PagedKVCache
     from fdcore.models.loader import load_checkpoint
     from fdcore.models.tiny import ensure_tiny_model
@@ -71,7 +71,7 @@ def main(argv=None, prog: str = "python -m fdcore.generate") -> int:
     model = LlamaModel(checkpoint)
     block_size, num_blocks = 16, 1024
     core = EngineCore(model, PagedKVCache(checkpoint.args, num_blocks, block_size),
-                      Scheduler(SchedulerConfig(), KVCacheManager(num_blocks, block_size)))
+                      Scheduler(BatchLimits(), KVCacheManager(num_blocks, block_size)))
     params = SamplingParams(temperature=opts.temperature, top_p=opts.top_p, seed=opts.seed,
                             max_tokens=opts.max_tokens)
     requests = [Request(f"req-{i}", tokenizer.encode(p).ids, params, checkpoint.eos_token_ids)

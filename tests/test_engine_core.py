@@ -9,7 +9,7 @@ import pytest
 
 from fdcore.core.engine_core import EngineCore
 from fdcore.core.kv_cache_manager import KVCacheManager
-from fdcore.core.scheduler import Request, Scheduler, SchedulerConfig, Status
+from fdcore.core.scheduler import Request, Scheduler, BatchLimits, Status
 from fdcore.models import tiny
 from fdcore.models.llama import LlamaModel, PagedKVCache
 from fdcore.models.loader import load_checkpoint
@@ -29,7 +29,7 @@ def model(tmp_path_factory):
 
 def make_core(model, num_blocks=256, budget=512, max_seqs=16, prefix=True) -> EngineCore:
     kv = KVCacheManager(num_blocks, BLOCK, enable_prefix_caching=prefix)
-    scheduler = Scheduler(SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget,
+    scheduler = Scheduler(BatchLimits(max_num_seqs=max_seqs, max_num_batched_tokens=budget,
                                           max_model_len=2048), kv)
     return EngineCore(model, PagedKVCache(model.args, num_blocks, BLOCK), scheduler)
 

@@ -15,7 +15,7 @@ def test_allocation_counts_blocks_and_free_returns_them_at_once():
     assert len(kv.block_table("a")) == 3 and kv.num_free_blocks == 7
     assert kv.append_slots("a", 13) and len(kv.block_table("a")) == 4
     kv.free("a")
-    assert kv.num_free_blocks == 10 and kv.statistics().used_blocks == 0
+    assert kv.num_free_blocks == 10 and kv.statistics().num_free == 10
 
 
 def test_no_room_means_none_and_nothing_held():
@@ -52,11 +52,11 @@ def test_freed_blocks_stay_hittable_until_reused_least_recent_first():
     kv.allocate("a", first, 100)
     kv.cache_computed("a", first, 9)
     kv.free("a")
-    assert kv.statistics().cached_blocks == 2
+    assert kv.statistics().num_cached == 2
     assert kv.allocate("b", first, 100) == 8  # still cached after free
     kv.free("b")
     kv.allocate("c", [50] * 16, 16)  # needs all 4 blocks: evicts the cached ones
-    assert kv.statistics().cached_blocks == 0
+    assert kv.statistics().num_cached == 0
     kv.free("c")
     assert kv.allocate("d", first, 100) == 0
 

@@ -827,7 +827,7 @@ def test_choices_started_before_their_client_left_are_aborted_and_counted():
     import types
 
     from fdcore.server.app import _Api
-    from fdcore.server.metrics import Metrics
+    from fdcore.server.metrics import ServerMetrics
 
     closed: list[int] = []
 
@@ -848,7 +848,7 @@ def test_choices_started_before_their_client_left_are_aborted_and_counted():
             finally:
                 closed.append(index)
 
-    metrics = Metrics()
+    metrics = ServerMetrics()
 
     async def scenario():
         llm = OneAnswersLLM()

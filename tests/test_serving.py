@@ -14,7 +14,7 @@ import pytest
 from fdcore import LLM, AsyncLLM, SamplingParams
 from fdcore.core.engine_core import EngineCore
 from fdcore.core.kv_cache_manager import KVCacheManager
-from fdcore.core.scheduler import Request, Scheduler, SchedulerConfig
+from fdcore.core.scheduler import Request, Scheduler, BatchLimits
 from fdcore.models import tiny
 from fdcore.models.llama import LlamaModel, PagedKVCache
 from fdcore.models.loader import load_checkpoint
@@ -41,7 +41,7 @@ def in_process(model_dir: str, prompts: list[list[int]], params: list[SamplingPa
     """The same requests through EngineCore in this process: the reference for the tree."""
     checkpoint = load_checkpoint(model_dir, progress=lambda *_: None)
     core = EngineCore(LlamaModel(checkpoint), PagedKVCache(checkpoint.args, 1024, 16),
-                      Scheduler(SchedulerConfig(), KVCacheManager(1024, 16)))
+                      Scheduler(BatchLimits(), KVCacheManager(1024, 16)))
     requests = [Request(f"r{i}", p, sp, checkpoint.eos_token_ids) for i, (p, sp) in enumerate(zip(prompts, params, strict=True))]
     for request in requests:
         core.add(request)

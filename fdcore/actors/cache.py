@@ -13,7 +13,7 @@ from __future__ import annotations
 from fdcore.actors import faults
 from fdcore.actors.runtime import Actor
 from fdcore.core.kv_cache_manager import KVCacheManager
-from fdcore.protocol import (Allocate, CacheMessage, CacheReply, CacheReset, CacheStats, CacheStatsQuery,
+from fdcore.protocol import (Allocate, CacheMessage, CacheReply, CacheReset, CacheStatsQuery,
                              Computed, Free, Grow, GrowMany, GrowReply, Ping, Stop)
 
 
@@ -52,7 +52,7 @@ class CacheActor(Actor):
                     if not self.kv.append_slots(seq, num_tokens):
                         break
                     tables.append(self.kv.block_table(seq))
-                self.send("scheduler", GrowReply(len(tables), tables, statistics(self.kv), self.epoch))
+                self.send("scheduler", GrowReply(len(tables), tables, self.kv.statistics(), self.epoch))
             case Free(seq=seq):
                 self.kv.free(seq)
             case Computed(seq=seq, first_block=first, token_ids=token_ids, num_computed=num):
@@ -66,7 +66,7 @@ class CacheActor(Actor):
                 super().handle(message)
 
     def _reply(self, seq: int, ok: bool, blocks: list[int], cached: int) -> None:
-        self.send("scheduler", CacheReply(seq, ok, blocks, cached, statistics(self.kv), self.epoch))
+        self.send("scheduler", CacheReply(seq, ok, blocks, cached, self.kv.statistics(), self.epoch))
 
 
 def prefix_caching_is_exact(config) -> bool:
@@ -84,8 +84,3 @@ def prefix_caching_is_exact(config) -> bool:
     except CheckpointError:
         return True
 
-
-def statistics(kv: KVCacheManager) -> CacheStats:
-    s = kv.statistics()
-    return CacheStats(s.num_blocks, s.num_blocks - s.used_blocks, s.cached_blocks, s.usage, s.hit_rate,
-                      s.queried_tokens, s.hit_tokens)

@@ -25,7 +25,7 @@ from collections import deque
 
 from fdcore.actors import faults, topology
 from fdcore.actors.runtime import Actor, Interrupted
-from fdcore.core.scheduler import Request, ScheduledRequest, Scheduler, SchedulerConfig
+from fdcore.core.scheduler import Request, ScheduledRequest, Scheduler, BatchLimits
 from fdcore.protocol import (AddSeq, Allocate, CacheReply, CacheReset, CacheStats, CacheStatsQuery, Computed,
                              FinishSeq, Free, Grow, GrowMany, GrowReply, NewSeq, Resync, SchedulerMessage, SeqTokens,
                              ServingStats, StatsQuery, Step, StepItem, StepResult, Stop, Suspects, WorkerSync)
@@ -135,7 +135,7 @@ class SchedulerActor(Actor):
         # announced (Resync) within seconds, which interrupts the wait (see Actor.call).
         self.blocks = RemoteBlocks(self, c.cache.block_size, c.cache.enable_prefix_caching,
                                    2 * c.supervisor.hang_timeout)
-        self.policy = Scheduler(SchedulerConfig(c.scheduler.max_num_seqs, c.scheduler.max_num_batched_tokens,
+        self.policy = Scheduler(BatchLimits(c.scheduler.max_num_seqs, c.scheduler.max_num_batched_tokens,
                                                 c.scheduler.max_model_len), self.blocks)
         self.step_number = 0
         self.in_flight: deque[tuple[int, list[ScheduledRequest]]] = deque()

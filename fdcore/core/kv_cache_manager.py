@@ -18,6 +18,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+from fdcore.protocol import CacheStats
+
 
 @dataclass
 class Block:
@@ -25,22 +27,6 @@ class Block:
     ref_count: int = 0
     block_hash: int | None = None
 
-
-@dataclass
-class CacheStatistics:
-    num_blocks: int
-    used_blocks: int
-    cached_blocks: int
-    queried_tokens: int
-    hit_tokens: int
-
-    @property
-    def usage(self) -> float:
-        return self.used_blocks / self.num_blocks
-
-    @property
-    def hit_rate(self) -> float:
-        return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
 
 
 @dataclass
@@ -73,9 +59,11 @@ class KVCacheManager:
     def block_table(self, request_id: str) -> list[int]:
         return [b.block_id for b in self._requests[request_id].blocks]
 
-    def statistics(self) -> CacheStatistics:
-        return CacheStatistics(len(self.blocks), len(self.blocks) - len(self._free),
-                               len(self._cached), self._queried, self._hits)
+    def statistics(self) -> CacheStats:
+        """The counters as the scheduler and the engine's stats report them (one type for the concept)."""
+        total, free = len(self.blocks), len(self._free)
+        return CacheStats(total, free, len(self._cached), (total - free) / total,
+                          self._hits / self._queried if self._queried else 0.0, self._queried, self._hits)
 
     # ------------------------------------------------------------- allocation
     def allocate(self, request_id: str, token_ids: list[int], max_new_tokens: int,

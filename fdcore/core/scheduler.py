@@ -78,14 +78,16 @@ class ScheduledRequest:
 
 
 @dataclass
-class SchedulerConfig:
+class BatchLimits:
+    """The policy's limits (the ``[scheduler]`` section's, config.SchedulerConfig, as the pure policy takes them)."""
+
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
     max_model_len: int = 2048
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager):
+    def __init__(self, config: BatchLimits, kv: KVCacheManager):
         self.config = config
         self.kv = kv
         self.waiting: deque[Request] = deque()

@@ -25,7 +25,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from fdcore.server.metrics import Metrics
+from fdcore.server.metrics import ServerMetrics
 from fdcore.core.validation import ModelLimits, RequestError, check_token_ids
 from fdcore.server.schemas import (
     BadRequest,
@@ -78,7 +78,7 @@ def error_response(message: str, status: int, param: str | None = None, code: st
 
 def build_app(llm, settings: Settings, tokenizer, health, restarts) -> Starlette:
     """``llm``: an AsyncLLM; ``health()`` -> (ok, reason); ``restarts()`` -> {actor: count}."""
-    metrics = Metrics()
+    metrics = ServerMetrics()
     api = _Api(llm, settings, tokenizer, metrics)
 
     async def completions(request: Request) -> Response:
@@ -127,7 +127,7 @@ def build_app(llm, settings: Settings, tokenizer, health, restarts) -> Starlette
 
 
 class _Api:
-    def __init__(self, llm, settings: Settings, tokenizer, metrics: Metrics):
+    def __init__(self, llm, settings: Settings, tokenizer, metrics: ServerMetrics):
         self.llm, self.settings, self.tokenizer, self.metrics = llm, settings, tokenizer, metrics
         self.started = int(time.time())
 

@@ -8,7 +8,10 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 
 TOKEN_BUCKETS = (0.0005, 0.001, 0.002, 0.004, 0.008, 0.016, 0.032, 0.064, 0.128, 0.256, 0.512, 1.024)
 
 
-class Metrics:
+class ServerMetrics:
+    """The HTTP server's Prometheus series (one registry per app). Not ``protocol.Metrics``: that is one
+    request's timing, which the engine sends with its last update and these observe."""
+
     def __init__(self):
         self.registry = r = CollectorRegistry()
         self.requests = Counter("fdcore_requests", "Finished requests by outcome (stop, length, abort, error)",
