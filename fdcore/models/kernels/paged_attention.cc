@@ -25,18 +25,34 @@ __attribute__((visibility("hidden"))) void RoundToBf16(const float* x, int64_t n
 constexpr int kMostHeads = 4;     // query heads per pass over a row's keys (AVX-512: 1 past D = 128)
 constexpr int64_t kFewestTasks = 8;  // (row, KV head) pairs below which attention is shared out by query head
 
-// Visits a row's keys (or values) in order with their index l from 0, block by block (a division per block, not
-// per key: BS is not a compile-time constant). (Prefetching the next block's rows measured no gain on SmolLM2's
-// batch-1 decode, where a layer's cache comes from memory.)
+// Visits a row's keys (or values) in runs of consecutive rows of one block, in order: visit(l, rows, run) for
+// keys l .. l + run - 1 (l from 0) at rows, rows + D, ... (a division per block, not per key: BS is not a
+// compile-time constant). (Prefetching the next block's rows measured no gain on SmolLM2's batch-1 decode,
+// where a layer's cache comes from memory.)
 template <typename T, typename Visit>
-static inline void ForEachKey(const T* base, int64_t kv_base, int64_t BS, int64_t D, const int64_t* table,
+static inline void ForEachRun(const T* base, int64_t kv_base, int64_t BS, int64_t D, const int64_t* table,
                               int64_t first, int64_t L, Visit&& visit) {
   for (int64_t key = first, l = 0; key < first + L;) {
     const int64_t offset = key % BS, run = std::min(BS - offset, first + L - key);
-    const T* row = base + (kv_base + table[key / BS] * BS + offset) * D;
-    for (int64_t j = 0; j < run; ++j, ++key, ++l) visit(l, row + j * D);
+    visit(l, base + (kv_base + table[key / BS] * BS + offset) * D, run);
+    key += run, l += run;
   }
 }
+
+// Visits a row's keys (or values) one by one, in order: visit(l, row) for key l (from 0).
+template <typename T, typename Visit>
+static inline void ForEachKey(const T* base, int64_t kv_base, int64_t BS, int64_t D, const int64_t* table,
+                              int64_t first, int64_t L, Visit&& visit) {
+  ForEachRun(base, kv_base, BS, D, table, first, L, [&](int64_t l, const T* rows, int64_t run) {
+    for (int64_t j = 0; j < run; ++j) visit(l + j, rows + j * D);
+  });
+}
+
+// NOTE: the weighted sums of values (o += p v) accumulate each run of keys in an array local to the run's visit,
+// copied from and back to the row's: GCC (12) kept an accumulator array captured by reference in memory and
+// stored all of it after every key (12 zmm stores a key at SmolLM2's 3 heads x 64 dims), and SmolLM2's 512-token
+// prefill attention took 1.6-1.75x the time it takes now (one thread of a Zen 4 EPYC). The same sums in the
+// same order: the same bits.
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -147,13 +163,20 @@ static void AttendHeads(const float* qg, int64_t D, const float* K, const float*
   __m512 o[HB][C];
   for (int h = 0; h < HB; ++h)
     for (int c = 0; c < C; ++c) o[h][c] = _mm512_setzero_ps();
-  each_key(V, [&](int64_t l, const float* vr) {
-    __m512 v[C];
-    for (int c = 0; c < C; ++c) v[c] = _mm512_maskz_loadu_ps(masks[c], vr + 16 * c);
-    for (int h = 0; h < HB; ++h) {
-      const __m512 p = _mm512_set1_ps(scores[h * L + l]);
-      for (int c = 0; c < C; ++c) o[h][c] = _mm512_fmadd_ps(p, v[c], o[h][c]);
+  ForEachRun(V, kv_base, BS, D, table, first, L, [&](int64_t l, const float* vr, int64_t run) {
+    __m512 acc[HB][C];  // (registers: see the NOTE at ForEachRun)
+    for (int h = 0; h < HB; ++h)
+      for (int c = 0; c < C; ++c) acc[h][c] = o[h][c];
+    for (int64_t j = 0; j < run; ++j, vr += D) {
+      __m512 v[C];
+      for (int c = 0; c < C; ++c) v[c] = _mm512_maskz_loadu_ps(masks[c], vr + 16 * c);
+      for (int h = 0; h < HB; ++h) {
+        const __m512 p = _mm512_set1_ps(scores[h * L + l + j]);
+        for (int c = 0; c < C; ++c) acc[h][c] = _mm512_fmadd_ps(p, v[c], acc[h][c]);
+      }
     }
+    for (int h = 0; h < HB; ++h)
+      for (int c = 0; c < C; ++c) o[h][c] = acc[h][c];
   });
   for (int h = 0; h < HB; ++h)
     for (int c = 0; c < C; ++c) _mm512_mask_storeu_ps(out + h * D + 16 * c, masks[c], _mm512_mul_ps(o[h][c], inverse[h]));
@@ -193,8 +216,8 @@ static void AttendOne(const float* qg, int64_t G, int64_t D, const float* K, con
 // o += p[l] v[l] + p[l + 1] v[l + 1], two keys per instruction (their values interleaved by
 // vpunpck[lh]wd, which leaves the dimensions in an order undone at the store). Each head's arithmetic is
 // its own, in key order, whatever HB and the row's neighbours: a row's bits are its q's, keys' and values'
-// alone, as on the float32 path. A 512-token prefill's attention in 0.58x the float32 path's time (SmolLM2's
-// shapes, one thread of a Zen 4 EPYC).
+// alone, as on the float32 path. A 512-token prefill's attention in 0.82x the float32 path's time (SmolLM2's
+// shapes, one thread of a Zen 4 EPYC; 0.58x before both kept their sums of values in registers).
 template <int C2, int HB>
 static void AttendHeadsBf16(const float* qg, int64_t D, const uint16_t* K, const uint16_t* V, int64_t kv_base,
                             int64_t BS, const int64_t* table, int64_t first, int64_t L, float* scores,
@@ -234,7 +257,8 @@ static void AttendHeadsBf16(const float* qg, int64_t D, const uint16_t* K, const
   __m512 o[HB][2 * C2];
   for (int h = 0; h < HB; ++h)
     for (int c = 0; c < 2 * C2; ++c) o[h][c] = _mm512_setzero_ps();
-  auto pair = [&](int64_t l, const uint16_t* va, const uint16_t* vb) {  // keys l and l + 1
+  // keys l and l + 1 into acc (o, or a run's copy in registers: see the NOTE at ForEachRun)
+  auto pair = [&](__m512 (&acc)[HB][2 * C2], int64_t l, const uint16_t* va, const uint16_t* vb) {
     __m512bh v[2 * C2];  // 32 values: v[2 c] dims {0-3, 8-11, 16-19, 24-27} + 32 c, v[2 c + 1] the other 16
     for (int c = 0; c < C2; ++c) {
       const __m512i a = _mm512_loadu_si512(va + 32 * c), b = _mm512_loadu_si512(vb + 32 * c);
@@ -245,18 +269,22 @@ static void AttendHeadsBf16(const float* qg, int64_t D, const uint16_t* K, const
       int32_t two;
       std::memcpy(&two, weights + h * L2 + l, sizeof(two));
       const __m512bh w = (__m512bh)_mm512_set1_epi32(two);
-      for (int c = 0; c < 2 * C2; ++c) o[h][c] = _mm512_dpbf16_ps(o[h][c], v[c], w);
+      for (int c = 0; c < 2 * C2; ++c) acc[h][c] = _mm512_dpbf16_ps(acc[h][c], v[c], w);
     }
   };
-  const uint16_t* even = nullptr;
-  each_key(V, [&](int64_t l, const uint16_t* vr) {
-    if (l % 2 == 0) {
-      even = vr;
-    } else {
-      pair(l - 1, even, vr);
-    }
+  const uint16_t* even = nullptr;  // an even key whose partner is the next run's first
+  ForEachRun(V, kv_base, BS, D, table, first, L, [&](int64_t l, const uint16_t* vr, int64_t run) {
+    __m512 acc[HB][2 * C2];
+    for (int h = 0; h < HB; ++h)
+      for (int c = 0; c < 2 * C2; ++c) acc[h][c] = o[h][c];
+    int64_t j = 0;
+    if (l % 2) pair(acc, l - 1, even, vr), j = 1;
+    for (; j + 1 < run; j += 2) pair(acc, l + j, vr + j * D, vr + (j + 1) * D);
+    if (j < run) even = vr + j * D;
+    for (int h = 0; h < HB; ++h)
+      for (int c = 0; c < 2 * C2; ++c) o[h][c] = acc[h][c];
   });
-  if (L & 1) pair(L - 1, even, even);  // (its partner's weight is 0)
+  if (L & 1) pair(o, L - 1, even, even);  // (its partner's weight is 0)
   const __m512i low = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
   const __m512i high = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
   for (int h = 0; h < HB; ++h)
@@ -407,11 +435,17 @@ static void AttendHeads8(const float* qg, int64_t D, const float* K, const float
     __m256 o[HB][CC];
     for (int h = 0; h < HB; ++h)
       for (int c = 0; c < CC; ++c) o[h][c] = _mm256_setzero_ps();
-    each_key(V, [&](int64_t l, const float* vr) {
-      for (int h = 0; h < HB; ++h) {
-        const __m256 p = _mm256_set1_ps(scores[h * L + l]);
-        for (int c = 0; c < CC; ++c) o[h][c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vr + 8 * c), o[h][c]);
-      }
+    ForEachRun(V, kv_base, BS, D, table, first, L, [&](int64_t l, const float* vr, int64_t run) {
+      __m256 acc[HB][CC];  // (registers: see the NOTE at ForEachRun)
+      for (int h = 0; h < HB; ++h)
+        for (int c = 0; c < CC; ++c) acc[h][c] = o[h][c];
+      for (int64_t j = 0; j < run; ++j, vr += D)
+        for (int h = 0; h < HB; ++h) {
+          const __m256 p = _mm256_set1_ps(scores[h * L + l + j]);
+          for (int c = 0; c < CC; ++c) acc[h][c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vr + 8 * c), acc[h][c]);
+        }
+      for (int h = 0; h < HB; ++h)
+        for (int c = 0; c < CC; ++c) o[h][c] = acc[h][c];
     });
     for (int h = 0; h < HB; ++h)
       for (int c = 0; c < CC; ++c)
