@@ -233,25 +233,29 @@ np.savez(sys.argv[2], y=y)
 
 
 @needs_int_kernels
-def test_the_int8_kernel_gives_the_same_bits_on_one_two_and_three_threads(on_threads):
-    """A batch's threads take equal runs of 16-row blocks, which may start or end inside a packed group
-    (200 rows: 13 blocks; 2 threads split a group, 3 threads do not): each output is still computed whole
-    by one thread, the same way, and a row alone (one-row passes keep whole groups) agrees."""
+@pytest.mark.parametrize("batch", [13, 258])
+def test_the_int8_kernel_gives_the_same_bits_on_one_two_and_three_threads(on_threads, batch):
+    """Below 256 rows a batch's threads take equal runs of 16-row blocks, which may start or end inside a
+    packed group (200 rows: 13 blocks; 2 threads split a group, 3 threads do not); from 256 rows they take
+    shares of the rows (258: 128 + 130 on 2 threads, 84 + 88 + 86 on 3, ending in one-row passes). Each
+    output is still computed whole by one thread, the same way, and a row alone (one-row passes keep whole
+    groups) agrees."""
     import paddle
 
     from fdcore.models.kernels import linear_int8
     from fdcore.models.llama import Int8Matrix
 
     rng = np.random.default_rng(8)
-    x, w = rng.standard_normal((13, 576)).astype(np.float32), rng.standard_normal((200, 576)).astype(np.float32)
+    x, w = rng.standard_normal((batch, 576)).astype(np.float32), rng.standard_normal((200, 576)).astype(np.float32)
     one = on_threads(_INT8_ON_THREADS, {"x": x, "w": w}, threads=1)["y"]
     q, scale = Int8Matrix.quantize(w)
     np.testing.assert_allclose(one, _int8_reference(x, q, scale), rtol=1e-4, atol=1e-4)
     for threads in (2, 3):
         assert np.array_equal(one, on_threads(_INT8_ON_THREADS, {"x": x, "w": w}, threads=threads)["y"]), threads
     matrix = Int8Matrix.pack(w)
-    alone = linear_int8()(paddle.to_tensor(x[5:6]), matrix.packed, matrix.scales, matrix.rows).numpy()
-    np.testing.assert_array_equal(one[5], alone[0])
+    for row in (5, batch - 1):
+        alone = linear_int8()(paddle.to_tensor(x[row:row + 1]), matrix.packed, matrix.scales, matrix.rows).numpy()
+        np.testing.assert_array_equal(one[row], alone[0])
 
 def _int4_reference(x: np.ndarray, q: np.ndarray, scale: np.ndarray, minimum: np.ndarray) -> np.ndarray:
     """What the 4-bit kernel computes, in float64 past the rounding it does in float32: x quantized per
