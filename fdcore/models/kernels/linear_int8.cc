@@ -113,6 +113,10 @@ __attribute__((visibility("hidden"))) void QuantizeBlock(const float* x, int64_t
 namespace {
 #endif
 
+// Thread i's share of M rows (i = threads: M): contiguous, cut at multiples of 4 (the kernels' row passes). The
+// quantizing and SplitByRows cut alike, so a thread multiplies the rows it quantized.
+inline int64_t RowShare(int64_t M, int64_t i, int64_t threads) { return i == threads ? M : M * i / threads / 4 * 4; }
+
 // x rows -> int8 per block of 32 (padded with zeros to Kp), their scales and 128 * their sums. With AVX2 or
 // AVX-512, QuantizeBlock: the same operations as the scalar loop, so the same bits (the scalar loop took
 // ~7 us of a SmolLM2 batch-1 projection's ~85, on one thread while the others waited).
@@ -131,27 +135,30 @@ void QuantizeRows(const float* X, int64_t M, int64_t K, int64_t Kp, std::vector<
   int32_t* XO = offsets.data();
   // A row's blocks are its own, so rows shared out across threads give the same bits: a 512-token prefill
   // quantized ~0.4 ms a projection on one thread while the others waited.
-#pragma omp parallel for schedule(static) if (M >= 8 && M * K >= (1 << 16))
-  for (int64_t m = 0; m < M; ++m) {
-    for (int64_t blk = 0; blk < blocks; ++blk) {
-      const int64_t k0 = blk * kQuant, k1 = std::min(K, k0 + kQuant);
+#pragma omp parallel if (M >= 8 && M * K >= (1 << 16))
+  {
+    const int64_t threads = omp_get_num_threads(), t = omp_get_thread_num();
+    for (int64_t m = RowShare(M, t, threads); m < RowShare(M, t + 1, threads); ++m) {
+      for (int64_t blk = 0; blk < blocks; ++blk) {
+        const int64_t k0 = blk * kQuant, k1 = std::min(K, k0 + kQuant);
 #if defined(__AVX2__)
-      float top;
-      int32_t sum;
-      QuantizeBlock(X + m * K + k0, k1 - k0, Q + m * Kp + k0, &top, &sum);
+        float top;
+        int32_t sum;
+        QuantizeBlock(X + m * K + k0, k1 - k0, Q + m * Kp + k0, &top, &sum);
 #else
-      float top = 0.f;
-      for (int64_t k = k0; k < k1; ++k) top = std::max(top, std::fabs(X[m * K + k]));
-      const float inverse = top > 0.f ? 127.f / top : 0.f;
-      int32_t sum = 0;
-      for (int64_t k = k0; k < k1; ++k) {
-        const int value = static_cast<int>(std::nearbyint(X[m * K + k] * inverse));
-        Q[m * Kp + k] = static_cast<int8_t>(value);
-        sum += value;
-      }
+        float top = 0.f;
+        for (int64_t k = k0; k < k1; ++k) top = std::max(top, std::fabs(X[m * K + k]));
+        const float inverse = top > 0.f ? 127.f / top : 0.f;
+        int32_t sum = 0;
+        for (int64_t k = k0; k < k1; ++k) {
+          const int value = static_cast<int>(std::nearbyint(X[m * K + k] * inverse));
+          Q[m * Kp + k] = static_cast<int8_t>(value);
+          sum += value;
+        }
 #endif
-      XS[m * blocks + blk] = top / 127.f;
-      XO[m * blocks + blk] = 128 * sum;
+        XS[m * blocks + blk] = top / 127.f;
+        XO[m * blocks + blk] = 128 * sum;
+      }
     }
   }
 }
@@ -375,9 +382,10 @@ constexpr int64_t kRowSplit = 256;
 //   inside a group. Why: SmolLM2's 576-row products are 9 groups of 64, which whole groups split 5 / 4 over 2
 //   threads, and a batch is compute-bound, so the thread with 4 waits (a 512-token SmolLM2 wint8 prefill,
 //   alternating in one process: 0.96x the time; batches of 8 and 32 rows no different).
-// - from kRowSplit rows, each thread a contiguous share of the rows (multiples of 4), against all of W. Its
-//   rows of x are the ones it quantized, and its rows of y the ones it hands the next operator (the norms and
-//   SwiGLU share out rows the same way), so no row crosses between the cores' caches; W is read by both. A
+// - from kRowSplit rows, each thread a contiguous share of the rows (RowShare), against all of W. Its
+//   rows of x are the ones it quantized, and its rows of y the ones the next operator gives it (the norms and
+//   SwiGLU share out rows statically: the same shares but for RowShare's rounding to 4), so rows hardly cross
+//   between the cores' caches; W is read by both. A
 //   SmolLM2 wint8 prefill on 2 threads of a Zen 4 EPYC, the two splits alternating in one process: 128 tokens
 //   1.037x the time (one 32-row decode step: 1.20x, where W's streaming is the work), 256 tokens 0.99x, 512
 //   0.95x, 1024 0.92x.
@@ -390,8 +398,7 @@ void BatchByBlocks(const int8_t* xq, const float* xs, const int32_t* xo, int64_t
   {
     const int64_t threads = omp_get_num_threads(), t = omp_get_thread_num();
     if (M >= kRowSplit) {
-      auto share = [&](int64_t i) { return i == threads ? M : M * i / threads / 4 * 4; };
-      RowsByBlocks(xq, xs, xo, Kp, Wp, ws, N, share(t), share(t + 1), 0, units, Y);
+      RowsByBlocks(xq, xs, xo, Kp, Wp, ws, N, RowShare(M, t, threads), RowShare(M, t + 1, threads), 0, units, Y);
     } else {
       RowsByBlocks(xq, xs, xo, Kp, Wp, ws, N, 0, M, units * t / threads, units * (t + 1) / threads, Y);
     }
