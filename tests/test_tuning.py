@@ -1,5 +1,5 @@
-"""Settings measured at load (fdcore.models.tuning): the chooser alone, on a fake clock, and the int
-kernels' weight prefetch, which the model tunes and which must change no result."""
+"""Settings measured at load (fdcore.models.tuning): the chooser alone, on a fake clock, and the
+kernels' weight prefetch (float32, int8, int4), which the model tunes and which must change no result."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from fdcore.models.kernels import kernel_path
-from fdcore.models.tuning import SwitchTrial, fastest
+from fdcore.models.tuning import SwitchTrial, fastest, rounds_for
 
 
 class FakeHost:
@@ -48,6 +48,12 @@ def test_a_tie_keeps_the_first_setting():
     assert fastest(("on", "off"), host.apply, host.run, rounds=3, clock=host.clock)[0] == "on"
 
 
+@pytest.mark.parametrize("pass_mb, expected", [(80, 8), (160, 8), (320, 4), (538, 3), (4000, 3), (0, 8)])
+def test_a_pass_over_more_bytes_gets_fewer_rounds_but_never_below_three(pass_mb, expected):
+    assert rounds_for(8, pass_mb << 20, 160 << 20) == expected
+    assert rounds_for(2, pass_mb << 20, 160 << 20) <= 2  # (never more than asked)
+
+
 @pytest.mark.parametrize("settings, rounds", [((), 3), (("on",), 0)])
 def test_nothing_to_measure_is_an_error(settings, rounds):
     with pytest.raises(ValueError, match="at least one setting and one round"):
@@ -58,18 +64,19 @@ needs_int_kernels = pytest.mark.skipif(kernel_path("wint8") is None, reason="win
 
 
 @needs_int_kernels
-def test_the_prefetch_setting_changes_no_bit_of_the_int_kernels():
+def test_the_prefetch_setting_changes_no_bit_of_the_kernels():
     import paddle
 
     from fdcore.models.kernels import set_weight_prefetch, weight_prefetch
-    from fdcore.models.llama import Int4Matrix, Int8Matrix, _matrix_kind, linear
+    from fdcore.models.llama import F32Matrix, Int4Matrix, Int8Matrix, _f32_kernel, _matrix_kind, linear
 
-    _matrix_kind("float32", "wint4")  # loads both kernels
+    _matrix_kind("float32", "wint4")  # loads the int kernels
+    assert _f32_kernel()  # (and the float32 one: the same flags or fewer)
     rng = np.random.default_rng(3)
     x, w = rng.standard_normal((9, 576)).astype(np.float32), rng.standard_normal((4160, 576)).astype(np.float32)
     saved = weight_prefetch()
     try:
-        for cls in (Int8Matrix, Int4Matrix):
+        for cls in (F32Matrix, Int8Matrix, Int4Matrix):
             matrix = cls.pack(w)
             assert matrix.inputs == 576
             out = {}
@@ -77,13 +84,15 @@ def test_the_prefetch_setting_changes_no_bit_of_the_int_kernels():
                 assert set_weight_prefetch(on) and weight_prefetch() is on
                 out[on] = [linear(paddle.to_tensor(x[:m]), matrix).numpy() for m in (1, 9)]
             assert all(np.array_equal(a, b) for a, b in zip(out[True], out[False]))
+            expected = x @ w.T  # (and the products are the products: 4-bit levels of Gaussians, ~9 % off)
+            assert np.linalg.norm(out[True][1] - expected) < 0.15 * np.linalg.norm(expected)
     finally:
         set_weight_prefetch(saved)
 
 
 @needs_int_kernels
-@pytest.mark.parametrize("quantization", ["wint8", "wint4"])
-def test_a_quantized_model_measures_both_and_keeps_the_faster(tmp_path, quantization):
+@pytest.mark.parametrize("quantization", ["none", "wint8", "wint4"])
+def test_a_model_of_streamed_matrices_measures_both_and_keeps_the_faster(tmp_path, quantization):
     from fdcore.models import tiny
     from fdcore.models.kernels import weight_prefetch
     from fdcore.models.llama import LlamaModel
@@ -94,8 +103,17 @@ def test_a_quantized_model_measures_both_and_keeps_the_faster(tmp_path, quantiza
     timing = model.prefetch_timing
     assert set(timing) == {True, False} and all(seconds > 0 for seconds in timing.values())
     assert weight_prefetch() is min((True, False), key=lambda on: timing[on])
-    plain = LlamaModel(load_checkpoint(path, progress=lambda *_: None))
-    assert plain.prefetch_timing is None  # nothing of int8 or int4 to stream
+
+
+@pytest.mark.skipif(kernel_path("bfloat16") is None, reason="bfloat16 is refused on CPUs without AVX512-BF16")
+def test_a_bfloat16_model_has_nothing_to_tune(tmp_path):
+    from fdcore.models import tiny
+    from fdcore.models.llama import LlamaModel
+    from fdcore.models.loader import load_checkpoint
+
+    path = tiny.make_tiny_model(str(tmp_path / "tiny"))
+    plain = LlamaModel(load_checkpoint(path, progress=lambda *_: None), "bfloat16")
+    assert plain.prefetch_timing is None  # its kernel does not prefetch: nothing to choose
 
 
 def _drive(trial: SwitchTrial, cost: dict, steps: int) -> list:

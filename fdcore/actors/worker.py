@@ -96,7 +96,7 @@ class WorkerActor(Actor):
         self.placement_due = 0.0  # (time.monotonic) when the thread count is next checked
         self.masks = ThreadPoolExecutor(1, thread_name_prefix="fdcore-masks", initializer=self._off_the_main_cpu)
         self.rank, self.world = topology.worker_rank(self.child_id), self.config.workers.tensor_parallel_size
-        self.prefetch_trial = None  # a model with int weights: their prefetch, re-tried at batch-1 decode steps
+        self.prefetch_trial = None  # float32 / int weights: their prefetch, re-tried at batch-1 decode steps
         if self.config.model.backend == "null":
             from fdcore.models.null import NullModel
 
@@ -114,7 +114,7 @@ class WorkerActor(Actor):
 
             chosen = weight_prefetch()  # (the load's choice, as the kernels hold it)
             self.prefetch_trial = SwitchTrial(chosen, not chosen)
-            sys.stderr.write(f"{self.child_id}: weight prefetch {'on' if chosen else 'off'} (a pass over the int "
+            sys.stderr.write(f"{self.child_id}: weight prefetch {'on' if chosen else 'off'} (a pass over the "
                              f"weights: on {timing[True] * 1e3:.2f} ms, off {timing[False] * 1e3:.2f} ms)\n")
         cache = self.config.cache
         self.cache = self.model.new_cache(cache.num_blocks, cache.block_size, cache.dtype)

@@ -174,19 +174,24 @@ class LlamaModel:
             return f"needs head_dim a multiple of 32 (this model's is {self.args.head_dim})"
         return None
 
-    def tune_weight_prefetch(self, rounds: int = 8) -> dict | None:
-        """Set the int8 / int4 kernels' weight prefetch (fdcore.models.kernels.set_weight_prefetch) to whichever
-        of on and off makes one pass of one row over every int matrix of the model faster here (each pass
-        streams them from memory, as a batch-1 decode step does); {on: median seconds, off: ...}. None for a
-        model with no int matrix or without the kernels. The bits are the same either way."""
+    def tune_weight_prefetch(self, rounds: int = 8, bytes_per_round: int = 160 << 20) -> dict | None:
+        """Set the kernels' weight prefetch (fdcore.models.kernels.set_weight_prefetch: float32, int8 and int4
+        one-row passes) to whichever of on and off makes one pass of one row over every such matrix of the
+        model faster here (each pass streams them from memory, as a batch-1 decode step does); {on: median
+        seconds, off: ...}. None for a model with no such matrix (bfloat16) or without the kernels. The bits
+        are the same either way. Fewer rounds where a pass streams more than ``bytes_per_round``
+        (tuning.rounds_for: a load's time is a restart's pause; the worker re-tries the other value as it decodes)."""
         from fdcore.models.kernels import set_weight_prefetch
-        from fdcore.models.tuning import fastest
+        from fdcore.models.tuning import fastest, rounds_for
 
-        matrices = [m for layer in self.layers for m in layer.values() if isinstance(m, (Int8Matrix, Int4Matrix))]
-        matrices += [self.lm_head] if isinstance(self.lm_head, (Int8Matrix, Int4Matrix)) else []
+        streamed = (F32Matrix, Int8Matrix, Int4Matrix)
+        matrices = [m for layer in self.layers for m in layer.values() if isinstance(m, streamed)]
+        matrices += [self.lm_head] if isinstance(self.lm_head, streamed) else []
         if not matrices or not set_weight_prefetch(True):
             return None
         rows = {width: paddle.ones([1, width], dtype=paddle.float32) for width in {m.inputs for m in matrices}}
+        streamed_bytes = sum(_nbytes(m) for m in matrices)  # (a pass's bytes: SmolLM2 float32's 538 MB, 3 rounds)
+        rounds = rounds_for(rounds, streamed_bytes, bytes_per_round)
 
         def one_pass() -> None:
             for matrix in matrices:
@@ -590,6 +595,11 @@ class F32Matrix:
             array[full] = tail.T
         return cls(array, rows)
 
+    @property
+    def inputs(self) -> int:
+        """The inner dimension (x's width)."""
+        return self.array.shape[1]
+
     def take_rows(self, ids: np.ndarray) -> np.ndarray:
         """``weight[ids]``, [len(ids), in] (a new array)."""
         return np.ascontiguousarray(self.array[ids // 32, :, ids % 32])
@@ -766,6 +776,14 @@ def _blocks_of(file_blocks: dict[str, Blocks], *names: str) -> Blocks | None:
     """The file's blocks of these weights stacked by rows (as the model stacks q, k and v), when it
     holds them all in one kind of block (fdcore.models.quantized); taken from ``file_blocks``."""
     return concatenate_rows([file_blocks.pop(name, None) for name in names])
+
+
+def _nbytes(matrix) -> int:
+    """The bytes a pass over a packed matrix reads."""
+    if isinstance(matrix, F32Matrix):
+        return matrix.array.nbytes
+    tensors = [matrix.packed] + ([matrix.scales] if isinstance(matrix, Int8Matrix) else [])
+    return sum(int(t.numel()) * t.element_size() for t in tensors)
 
 
 def _per_block(ufunc, blocks: np.ndarray) -> np.ndarray:

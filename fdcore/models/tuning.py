@@ -36,6 +36,15 @@ def fastest(settings: Sequence, apply: Callable, run: Callable[[], object], roun
     return best, medians
 
 
+def rounds_for(rounds: int, pass_bytes: int, bytes_per_round: int, fewest: int = 3) -> int:
+    """``rounds`` of ``fastest`` scaled down where one run streams more than ``bytes_per_round`` (its time
+    grows with the bytes, and at load it is a restarted worker's pause too), but never below ``fewest``
+    (nor above ``rounds``)."""
+    if pass_bytes <= 0:
+        return rounds
+    return max(min(rounds, fewest), min(rounds, round(rounds * bytes_per_round / pass_bytes)))
+
+
 class SwitchTrial:
     """Keeps re-measuring a two-valued speed setting while it is in use, for a host whose best value
     changes after the load (the int kernels' weight prefetch: fdcore.models.kernels.set_weight_prefetch).

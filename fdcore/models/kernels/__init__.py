@@ -133,7 +133,7 @@ def linear_int4():
 
 
 def set_weight_prefetch(on: bool) -> bool:
-    """Whether the int8 and int4 kernels prefetch the weights a one-row pass streams (linear_int8.cc: it
+    """Whether the float32, int8 and int4 kernels prefetch the weights a one-row pass streams (linear_int8.cc: it
     helps on one machine and day and hurts on another, so LlamaModel measures it at load). The setting is
     the process's; it changes no result. False when the kernels are not built here."""
     library = _library()
@@ -144,7 +144,7 @@ def set_weight_prefetch(on: bool) -> bool:
 
 
 def weight_prefetch() -> bool | None:
-    """The int8 and int4 kernels' prefetch setting (set_weight_prefetch); None when they are not built here."""
+    """The float32, int8 and int4 kernels' prefetch setting (set_weight_prefetch); None when they are not built here."""
     library = _library()
     return None if library is None else bool(library.fdcore_weight_prefetch())
 

@@ -10,14 +10,17 @@
 //
 // NOTE: the weight is packed once, at load (fdcore.models.llama.F32Matrix), in panels of 32 output
 // rows: packed[p][k][lane] = W[32 p + lane][k] (rows zero-padded to a multiple of 32). A panel is one
-// contiguous stream (what the hardware prefetcher follows best; a software prefetch 128 to 1024
-// floats ahead measured no gain on one thread), and one k step of it is two 64-byte loads of 16
-// outputs each, multiplied against a broadcast x[m][k]: the accumulators are the outputs themselves
-// (no horizontal sums). 32 rows, not 64, so that SmolLM2's 576-wide projections are 18 panels and
-// split evenly on 2 or 3 threads. Up to 8 rows of X share each loaded pair of weight vectors (16
+// contiguous stream (what the hardware prefetcher follows best), and one k step of it is two 64-byte
+// loads of 16 outputs each, multiplied against a broadcast x[m][k]: the accumulators are the outputs
+// themselves (no horizontal sums). 32 rows, not 64, so that SmolLM2's 576-wide projections are 18 panels
+// and split evenly on 2 or 3 threads. Up to 8 rows of X share each loaded pair of weight vectors (16
 // accumulators: measured best of 3x64, 4x64, 6x64, 8x32, 10x32, 12x32 and 14x32 rows x outputs); a
 // panel stays in cache while every row of X passes over it, so a weight is read from memory once per
-// call.
+// call. A one-row pass (decoding one sequence streams W from memory) also prefetches 4 KiB ahead where
+// that is faster: the int kernels' setting (fdcore_prefetch_weights, measured at load and re-tried by the
+// worker). On one thread of an EPYC a software prefetch 128 to 1024 floats ahead gained nothing; SmolLM2's
+// float32 batch-1 step on 2 threads of a Xeon (family 6 model 207, AVX-512 and VNNI, no BF16), steps
+// alternating in one process: 0.976-0.982x the time with it (2 and 8 KiB: 0.98, 0.99).
 //
 // Determinism (crash-resume replays a sequence in other batches): every output is one chain of
 // FMAs over k = 0, 1, ..., K - 1 from zero, computed by one thread, whatever the tile it is in, the
@@ -35,9 +38,12 @@
 
 #include "paddle/extension.h"
 
+extern int fdcore_prefetch_weights;  // linear_int8.cc
+
 namespace {
 
 constexpr int kPanel = 32;  // output rows per packed panel
+constexpr int kPrefetchAhead = 1024;  // floats (4 KiB) a one-row pass prefetches ahead (when fdcore_prefetch_weights)
 
 #if defined(__AVX512F__)
 constexpr int kVectors = kPanel / 16;  // 16-lane vectors per panel
@@ -50,8 +56,11 @@ inline void PanelRows(const float* X, int64_t K, const float* W, int64_t outputs
   __m512 acc[MB][kVectors];
   for (int j = 0; j < MB; ++j)
     for (int v = 0; v < kVectors; ++v) acc[j][v] = _mm512_setzero_ps();
+  const bool prefetch = MB == 1 && fdcore_prefetch_weights;
 #pragma GCC unroll 4
   for (int64_t k = 0; k < K; ++k) {
+    if (prefetch)  // the two 64-byte lines of this k, kPrefetchAhead on
+      for (int v = 0; v < kVectors; ++v) _mm_prefetch(reinterpret_cast<const char*>(W + k * kPanel + v * 16 + kPrefetchAhead), _MM_HINT_T0);
     __m512 w[kVectors];
     for (int v = 0; v < kVectors; ++v) w[v] = _mm512_loadu_ps(W + k * kPanel + v * 16);
     for (int j = 0; j < MB; ++j) {
@@ -76,8 +85,11 @@ inline void PanelRows(const float* X, int64_t K, const float* W, int64_t outputs
   __m256 acc[MB][kVectors];
   for (int j = 0; j < MB; ++j)
     for (int v = 0; v < kVectors; ++v) acc[j][v] = _mm256_setzero_ps();
+  const bool prefetch = MB == 1 && fdcore_prefetch_weights;
 #pragma GCC unroll 4
   for (int64_t k = 0; k < K; ++k) {
+    if (prefetch)
+      for (int v = 0; v < kVectors; v += 2) _mm_prefetch(reinterpret_cast<const char*>(W + k * kPanel + v * 8 + kPrefetchAhead), _MM_HINT_T0);
     __m256 w[kVectors];
     for (int v = 0; v < kVectors; ++v) w[v] = _mm256_loadu_ps(W + k * kPanel + v * 8);
     for (int j = 0; j < MB; ++j) {

@@ -32,7 +32,7 @@ constexpr int kQuant = 32;  // inputs per activation scale
 
 }  // namespace
 
-// Whether a one-row pass prefetches the weights it streams (this file's and linear_int4.cc's kernels). It
+// Whether a one-row pass prefetches the weights it streams (this file's, linear_int4.cc's and linear_f32.cc's). It
 // helps or hurts by the host and even the hour: SmolLM2 wint8's forward on 2 threads of a Zen 4 EPYC VM
 // (steps alternating in one process) was 9 % faster with it in one session, and in a later one 15 % slower
 // (wint4: 7 %), then no different half an hour on. So the model measures both at load
