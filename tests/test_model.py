@@ -191,6 +191,31 @@ np.savez(sys.argv[2], prefill=prefill, decode=decode)
 """
 
 
+@pytest.mark.parametrize("quantization", ["none", "wint8"])
+def test_a_row_gets_the_same_bits_prefilled_whole_in_chunks_or_step_by_step(checkpoints, quantization):
+    """Crash-resume recomputes a sequence in other chunks and batches: position 44's logits are the same to
+    the bit from a whole prefill (attention pairs rows 0-1, ..., 42-43: AttendHeadsPair), from chunks cut at
+    odd places (other pairs, rows alone between) and from decode steps beside another sequence."""
+    from fdcore.models.kernels import kernel_path
+
+    if quantization != "none" and kernel_path(quantization) is None:
+        pytest.skip(f"{quantization} is refused on this CPU")
+    model = LlamaModel(load_checkpoint(checkpoints["llama-gqa"], progress=lambda *_: None), "float32", quantization)
+    rng = np.random.default_rng(4)
+    prompt, other = rng.integers(5, 4000, 45).tolist(), rng.integers(5, 4000, 20).tolist()
+    whole = model.forward(BatchInput([prompt], [0], [[0, 1, 2]]), PagedKVCache(model.args, 16, BLOCK))[0]
+    chunks = PagedKVCache(model.args, 16, BLOCK)
+    for start, end in ((0, 7), (7, 20), (20, 45)):
+        logits = model.forward(BatchInput([prompt[start:end]], [start], [[4, 9, 2]]), chunks)
+    assert np.array_equal(logits[-1], whole)
+    steps = PagedKVCache(model.args, 16, BLOCK)
+    model.forward(BatchInput([other], [0], [[5, 6, 8]]), steps)
+    model.forward(BatchInput([prompt[:19]], [0], [[9, 3, 7]]), steps)
+    for pos in range(19, 45):  # a decode step each, beside the other sequence's
+        logits = model.forward(BatchInput([[prompt[pos]], [11]], [pos, 20 + pos - 19], [[9, 3, 7], [5, 6, 8]]), steps)
+    assert np.array_equal(logits[0], whole)
+
+
 def test_a_forward_pass_gives_the_same_bits_on_one_and_two_threads(checkpoints, on_threads):
     """The fused operators share rows (attention: rows x KV heads; SwiGLU: rows) out over OpenMP's
     threads, each computed whole by one thread: a crash recompute on another thread count, or a

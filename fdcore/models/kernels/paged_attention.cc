@@ -39,6 +39,9 @@ static inline void ForEachRun(const T* base, int64_t kv_base, int64_t BS, int64_
   }
 }
 
+// The first key a row ending at `end` sees: window > 0 keeps its last `window` keys.
+static inline int64_t FirstKey(int64_t end, int64_t window) { return (window > 0 && end > window) ? end - window : 0; }
+
 // Visits a row's keys (or values) one by one, in order: visit(l, row) for key l (from 0).
 template <typename T, typename Visit>
 static inline void ForEachKey(const T* base, int64_t kv_base, int64_t BS, int64_t D, const int64_t* table,
@@ -119,6 +122,23 @@ static inline __m512 RowMax(const float* row, int64_t L) {
   return _mm512_set1_ps(_mm512_reduce_max_ps(top));
 }
 
+// Each of HB rows of L scores (scores [HB][L]) -> e^(score - the row's maximum), in place, and 1 / their sum.
+template <int HB>
+static inline void Softmax(float* scores, int64_t L, __m512 (&inverse)[HB]) {
+  for (int h = 0; h < HB; ++h) {
+    float* row = scores + h * L;
+    const __m512 most = RowMax(row, L);
+    __m512 total = _mm512_setzero_ps();
+    for (int64_t l = 0; l < L; l += 16) {
+      const __mmask16 m = Tail(L - l);
+      const __m512 e = Exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, row + l), most));
+      _mm512_mask_storeu_ps(row + l, m, e);
+      total = _mm512_add_ps(total, _mm512_maskz_mov_ps(m, e));
+    }
+    inverse[h] = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(total));
+  }
+}
+
 // HB query heads (of the G sharing one KV head) against the row's keys: scores (q . k per key, 16-wide
 // FMAs over D), softmax with the row's maximum subtracted (exp 16 keys at a time), then o = sum p v.
 // Each key's and value's row is loaded once for the HB heads (the keys of a 512-token prompt do not
@@ -148,18 +168,7 @@ static void AttendHeads(const float* qg, int64_t D, const float* K, const float*
   });
   if (L % 16) StoreScores<HB>(dots, L - L % 16, L % 16, L, scores);
   __m512 inverse[HB];
-  for (int h = 0; h < HB; ++h) {
-    float* row = scores + h * L;
-    const __m512 most = RowMax(row, L);
-    __m512 total = _mm512_setzero_ps();
-    for (int64_t l = 0; l < L; l += 16) {
-      const __mmask16 m = Tail(L - l);
-      const __m512 e = Exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, row + l), most));
-      _mm512_mask_storeu_ps(row + l, m, e);
-      total = _mm512_add_ps(total, _mm512_maskz_mov_ps(m, e));
-    }
-    inverse[h] = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(total));
-  }
+  Softmax<HB>(scores, L, inverse);
   __m512 o[HB][C];
   for (int h = 0; h < HB; ++h)
     for (int c = 0; c < C; ++c) o[h][c] = _mm512_setzero_ps();
@@ -206,6 +215,122 @@ static void AttendOne(const float* qg, int64_t G, int64_t D, const float* K, con
     g += heads;
   }
 }
+
+// Two consecutive rows of one sequence, row 1 seeing row 0's L keys and one more (key L), HB heads each,
+// against the keys in one pass: each key's and value's row is loaded once for both rows (a 512-token SmolLM2
+// layer's attention on 2 threads of a Xeon, alternating processes: 0.91-0.93x the time). Each row's arithmetic
+// is AttendHeads' to the operation (the same FMA chains and Sum16 trees, the same softmax, the values in key
+// order, row 1's last key after the others), so a row's bits do not depend on being paired. C <= 4 (D <= 64):
+// both rows' q stay in registers (2 HB C vectors, at most 24).
+template <int C, int HB>
+static void AttendHeadsPair(const float* qg0, const float* qg1, int64_t D, const float* K, const float* V,
+                            int64_t kv_base, int64_t BS, const int64_t* table, int64_t L, float* scores0,
+                            float* scores1, float* out0, float* out1) {
+  static_assert(C <= 4 && 2 * HB * C <= 24, "AttendHeadsPair: q would not stay in registers");
+  __mmask16 masks[C];
+  for (int c = 0; c < C; ++c) masks[c] = Tail(D - 16 * c);
+  const int64_t L1 = L + 1;
+  float* scores[2] = {scores0, scores1};
+  __m512 q[2][HB][C];
+  for (int h = 0; h < HB; ++h)
+    for (int c = 0; c < C; ++c) {
+      q[0][h][c] = _mm512_maskz_loadu_ps(masks[c], qg0 + h * D + 16 * c);
+      q[1][h][c] = _mm512_maskz_loadu_ps(masks[c], qg1 + h * D + 16 * c);
+    }
+  __m512 dots[2][HB][16];
+  auto store = [&](int64_t start) {  // the scores of the 16 keys from `start` (fewer at the ends)
+    if (L > start) StoreScores<HB>(dots[0], start, std::min<int64_t>(16, L - start), L, scores0);
+    StoreScores<HB>(dots[1], start, std::min<int64_t>(16, L1 - start), L1, scores1);
+  };
+  ForEachKey(K, kv_base, BS, D, table, 0, L1, [&](int64_t l, const float* kr) {
+    __m512 k[C];
+    for (int c = 0; c < C; ++c) k[c] = _mm512_maskz_loadu_ps(masks[c], kr + 16 * c);
+    for (int r = 0; r < 2; ++r)
+      for (int h = 0; h < HB; ++h) {
+        __m512 acc = _mm512_mul_ps(q[r][h][0], k[0]);
+        for (int c = 1; c < C; ++c) acc = _mm512_fmadd_ps(q[r][h][c], k[c], acc);
+        dots[r][h][l % 16] = acc;  // (row 0's key L too: StoreScores zeroes what is past a row's count)
+      }
+    if (l % 16 == 15) store(l - 15);
+  });
+  if (L1 % 16) store(L1 - L1 % 16);
+  __m512 inverse[2][HB];
+  for (int r = 0; r < 2; ++r) Softmax<HB>(scores[r], L + r, inverse[r]);
+  __m512 o[2][HB][C];
+  for (int r = 0; r < 2; ++r)
+    for (int h = 0; h < HB; ++h)
+      for (int c = 0; c < C; ++c) o[r][h][c] = _mm512_setzero_ps();
+  ForEachRun(V, kv_base, BS, D, table, 0, L, [&](int64_t l, const float* vr, int64_t run) {
+    __m512 acc[2][HB][C];  // (registers: see the NOTE at ForEachRun)
+    for (int r = 0; r < 2; ++r)
+      for (int h = 0; h < HB; ++h)
+        for (int c = 0; c < C; ++c) acc[r][h][c] = o[r][h][c];
+    for (int64_t j = 0; j < run; ++j, vr += D) {
+      __m512 v[C];
+      for (int c = 0; c < C; ++c) v[c] = _mm512_maskz_loadu_ps(masks[c], vr + 16 * c);
+      for (int h = 0; h < HB; ++h) {
+        const __m512 p0 = _mm512_set1_ps(scores0[h * L + l + j]), p1 = _mm512_set1_ps(scores1[h * L1 + l + j]);
+        for (int c = 0; c < C; ++c) {
+          acc[0][h][c] = _mm512_fmadd_ps(p0, v[c], acc[0][h][c]);
+          acc[1][h][c] = _mm512_fmadd_ps(p1, v[c], acc[1][h][c]);
+        }
+      }
+    }
+    for (int r = 0; r < 2; ++r)
+      for (int h = 0; h < HB; ++h)
+        for (int c = 0; c < C; ++c) o[r][h][c] = acc[r][h][c];
+  });
+  ForEachKey(V, kv_base, BS, D, table, L, 1, [&](int64_t, const float* vr) {  // row 1's last key
+    for (int c = 0; c < C; ++c) {
+      const __m512 v = _mm512_maskz_loadu_ps(masks[c], vr + 16 * c);
+      for (int h = 0; h < HB; ++h) o[1][h][c] = _mm512_fmadd_ps(_mm512_set1_ps(scores1[h * L1 + L]), v, o[1][h][c]);
+    }
+  });
+  for (int h = 0; h < HB; ++h)
+    for (int c = 0; c < C; ++c) {
+      _mm512_mask_storeu_ps(out0 + h * D + 16 * c, masks[c], _mm512_mul_ps(o[0][h][c], inverse[0][h]));
+      _mm512_mask_storeu_ps(out1 + h * D + 16 * c, masks[c], _mm512_mul_ps(o[1][h][c], inverse[1][h]));
+    }
+}
+
+// Heads per pass of a pair of rows: both rows' q in registers (C = 1: 4, 2: 4, 3: 4, 4: 3).
+static constexpr int PairHeadsPerPass(int C) { return C <= 3 ? kMostHeads : 3; }
+
+using AttendPairFn = void (*)(const float*, const float*, int64_t, const float*, const float*, int64_t, int64_t,
+                              const int64_t*, int64_t, float*, float*, float*, float*);
+
+template <int... C>
+static AttendPairFn AttendPairFor(int64_t D, int heads, std::integer_sequence<int, C...>) {
+  static constexpr AttendPairFn table[][kMostHeads] = {
+      {AttendHeadsPair<C + 1, 1>, AttendHeadsPair<C + 1, std::min(2, PairHeadsPerPass(C + 1))>,
+       AttendHeadsPair<C + 1, std::min(3, PairHeadsPerPass(C + 1))>,
+       AttendHeadsPair<C + 1, std::min(4, PairHeadsPerPass(C + 1))>}...};
+  return table[(D + 15) / 16 - 1][heads - 1];
+}
+
+// Whether rows b and b + 1 can be attended as a pair: D <= 64, consecutive positions of one sequence (the
+// same blocks) and every key in view (no window cuts them).
+static bool Pairable(int64_t b, int64_t D, int64_t BS, const int64_t* T, int64_t W, const int64_t* LEN,
+                     int64_t window) {
+  if (D > 64 || LEN[b + 1] != LEN[b] + 1 || FirstKey(LEN[b + 1], window) != 0) return false;
+  const int64_t blocks = (LEN[b + 1] + BS - 1) / BS;
+  return std::equal(T + b * W, T + b * W + blocks, T + (b + 1) * W);
+}
+
+// The G query heads of rows b and b + 1 (Pairable) sharing one KV head, in passes of PairHeadsPerPass heads.
+static void AttendPair(const float* qg0, const float* qg1, int64_t G, int64_t D, const float* K, const float* V,
+                       int64_t kv_base, int64_t BS, const int64_t* table, int64_t L, float* scores0, float* scores1,
+                       float* out0, float* out1) {
+  const int most = PairHeadsPerPass(static_cast<int>((D + 15) / 16));
+  for (int64_t g = 0; g < G;) {
+    const int heads = static_cast<int>(std::min<int64_t>(most, G - g));
+    AttendPairFor(D, heads, std::make_integer_sequence<int, 4>())(qg0 + g * D, qg1 + g * D, D, K, V, kv_base, BS,
+                                                                 table, L, scores0, scores1, out0 + g * D,
+                                                                 out1 + g * D);
+    g += heads;
+  }
+}
+#define FDCORE_ATTENTION_PAIRS 1
 
 #if defined(__AVX512BF16__)
 #define FDCORE_ATTENTION_BF16 1
@@ -540,9 +665,6 @@ static void AttendTask(const float* qg, int64_t G, int64_t D, const float* K, co
 #endif
 }
 
-// The first key a row ending at `end` sees: window > 0 keeps its last `window` keys.
-static inline int64_t FirstKey(int64_t end, int64_t window) { return (window > 0 && end > window) ? end - window : 0; }
-
 // The attention of B rows over their own prefixes in the paged cache (the shared core of the ops).
 // window > 0: a row at position p sees only keys p - window + 1 .. p (sliding-window attention).
 // Rows and KV heads are shared out over OpenMP's threads; each (row, KV head) is computed whole by
@@ -568,7 +690,40 @@ static void AttendRows(const float* Q, int64_t B, int64_t H, int64_t D, const vo
   // left one idle a third of the time), a row's single query head. A head's arithmetic is the same
   // either way (AttendHeads), so the split changes no bits.
   const int64_t heads = B * KVH >= kFewestTasks ? G : 1, tasks = B * H / heads;
-#pragma omp parallel for schedule(static, 1) if (work * H * D >= (1 << 16))  // interleaved: a prompt's later rows see more keys (contiguous shares gave one thread 3/4 of the work)
+  const bool parallel = work * H * D >= (1 << 16);
+#if defined(FDCORE_ATTENTION_PAIRS)
+  // A prompt's consecutive rows go in pairs where they can (Pairable; the float32 cache, a task of a KV head's
+  // heads): a unit is a row or a pair, a task a unit's heads of one KV head. The same bits either way.
+  if (!bf16 && heads == G && D <= 64) {
+    std::vector<int64_t> units;  // each unit's first row; a pair's second is the next one
+    std::vector<char> paired;
+    for (int64_t b = 0; b < B; ++b) {
+      const bool pair = b + 1 < B && Pairable(b, D, BS, T, W, LEN, window);
+      units.push_back(b), paired.push_back(pair);
+      b += pair;
+    }
+    if (units.size() < static_cast<size_t>(B)) {
+      const int64_t unit_tasks = static_cast<int64_t>(units.size()) * KVH;
+#pragma omp parallel for schedule(static, 1) if (parallel)  // interleaved, as below
+      for (int64_t task = 0; task < unit_tasks; ++task) {
+        const int64_t u = task / KVH, head = task % KVH * G, b = units[u], L = LEN[b] - FirstKey(LEN[b], window);
+        const float* K0 = static_cast<const float*>(K);
+        const float* V0 = static_cast<const float*>(V);
+        thread_local std::vector<float> scores;
+        scores.resize(2 * kMostHeads * (L + 1));
+        if (!paired[u]) {
+          AttendTask(Q + (b * H + head) * D, G, D, K0, V0, head / G * NB * BS, BS, T + b * W, LEN[b] - L, L,
+                     scores.data(), O + (b * H + head) * D);
+          continue;
+        }
+        AttendPair(Q + (b * H + head) * D, Q + ((b + 1) * H + head) * D, G, D, K0, V0, head / G * NB * BS, BS, T + b * W,
+                   L, scores.data(), scores.data() + kMostHeads * L, O + (b * H + head) * D, O + ((b + 1) * H + head) * D);
+      }
+      return;
+    }
+  }
+#endif
+#pragma omp parallel for schedule(static, 1) if (parallel)  // interleaved: a prompt's later rows see more keys (contiguous shares gave one thread 3/4 of the work)
   for (int64_t task = 0; task < tasks; ++task) {
     const int64_t b = task * heads / H, head = task * heads % H, end = LEN[b];
     const int64_t first = FirstKey(end, window);
