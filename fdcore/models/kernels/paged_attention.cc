@@ -139,56 +139,88 @@ static inline void Softmax(float* scores, int64_t L, __m512 (&inverse)[HB]) {
   }
 }
 
-// HB query heads (of the G sharing one KV head) against the row's keys: scores (q . k per key, 16-wide
-// FMAs over D), softmax with the row's maximum subtracted (exp 16 keys at a time), then o = sum p v.
-// Each key's and value's row is loaded once for the HB heads (the keys of a 512-token prompt do not
-// stay in L1, and reading them once per head made prefill attention L2-bound). C = ceil(D / 16) and HB
-// are compile-time constants so that q and o live in registers. Each head's arithmetic is its own, in
-// key order, whatever HB is and whatever the row's neighbours: the result is a function of the row's
-// q, keys and values alone (crash recompute and chunking give the same bits).
-template <int C, int HB>
-static void AttendHeads(const float* qg, int64_t D, const float* K, const float* V, int64_t kv_base, int64_t BS,
-                        const int64_t* table, int64_t first, int64_t L, float* scores, float* out) {
+// HB query heads (of the G sharing one KV head) of R rows against their keys: row r sees keys first ..
+// first + L + r - 1 (R = 2: two consecutive rows of one sequence, the second seeing one key more). Scores
+// (q . k per key, 16-wide FMAs over D), softmax with the row's maximum subtracted (exp 16 keys at a time),
+// then o = sum p v. Each key's and value's row is loaded once for the R rows' HB heads (the keys of a 512-token
+// prompt do not stay in L1, and reading them once per head made prefill attention L2-bound; a second row in
+// the same pass: 0.91-0.93x a 512-token SmolLM2 layer's attention on 2 threads of a Xeon). C = ceil(D / 16), HB
+// and R are compile-time constants so that q and o live in registers. Each head's arithmetic is its own, in
+// key order (a second row's last key after the others), whatever HB and R are and whatever the row's
+// neighbours: the result is a function of the row's q, keys and values alone (crash recompute and chunking
+// give the same bits, paired or not).
+template <int C, int HB, int R>
+static void AttendHeadsRows(const float* const (&qg)[R], int64_t D, const float* K, const float* V, int64_t kv_base,
+                            int64_t BS, const int64_t* table, int64_t first, int64_t L, float* const (&scores)[R],
+                            float* const (&out)[R]) {
+  static_assert(R == 1 || (R == 2 && 2 * HB * C <= 24), "AttendHeadsRows: q would not stay in registers");
   __mmask16 masks[C];
   for (int c = 0; c < C; ++c) masks[c] = Tail(D - 16 * c);
-  auto each_key = [&](const float* base, auto&& visit) { ForEachKey(base, kv_base, BS, D, table, first, L, visit); };
-  __m512 q[HB][C];
-  for (int h = 0; h < HB; ++h)
-    for (int c = 0; c < C; ++c) q[h][c] = _mm512_maskz_loadu_ps(masks[c], qg + h * D + 16 * c);
-  __m512 dots[HB][16];  // 16 keys' q . k as vectors, summed together (Sum16)
-  each_key(K, [&](int64_t l, const float* kr) {
+  __m512 q[R][HB][C];
+  for (int r = 0; r < R; ++r)
+    for (int h = 0; h < HB; ++h)
+      for (int c = 0; c < C; ++c) q[r][h][c] = _mm512_maskz_loadu_ps(masks[c], qg[r] + h * D + 16 * c);
+  __m512 dots[R][HB][16];  // 16 keys' q . k as vectors, summed together (Sum16)
+  auto store = [&](int64_t start) {  // the scores of the 16 keys from `start` (fewer at a row's end)
+    for (int r = 0; r < R; ++r)  // (row 0's dots past its keys are zeroed by StoreScores)
+      if (L + r > start) StoreScores<HB>(dots[r], start, std::min<int64_t>(16, L + r - start), L + r, scores[r]);
+  };
+  const int64_t keys = L + R - 1;
+  ForEachKey(K, kv_base, BS, D, table, first, keys, [&](int64_t l, const float* kr) {
     __m512 k[C];
     for (int c = 0; c < C; ++c) k[c] = _mm512_maskz_loadu_ps(masks[c], kr + 16 * c);
-    for (int h = 0; h < HB; ++h) {
-      __m512 acc = _mm512_mul_ps(q[h][0], k[0]);
-      for (int c = 1; c < C; ++c) acc = _mm512_fmadd_ps(q[h][c], k[c], acc);
-      dots[h][l % 16] = acc;
-    }
-    if (l % 16 == 15) StoreScores<HB>(dots, l - 15, 16, L, scores);
+    for (int r = 0; r < R; ++r)
+      for (int h = 0; h < HB; ++h) {
+        __m512 acc = _mm512_mul_ps(q[r][h][0], k[0]);
+        for (int c = 1; c < C; ++c) acc = _mm512_fmadd_ps(q[r][h][c], k[c], acc);
+        dots[r][h][l % 16] = acc;
+      }
+    if (l % 16 == 15) store(l - 15);
   });
-  if (L % 16) StoreScores<HB>(dots, L - L % 16, L % 16, L, scores);
-  __m512 inverse[HB];
-  Softmax<HB>(scores, L, inverse);
-  __m512 o[HB][C];
-  for (int h = 0; h < HB; ++h)
-    for (int c = 0; c < C; ++c) o[h][c] = _mm512_setzero_ps();
-  ForEachRun(V, kv_base, BS, D, table, first, L, [&](int64_t l, const float* vr, int64_t run) {
-    __m512 acc[HB][C];  // (registers: see the NOTE at ForEachRun)
+  if (keys % 16) store(keys - keys % 16);
+  __m512 inverse[R][HB];
+  for (int r = 0; r < R; ++r) Softmax<HB>(scores[r], L + r, inverse[r]);
+  __m512 o[R][HB][C];
+  for (int r = 0; r < R; ++r)
     for (int h = 0; h < HB; ++h)
-      for (int c = 0; c < C; ++c) acc[h][c] = o[h][c];
+      for (int c = 0; c < C; ++c) o[r][h][c] = _mm512_setzero_ps();
+  ForEachRun(V, kv_base, BS, D, table, first, L, [&](int64_t l, const float* vr, int64_t run) {
+    __m512 acc[R][HB][C];  // (registers: see the NOTE at ForEachRun)
+    for (int r = 0; r < R; ++r)
+      for (int h = 0; h < HB; ++h)
+        for (int c = 0; c < C; ++c) acc[r][h][c] = o[r][h][c];
     for (int64_t j = 0; j < run; ++j, vr += D) {
       __m512 v[C];
       for (int c = 0; c < C; ++c) v[c] = _mm512_maskz_loadu_ps(masks[c], vr + 16 * c);
-      for (int h = 0; h < HB; ++h) {
-        const __m512 p = _mm512_set1_ps(scores[h * L + l + j]);
-        for (int c = 0; c < C; ++c) acc[h][c] = _mm512_fmadd_ps(p, v[c], acc[h][c]);
-      }
+      for (int h = 0; h < HB; ++h)
+        for (int r = 0; r < R; ++r) {
+          const __m512 p = _mm512_set1_ps(scores[r][h * (L + r) + l + j]);
+          for (int c = 0; c < C; ++c) acc[r][h][c] = _mm512_fmadd_ps(p, v[c], acc[r][h][c]);
+        }
     }
-    for (int h = 0; h < HB; ++h)
-      for (int c = 0; c < C; ++c) o[h][c] = acc[h][c];
+    for (int r = 0; r < R; ++r)
+      for (int h = 0; h < HB; ++h)
+        for (int c = 0; c < C; ++c) o[r][h][c] = acc[r][h][c];
   });
-  for (int h = 0; h < HB; ++h)
-    for (int c = 0; c < C; ++c) _mm512_mask_storeu_ps(out + h * D + 16 * c, masks[c], _mm512_mul_ps(o[h][c], inverse[h]));
+  if constexpr (R == 2) {  // row 1's last key
+    ForEachKey(V, kv_base, BS, D, table, first + L, 1, [&](int64_t, const float* vr) {
+      for (int c = 0; c < C; ++c) {
+        const __m512 v = _mm512_maskz_loadu_ps(masks[c], vr + 16 * c);
+        for (int h = 0; h < HB; ++h) o[1][h][c] = _mm512_fmadd_ps(_mm512_set1_ps(scores[1][h * (L + 1) + L]), v, o[1][h][c]);
+      }
+    });
+  }
+  for (int r = 0; r < R; ++r)
+    for (int h = 0; h < HB; ++h)
+      for (int c = 0; c < C; ++c)
+        _mm512_mask_storeu_ps(out[r] + h * D + 16 * c, masks[c], _mm512_mul_ps(o[r][h][c], inverse[r][h]));
+}
+
+// One row (AttendHeadsRows with R = 1).
+template <int C, int HB>
+static void AttendHeads(const float* qg, int64_t D, const float* K, const float* V, int64_t kv_base, int64_t BS,
+                        const int64_t* table, int64_t first, int64_t L, float* scores, float* out) {
+  AttendHeadsRows<C, HB, 1>({qg}, D, K, V, kv_base, BS, table, first, L, {scores}, {out});
 }
 
 using AttendFn = void (*)(const float*, int64_t, const float*, const float*, int64_t, int64_t, const int64_t*,
@@ -216,81 +248,13 @@ static void AttendOne(const float* qg, int64_t G, int64_t D, const float* K, con
   }
 }
 
-// Two consecutive rows of one sequence, row 1 seeing row 0's L keys and one more (key L), HB heads each,
-// against the keys in one pass: each key's and value's row is loaded once for both rows (a 512-token SmolLM2
-// layer's attention on 2 threads of a Xeon, alternating processes: 0.91-0.93x the time). Each row's arithmetic
-// is AttendHeads' to the operation (the same FMA chains and Sum16 trees, the same softmax, the values in key
-// order, row 1's last key after the others), so a row's bits do not depend on being paired. C <= 4 (D <= 64):
-// both rows' q stay in registers (2 HB C vectors, at most 24).
+// Two consecutive rows of one sequence (AttendHeadsRows with R = 2): row 1 sees row 0's L keys (from key 0) and
+// key L. C <= 4 (D <= 64): both rows' q stay in registers (2 HB C vectors, at most 24).
 template <int C, int HB>
 static void AttendHeadsPair(const float* qg0, const float* qg1, int64_t D, const float* K, const float* V,
                             int64_t kv_base, int64_t BS, const int64_t* table, int64_t L, float* scores0,
                             float* scores1, float* out0, float* out1) {
-  static_assert(C <= 4 && 2 * HB * C <= 24, "AttendHeadsPair: q would not stay in registers");
-  __mmask16 masks[C];
-  for (int c = 0; c < C; ++c) masks[c] = Tail(D - 16 * c);
-  const int64_t L1 = L + 1;
-  float* scores[2] = {scores0, scores1};
-  __m512 q[2][HB][C];
-  for (int h = 0; h < HB; ++h)
-    for (int c = 0; c < C; ++c) {
-      q[0][h][c] = _mm512_maskz_loadu_ps(masks[c], qg0 + h * D + 16 * c);
-      q[1][h][c] = _mm512_maskz_loadu_ps(masks[c], qg1 + h * D + 16 * c);
-    }
-  __m512 dots[2][HB][16];
-  auto store = [&](int64_t start) {  // the scores of the 16 keys from `start` (fewer at the ends)
-    if (L > start) StoreScores<HB>(dots[0], start, std::min<int64_t>(16, L - start), L, scores0);
-    StoreScores<HB>(dots[1], start, std::min<int64_t>(16, L1 - start), L1, scores1);
-  };
-  ForEachKey(K, kv_base, BS, D, table, 0, L1, [&](int64_t l, const float* kr) {
-    __m512 k[C];
-    for (int c = 0; c < C; ++c) k[c] = _mm512_maskz_loadu_ps(masks[c], kr + 16 * c);
-    for (int r = 0; r < 2; ++r)
-      for (int h = 0; h < HB; ++h) {
-        __m512 acc = _mm512_mul_ps(q[r][h][0], k[0]);
-        for (int c = 1; c < C; ++c) acc = _mm512_fmadd_ps(q[r][h][c], k[c], acc);
-        dots[r][h][l % 16] = acc;  // (row 0's key L too: StoreScores zeroes what is past a row's count)
-      }
-    if (l % 16 == 15) store(l - 15);
-  });
-  if (L1 % 16) store(L1 - L1 % 16);
-  __m512 inverse[2][HB];
-  for (int r = 0; r < 2; ++r) Softmax<HB>(scores[r], L + r, inverse[r]);
-  __m512 o[2][HB][C];
-  for (int r = 0; r < 2; ++r)
-    for (int h = 0; h < HB; ++h)
-      for (int c = 0; c < C; ++c) o[r][h][c] = _mm512_setzero_ps();
-  ForEachRun(V, kv_base, BS, D, table, 0, L, [&](int64_t l, const float* vr, int64_t run) {
-    __m512 acc[2][HB][C];  // (registers: see the NOTE at ForEachRun)
-    for (int r = 0; r < 2; ++r)
-      for (int h = 0; h < HB; ++h)
-        for (int c = 0; c < C; ++c) acc[r][h][c] = o[r][h][c];
-    for (int64_t j = 0; j < run; ++j, vr += D) {
-      __m512 v[C];
-      for (int c = 0; c < C; ++c) v[c] = _mm512_maskz_loadu_ps(masks[c], vr + 16 * c);
-      for (int h = 0; h < HB; ++h) {
-        const __m512 p0 = _mm512_set1_ps(scores0[h * L + l + j]), p1 = _mm512_set1_ps(scores1[h * L1 + l + j]);
-        for (int c = 0; c < C; ++c) {
-          acc[0][h][c] = _mm512_fmadd_ps(p0, v[c], acc[0][h][c]);
-          acc[1][h][c] = _mm512_fmadd_ps(p1, v[c], acc[1][h][c]);
-        }
-      }
-    }
-    for (int r = 0; r < 2; ++r)
-      for (int h = 0; h < HB; ++h)
-        for (int c = 0; c < C; ++c) o[r][h][c] = acc[r][h][c];
-  });
-  ForEachKey(V, kv_base, BS, D, table, L, 1, [&](int64_t, const float* vr) {  // row 1's last key
-    for (int c = 0; c < C; ++c) {
-      const __m512 v = _mm512_maskz_loadu_ps(masks[c], vr + 16 * c);
-      for (int h = 0; h < HB; ++h) o[1][h][c] = _mm512_fmadd_ps(_mm512_set1_ps(scores1[h * L1 + L]), v, o[1][h][c]);
-    }
-  });
-  for (int h = 0; h < HB; ++h)
-    for (int c = 0; c < C; ++c) {
-      _mm512_mask_storeu_ps(out0 + h * D + 16 * c, masks[c], _mm512_mul_ps(o[0][h][c], inverse[0][h]));
-      _mm512_mask_storeu_ps(out1 + h * D + 16 * c, masks[c], _mm512_mul_ps(o[1][h][c], inverse[1][h]));
-    }
+  AttendHeadsRows<C, HB, 2>({qg0, qg1}, D, K, V, kv_base, BS, table, 0, L, {scores0, scores1}, {out0, out1});
 }
 
 // Heads per pass of a pair of rows: both rows' q in registers (C = 1: 4, 2: 4, 3: 4, 4: 3).
@@ -308,11 +272,10 @@ static AttendPairFn AttendPairFor(int64_t D, int heads, std::integer_sequence<in
   return table[(D + 15) / 16 - 1][heads - 1];
 }
 
-// Whether rows b and b + 1 can be attended as a pair: D <= 64, consecutive positions of one sequence (the
-// same blocks) and every key in view (no window cuts them).
-static bool Pairable(int64_t b, int64_t D, int64_t BS, const int64_t* T, int64_t W, const int64_t* LEN,
-                     int64_t window) {
-  if (D > 64 || LEN[b + 1] != LEN[b] + 1 || FirstKey(LEN[b + 1], window) != 0) return false;
+// Whether rows b and b + 1 can be attended as a pair: consecutive positions of one sequence (the same blocks)
+// and every key in view (no window cuts them). (Pairs need D <= 64 too: AttendRows checks it.)
+static bool Pairable(int64_t b, int64_t BS, const int64_t* T, int64_t W, const int64_t* LEN, int64_t window) {
+  if (LEN[b + 1] != LEN[b] + 1 || FirstKey(LEN[b + 1], window) != 0) return false;
   const int64_t blocks = (LEN[b + 1] + BS - 1) / BS;
   return std::equal(T + b * W, T + b * W + blocks, T + (b + 1) * W);
 }
@@ -695,15 +658,11 @@ static void AttendRows(const float* Q, int64_t B, int64_t H, int64_t D, const vo
   // A prompt's consecutive rows go in pairs where they can (Pairable; the float32 cache, a task of a KV head's
   // heads): a unit is a row or a pair, a task a unit's heads of one KV head. The same bits either way.
   if (!bf16 && heads == G && D <= 64) {
-    std::vector<int64_t> units;  // each unit's first row; a pair's second is the next one
-    std::vector<char> paired;
-    for (int64_t b = 0; b < B; ++b) {
-      const bool pair = b + 1 < B && Pairable(b, D, BS, T, W, LEN, window);
-      units.push_back(b), paired.push_back(pair);
-      b += pair;
-    }
-    if (units.size() < static_cast<size_t>(B)) {
-      const int64_t unit_tasks = static_cast<int64_t>(units.size()) * KVH;
+    std::vector<int64_t> units;  // each unit's first row, then B: unit u is rows units[u] .. units[u + 1] - 1
+    for (int64_t b = 0; b < B; b += 1 + (b + 1 < B && Pairable(b, BS, T, W, LEN, window))) units.push_back(b);
+    units.push_back(B);
+    if (units.size() <= static_cast<size_t>(B)) {  // (a pair among them)
+      const int64_t unit_tasks = static_cast<int64_t>(units.size() - 1) * KVH;
 #pragma omp parallel for schedule(static, 1) if (parallel)  // interleaved, as below
       for (int64_t task = 0; task < unit_tasks; ++task) {
         const int64_t u = task / KVH, head = task % KVH * G, b = units[u], L = LEN[b] - FirstKey(LEN[b], window);
@@ -711,7 +670,7 @@ static void AttendRows(const float* Q, int64_t B, int64_t H, int64_t D, const vo
         const float* V0 = static_cast<const float*>(V);
         thread_local std::vector<float> scores;
         scores.resize(2 * kMostHeads * (L + 1));
-        if (!paired[u]) {
+        if (units[u + 1] - b == 1) {
           AttendTask(Q + (b * H + head) * D, G, D, K0, V0, head / G * NB * BS, BS, T + b * W, LEN[b] - L, L,
                      scores.data(), O + (b * H + head) * D);
           continue;
