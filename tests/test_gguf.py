@@ -25,6 +25,7 @@ from fdcore.models import fetch, tiny
 from fdcore.models.gguf import gguf_tokenizer, read_gguf
 from fdcore.models.quantized import concatenate_rows
 from fdcore.models.gguf_file import GgufFile
+from fdcore.models.kernels import kernel_path
 from fdcore.models.loader import Checkpoint, CheckpointError, ModelArgs
 
 with open(os.path.join(os.path.dirname(__file__), "data", "gguf_reference.json"), encoding="utf-8") as _f:
@@ -338,22 +339,36 @@ def test_blocks_a_packed_matrix_takes_as_they_are_stand_for_the_files_exact_weig
         np.testing.assert_array_equal(block.dequantized(), got[name], err_msg=name)
 
 
-def test_a_q8_0_level_of_minus_128_is_not_taken_as_wint8():
-    """wint8's levels are symmetric ([-127, 127]); a file's -128 is quantized again from its value."""
+needs_int8 = pytest.mark.skipif(kernel_path("wint8") is None, reason="wint8 is refused on CPUs without AVX2")
+
+
+@needs_int8
+def test_a_q8_0_level_of_minus_128_is_taken_as_it_is():
+    """wint8's levels are u = q + 128 in [0, 255] with minimum -128 d: a file's -128 is level 0, and the
+    packed scales and minimums are the file's d and -128 d."""
+    from fdcore.models.llama import Int8Matrix
     from fdcore.models.quantized import from_ggml
 
     data = gguf.quants.quantize(np.random.default_rng(0).standard_normal((2, 64)).astype(np.float32), Q.Q8_0)
-    assert from_ggml("Q8_0", data, (2, 64)) is not None
     data[1, 2] = 0x80  # the first level of row 1's first block: -128
-    assert from_ggml("Q8_0", data, (2, 64)) is None
+    blocks = from_ggml("Q8_0", data, (2, 64))
+    assert blocks.levels[1, 0] == -128
+    np.testing.assert_array_equal(blocks.dequantized(), gguf.quants.dequantize(data, Q.Q8_0))
+    matrix = Int8Matrix.from_blocks(blocks)
+    groups = matrix.scales.numpy().view(np.float16).astype(np.float32)  # [groups, blocks, 2, group rows]
+    np.testing.assert_array_equal(groups[0, :, 0, :2].T, blocks.scale)
+    np.testing.assert_array_equal(groups[0, :, 1, :2].T, -128 * blocks.scale)
+    packed = matrix.packed.numpy()  # [groups, in / 4, rows / 16, 16, 4]: row 1's first input is [0, 0, 0, 1, 0]
+    assert packed[0, 0, 0, 1, 0] == 0 and packed[0, 0, 0, 0, 0] == int(blocks.levels[0, 0]) + 128
 
 
 @pytest.mark.parametrize("qtype, quantization", [(Q.Q4_1, "wint4"), (Q.Q4_0, "wint4"), (Q.Q8_0, "wint8")])
 def test_a_wint_model_of_a_quantized_file_multiplies_the_files_levels(tmp_path, tiny_models, qtype, quantization):
     """Packed level for level, not quantized again from the dequantized weights. That would move the grid
-    of a Q4_0 block (its levels reach one end only): the two packings differ. Q4_1 and Q8_0 blocks use
-    their end levels, and quantizing them again gives them back here (and on SmolLM2's file: 0 of its
-    3.3 M Q4_1 blocks differ), so for those the file's levels save the load its quantizing."""
+    of a Q4_0 block (its levels reach one end only) and of every Q8_0 block (wint8's own grid spans a
+    block's [min, max]): the two packings differ. Q4_1 blocks use their end levels, and quantizing them
+    again gives them back here (and on SmolLM2's file: 0 of its 3.3 M Q4_1 blocks differ), so for those
+    the file's levels save the load its quantizing."""
     from fdcore.models.llama import Int4Matrix, Int8Matrix, LlamaModel
     from fdcore.models.loader import load_checkpoint
     from fdcore.models.quantized import concatenate_rows
@@ -370,7 +385,7 @@ def test_a_wint_model_of_a_quantized_file_multiplies_the_files_levels(tmp_path, 
     np.testing.assert_array_equal(got.packed.numpy(), from_file.packed.numpy())
     if quantization == "wint8":
         np.testing.assert_array_equal(got.scales.numpy(), from_file.scales.numpy())
-    if qtype == Q.Q4_0:
+    if qtype in (Q.Q4_0, Q.Q8_0):
         assert not np.array_equal(got.packed.numpy(), requantized.packed.numpy())
 
 

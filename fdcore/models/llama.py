@@ -264,12 +264,12 @@ class LlamaModel:
         """A projection's weight [out, in] as the model multiplies it, in ``kind`` (default: the model's
         matrix dtype; bfloat16, wint8 and wint4 packed for fdcore's kernels, see Bf16Matrix, Int8Matrix
         and Int4Matrix; float32 too (F32Matrix) where its kernel runs, else a plain tensor for MKL).
-        ``blocks``: the same weight as a GGUF file quantized it, packed level for level when it is of
-        ``kind`` (the file's exact weights, not the float32 array quantized again)."""
+        ``blocks``: the same weight as a GGUF file quantized it, packed level for level when ``kind`` holds
+        its levels (the file's exact weights, not the float32 array quantized again: see _HOLDS_BLOCKS)."""
         kind = kind or self.matrix_dtype
         if kind == "float32":
             return F32Matrix.pack(array) if self.f32_kernel else self._tensor(array)
-        if blocks is not None and blocks.kind == kind:
+        if blocks is not None and blocks.kind in _HOLDS_BLOCKS.get(kind, ()):
             return _PACKED[kind].from_blocks(blocks)
         return _PACKED[kind].pack(array)
 
@@ -632,13 +632,19 @@ class Bf16Matrix:
 
 
 class Int8Matrix:
-    """A weight ``[out, in]`` quantized to int8 per output row and block of 32 inputs (wint8, llama.cpp's
-    Q8_0 grouping: ``w ~= scale[row, block] * q``), stored as ``q + 128`` and packed for fdcore's
-    kernel (linear_int8.cc): groups of 64 output rows (32 on AVX2: kernels.int8_group_rows), each
-    ``[in / 4, rows / 16, 16, 4]`` (16 rows x 4 inputs per 64-byte load), zero-padded to whole groups
-    and to a multiple of 32 inputs; scales ``[groups, in / 32, group rows]`` in float16 (as int16
-    bits: 2 bytes a block as Q8_0's, where float32 scales added 12.5 % to the bytes a batch-1 step
-    streams)."""
+    """A weight ``[out, in]`` quantized to 8 bits per output row and block of 32 inputs (wint8): ``w ~=
+    scale[row, block] * u + minimum[row, block]``, u in [0, 255], scale and minimum in float16 (llama.cpp's
+    Q4_1 form with 8-bit levels; a Q8_0 file's ``d * q`` is ``u = q + 128`` with ``minimum = -128 d``,
+    exactly), packed for fdcore's kernel (linear_int8.cc): groups of 64 output rows (32 on AVX2:
+    kernels.int8_group_rows), each ``[in / 4, rows / 16, 16, 4]`` (16 rows x 4 inputs per 64-byte load),
+    zero-padded to whole groups and to a multiple of 32 inputs; scales ``[groups, in / 32, 2, group rows]``:
+    per block the group's scales, then its minimums (float16 as int16 bits: 4 bytes a block where float32
+    would add 12.5 % more to the bytes a batch-1 step streams).
+
+    Why a minimum: a block's 256 levels span its range [min, max] rather than [-max |w|, max |w|], and a
+    4-bit block (Q4_1, Q4_0) quantized again lands on levels 17 apart (its 16 levels exactly but for the
+    float16 rounding of scale / 17). Symmetric int8 moved SmolLM2's logits enough to change float32's
+    greedy token on 2 of 9 golden prompts within 16 tokens (benchmarks/bench_quality.py); this form none."""
 
     __slots__ = ("packed", "scales", "rows")
 
@@ -651,18 +657,11 @@ class Int8Matrix:
         return self.packed.shape[1] * 4
 
     @staticmethod
-    def quantize(weight: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(q int8 [out, in'] in [-127, 127], scale float32 [out, in' / 32]) with weight ~= scale * q
-        block by block (in' = in rounded up to 32, padded with zeros)."""
-        rows, cols = weight.shape
-        padded = np.zeros((rows, -(-cols // 32) * 32), dtype=np.float32)
-        padded[:, :cols] = weight
-        blocks = padded.reshape(rows, -1, 32)
-        # the scale is kept in float16 (as Q8_0's): rounded up, so that |w| / scale stays within 127
-        scale = _float16_toward(_per_block(np.maximum, np.abs(blocks)) / np.float32(127), np.inf)
-        inverse = np.divide(np.float32(1), scale, out=np.zeros_like(scale), where=scale > 0)
-        q = np.clip(np.rint(blocks * inverse[:, :, None]), -127, 127).astype(np.int8)
-        return q.reshape(rows, -1), scale
+    def quantize(weight: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(u uint8 [out, in'] in [0, 255], scale and minimum float32 [out, in' / 32], each a float16
+        value) with weight ~= scale * u + minimum block by block, off by at most scale / 2 (in' = in
+        rounded up to 32, padded with zeros)."""
+        return _asymmetric_levels(weight, 255, "wint8")
 
     @classmethod
     def pack(cls, weight: np.ndarray) -> "Int8Matrix":
@@ -670,24 +669,31 @@ class Int8Matrix:
 
     @classmethod
     def from_blocks(cls, blocks: Blocks) -> "Int8Matrix":
-        """A GGUF file's Q8_0 weight, level for level (fdcore.models.quantized)."""
-        return cls.pack_levels(blocks.levels, blocks.scale)
+        """A GGUF file's Q8_0 weight, level for level (fdcore.models.quantized): ``u = q + 128`` and
+        ``minimum = -128 scale`` (exact in float16 but for scales beyond 511, which are quantized again);
+        or its 4-bit one (Q4_1, Q4_0, Q4_K), whose levels, scales and minimums are wint8's as they are."""
+        if blocks.minimum is not None:
+            return cls.pack_levels(blocks.levels, blocks.scale, blocks.minimum)
+        minimum = np.float32(-128) * blocks.scale
+        if not np.isfinite(minimum.astype(np.float16)).all():
+            return cls.pack(blocks.dequantized())
+        return cls.pack_levels((blocks.levels.astype(np.int16) + 128).astype(np.uint8), blocks.scale, minimum)
 
     @classmethod
-    def pack_levels(cls, q: np.ndarray, scale: np.ndarray) -> "Int8Matrix":
-        """Pack levels ``q`` (int8 [out, in], in a multiple of 32) with their per-block scales."""
+    def pack_levels(cls, u: np.ndarray, scale: np.ndarray, minimum: np.ndarray) -> "Int8Matrix":
+        """Pack levels ``u`` (uint8 [out, in], in a multiple of 32) with their per-block scales and minimums."""
         from fdcore.models.kernels import int8_group_rows
 
-        rows, cols = q.shape
+        rows, cols = u.shape
         group = int8_group_rows()  # the kernel path's (64 rows for AVX512-VNNI, 32 for AVX2)
-        padded = np.full((-(-rows // group) * group, cols), 128, dtype=np.uint8)
-        padded[:rows] = (q.astype(np.int16) + 128).astype(np.uint8)
+        padded = np.zeros((-(-rows // group) * group, cols), dtype=np.uint8)
+        padded[:rows] = u
         groups, quads = padded.shape[0] // group, cols // 4
         blocks = padded.reshape(groups, group // 16, 16, quads, 4).transpose(0, 3, 1, 2, 4)
-        scales = np.zeros((padded.shape[0], cols // 32), dtype=np.float32)
-        scales[:rows] = scale
-        scales = scales.reshape(groups, group, cols // 32).transpose(0, 2, 1).astype(np.float16).view(np.int16)
-        return cls(as_paddle(on_huge_pages(blocks)), as_paddle(on_huge_pages(scales)), rows)
+        values = np.zeros((padded.shape[0], cols // 32, 2), dtype=np.float32)
+        values[:rows, :, 0], values[:rows, :, 1] = scale, minimum
+        values = values.reshape(groups, group, cols // 32, 2).transpose(0, 2, 3, 1).astype(np.float16).view(np.int16)
+        return cls(as_paddle(on_huge_pages(blocks)), as_paddle(on_huge_pages(values)), rows)
 
 
 class Int4Matrix:
@@ -716,20 +722,7 @@ class Int4Matrix:
         value) with weight ~= scale * q + minimum block by block (in' = in rounded up to 32, padded
         with zeros). The minimum is rounded down and the scale up to float16, so that every weight
         lies within [minimum, minimum + 15 scale] and is off by at most scale / 2."""
-        rows, cols = weight.shape
-        padded = np.zeros((rows, -(-cols // 32) * 32), dtype=np.float32)
-        padded[:, :cols] = weight
-        blocks = padded.reshape(rows, -1, 32)
-        minimum = _float16_toward(_per_block(np.minimum, blocks), -np.inf)
-        scale = _float16_toward((_per_block(np.maximum, blocks) - minimum) / np.float32(15), np.inf)
-        if not (np.isfinite(minimum).all() and np.isfinite(scale).all()):
-            raise ValueError("wint4: a weight block is beyond float16's range")
-        inverse = np.divide(np.float32(1), scale, out=np.zeros_like(scale), where=scale > 0)
-        levels = blocks - minimum[:, :, None]
-        levels *= inverse[:, :, None]
-        np.rint(levels, out=levels)
-        np.clip(levels, 0, 15, out=levels)
-        return levels.astype(np.uint8).reshape(rows, -1), scale, minimum
+        return _asymmetric_levels(weight, 15, "wint4")
 
     @classmethod
     def pack(cls, weight: np.ndarray) -> "Int4Matrix":
@@ -770,6 +763,27 @@ class Int4Matrix:
             halfs = values.astype(np.float16).reshape(groups, 32, blocks).transpose(0, 2, 1)
             per_block.append(np.ascontiguousarray(halfs).view(np.uint8))
         return np.concatenate(per_block, axis=2)
+
+
+def _asymmetric_levels(weight: np.ndarray, top: int, name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(levels uint8 [out, in'] in [0, top], scale and minimum float32 [out, in' / 32], each a float16 value)
+    with weight ~= scale * level + minimum block by block of 32 inputs (in' = in rounded up to 32, padded
+    with zeros). The minimum is rounded down and the scale up to float16, so that every weight lies within
+    [minimum, minimum + top scale] and is off by at most scale / 2."""
+    rows, cols = weight.shape
+    padded = np.zeros((rows, -(-cols // 32) * 32), dtype=np.float32)
+    padded[:, :cols] = weight
+    blocks = padded.reshape(rows, -1, 32)
+    minimum = _float16_toward(_per_block(np.minimum, blocks), -np.inf)
+    scale = _float16_toward((_per_block(np.maximum, blocks) - minimum) / np.float32(top), np.inf)
+    if not (np.isfinite(minimum).all() and np.isfinite(scale).all()):
+        raise ValueError(f"{name}: a weight block is beyond float16's range")
+    inverse = np.divide(np.float32(1), scale, out=np.zeros_like(scale), where=scale > 0)
+    levels = blocks - minimum[:, :, None]
+    levels *= inverse[:, :, None]
+    np.rint(levels, out=levels)
+    np.clip(levels, 0, top, out=levels)
+    return levels.astype(np.uint8).reshape(rows, -1), scale, minimum
 
 
 def _blocks_of(file_blocks: dict[str, Blocks], *names: str) -> Blocks | None:
@@ -824,6 +838,10 @@ _BF16_LINEAR: list = [None]
 _INT8_LINEAR: list = [None]
 _INT4_LINEAR: list = [None]
 _PACKED = {"bfloat16": Bf16Matrix, "wint8": Int8Matrix, "wint4": Int4Matrix}  # a matrix kind's packed form
+# which files' blocks (fdcore.models.quantized.Blocks.kind) a matrix kind takes level for level: wint8's 256
+# levels hold a 4-bit block's 16 with its scale and minimum, so a Q4_1 file run as wint8 multiplies the file's
+# weights, where quantizing them again moved SmolLM2's logits enough to change a greedy token (bench_quality)
+_HOLDS_BLOCKS = {"wint8": ("wint8", "wint4"), "wint4": ("wint4",)}
 _KIND_CODES = {F32Matrix: 0, Bf16Matrix: 1, Int8Matrix: 2, Int4Matrix: 3}  # decoder.cc's Kind
 _PROJECTIONS = ("qkv", "o", "gate_up", "down")  # a layer's matrices, in decoder.cc's Slot order
 

@@ -1,8 +1,8 @@
 """Weights a GGUF file holds in a block quantization that fdcore's packed matrices take as they are.
 
-llama.cpp's Q8_0 is fdcore's wint8 grouping (per output row and block of 32 inputs, ``w = d * q``, d in
-float16, q in [-127, 127]), and its Q4_1 fdcore's wint4 (``w = d * q + m``, d and m in float16, q in
-[0, 15]); its Q4_0 (``w = d * (q - 8)``) is Q4_1 with ``m = -8 d``, which float16 holds exactly. A
+llama.cpp's Q8_0 (per output row and block of 32 inputs, ``w = d * q``, d in float16, q in [-128, 127])
+is fdcore's wint8 (``w = d * u + m``, u in [0, 255]) with ``u = q + 128`` and ``m = -128 d``, and its
+Q4_1 fdcore's wint4 (``w = d * q + m``, d and m in float16, q in [0, 15]); its Q4_0 (``w = d * (q - 8)``) is Q4_1 with ``m = -8 d``, which float16 holds exactly. A
 file's block of one of these kinds is repacked for fdcore's kernels level for level, so a model run
 with the matching ``model.quantization`` multiplies exactly the file's weights, as llama.cpp does.
 Quantizing the dequantized file again would not: its scale and minimum are recomputed from the block's
@@ -33,7 +33,7 @@ class Blocks:
     """A weight ``[out, in]`` as levels and per-block float16 values (held as float32)."""
 
     kind: str  # the model.quantization whose matrices take these levels: "wint8" or "wint4"
-    levels: np.ndarray  # [out, in]: int8 in [-127, 127] (wint8), uint8 in [0, 15] (wint4)
+    levels: np.ndarray  # [out, in]: int8 in [-128, 127] (Q8_0's q: wint8), uint8 in [0, 15] (wint4)
     scale: np.ndarray  # float32 [out, in / 32]
     minimum: np.ndarray | None = None  # float32 [out, in / 32] (wint4)
 
@@ -72,7 +72,7 @@ def concatenate_rows(pieces: list["Blocks | None"]) -> "Blocks | None":
 
 def from_ggml(type_name: str, raw: np.ndarray, shape: tuple[int, int]) -> Blocks | None:
     """A 2-D tensor's blocks (``raw``: its bytes, rows of blocks) as :class:`Blocks`; None for a type
-    no fdcore matrix takes as it is, or a Q8_0 tensor with a level of -128 (wint8's are symmetric)."""
+    no fdcore matrix takes as it is."""
     if type_name == "Q4_K" and len(shape) == 2 and shape[1] % SUPER_BLOCK == 0:
         return _from_q4_k(raw, shape)
     if type_name not in _LAYOUTS or len(shape) != 2 or shape[1] % BLOCK:
@@ -82,8 +82,7 @@ def from_ggml(type_name: str, raw: np.ndarray, shape: tuple[int, int]) -> Blocks
     data = np.ascontiguousarray(raw, dtype=np.uint8).reshape(rows, cols // BLOCK, size)
     scale = data[:, :, :2].copy().view(np.float16)[:, :, 0].astype(np.float32)
     if type_name == "Q8_0":
-        levels = data[:, :, 2:].copy().view(np.int8).reshape(rows, cols)
-        return None if (levels == -128).any() else Blocks(kind, levels, scale)
+        return Blocks(kind, data[:, :, 2:].copy().view(np.int8).reshape(rows, cols), scale)
     if type_name == "Q4_1":
         minimum = data[:, :, 2:4].copy().view(np.float16)[:, :, 0].astype(np.float32)
         packed = data[:, :, 4:]

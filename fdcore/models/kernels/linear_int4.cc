@@ -1,8 +1,8 @@
 // fdcore's weight-only 4-bit linear layer (wint4): Y[M, N] = X[M, K] . W[N, K]^T, W quantized per output
 // row and block of 32 inputs asymmetrically (llama.cpp's Q4_1: W ~= scale[n, b] * q[n, k] + minimum[n, b],
-// q in [0, 15], scale and minimum in float16), X quantized on the fly per row and block of 32 to int8
-// (symmetric, as wint8 does), int32 dot products per block with AVX512-VNNI's `vpdpbusd`, scaled and
-// summed in float32 (AVX2's `vpmaddubsw` where the library is built for a CPU without AVX512-VNNI).
+// q in [0, 15], scale and minimum in float16), X quantized on the fly per row and block of 32 to 16-bit
+// fixed point in two int8 parts (as wint8 does: linear_int8.cc says why), int32 dot products per block and
+// part with AVX512-VNNI's `vpdpbusd`, scaled and summed in float32 (AVX2's `vpmaddubsw` where the library is built for a CPU without AVX512-VNNI).
 //
 // Why: decoding one sequence reads every weight once (memory bound), and Q4_1 is 20 bytes per 32 weights:
 // 0.56x wint8's 36, 0.16x float32's 128. The minimum keeps quality close to float32 (a block's range is
@@ -20,7 +20,8 @@
 // high nibbles (a shift and the mask) are two vectors of 16 rows x 4 inputs, each multiplied against a
 // broadcast quad of x. A group's weights are one stream read front to back; groups are what the threads
 // share out (32 rows: the 576-wide projections of SmolLM2 are 18 groups, even on 2 or 3 threads), and
-// each pass over a group serves up to 4 rows of X, so a block is unpacked once per 4 rows.
+// each pass over a group serves up to 4 rows of X (2 on AVX2), so a block is unpacked once per 4 rows.
+// A row of the quantized X is, per block, 64 bytes: its hi part, then its lo part (QuantizeBlock).
 #include <immintrin.h>
 
 #include <algorithm>
@@ -44,7 +45,6 @@ constexpr int kLanes = kGroup / 16;                      // 16-row vectors per g
 constexpr int kQuant = 32;                               // inputs per block (weights and activations)
 constexpr int kNibbleBytes = kGroup * kQuant / 2;        // a group's nibbles for one block
 constexpr int kRecord = kNibbleBytes + 2 * kGroup * 2;   // ... then its float16 scales and minimums
-constexpr int kRowsPerPass = 4;                          // rows of X per pass over a group's weights
 constexpr int64_t kChunk = 64;                           // rows of X per chunk (their int8 copy stays in L2)
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
@@ -55,10 +55,14 @@ constexpr int kPrefetchRecords = 8;  // (when fdcore_prefetch_weights is on: lin
 
 // MB rows of x (from Xq, xs, xsum at the first of them) against one group of 32 output rows (Wg: its
 // records, one per block); Y at the first row's first output of the group.
+constexpr int kRowsPerPass = 4;  // rows of X per pass over a group's weights
+
+// MB rows of x (from Xq, xs, xsum at the first of them; a row's quantized values 2 Kp bytes apart) against one
+// group of 32 output rows (Wg: its records, one per block); Y at the first row's first output of the group.
+// Per output and block two integer sums, of the hi and the lo parts, are combined exactly (254 hi + lo).
 template <int MB>
-void GroupRows(const int8_t* Xq, const float* xs, const float* xsum, int64_t Kp,
-                                  const uint8_t* Wg, int64_t outputs, int64_t N, float* Y) {
-  constexpr int H = MB <= 2 ? 2 : 1;  // integer sums per output and block: two short chains for 1-2 rows
+void GroupRows(const int8_t* Xq, const float* xs, const float* xsum, int64_t Kp, const uint8_t* Wg, int64_t outputs,
+               int64_t N, float* Y) {
   const int64_t blocks = Kp / kQuant;
   const __m512i low = _mm512_set1_epi8(0x0f);
   __m512 acc[MB][kLanes];
@@ -67,11 +71,10 @@ void GroupRows(const int8_t* Xq, const float* xs, const float* xsum, int64_t Kp,
   const uint8_t* w = Wg;
   const bool prefetch = fdcore_prefetch_weights;
   for (int64_t blk = 0; blk < blocks; ++blk, w += kRecord) {
-    __m512i dot[MB][kLanes][H];
+    __m512i hi_dot[MB][kLanes], lo_dot[MB][kLanes];
     for (int j = 0; j < MB; ++j)
-      for (int b = 0; b < kLanes; ++b)
-        for (int h = 0; h < H; ++h) dot[j][b][h] = _mm512_setzero_si512();
-    const int8_t* xb = Xq + blk * kQuant;
+      for (int b = 0; b < kLanes; ++b) hi_dot[j][b] = lo_dot[j][b] = _mm512_setzero_si512();
+    const int8_t* xb = Xq + blk * 2 * kQuant;
     if (MB == 1 && prefetch) {  // a record's 10 lines, 8 records ahead (see kPrefetchRecords)
       for (int line = 0; line < kRecord / 64; ++line)
         _mm_prefetch(reinterpret_cast<const char*>(w + line * 64 + kPrefetchRecords * kRecord), _MM_HINT_T0);
@@ -82,14 +85,20 @@ void GroupRows(const int8_t* Xq, const float* xs, const float* xsum, int64_t Kp,
         const __m512i lo = _mm512_and_si512(packed, low);
         const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low);
         for (int j = 0; j < MB; ++j) {
-          int32_t first, second;
-          __builtin_memcpy(&first, xb + j * Kp + v * 8, 4);
-          __builtin_memcpy(&second, xb + j * Kp + v * 8 + 4, 4);
-          dot[j][b][0] = _mm512_dpbusd_epi32(dot[j][b][0], lo, _mm512_set1_epi32(first));
-          dot[j][b][H - 1] = _mm512_dpbusd_epi32(dot[j][b][H - 1], hi, _mm512_set1_epi32(second));
+          const int8_t* x = xb + j * 2 * Kp + v * 8;
+          int32_t quads[4];  // the hi part's inputs 8 v .. 8 v + 3 and 8 v + 4 .. 8 v + 7, then the lo part's
+          __builtin_memcpy(&quads[0], x, 4);
+          __builtin_memcpy(&quads[1], x + 4, 4);
+          __builtin_memcpy(&quads[2], x + kQuant, 4);
+          __builtin_memcpy(&quads[3], x + kQuant + 4, 4);
+          hi_dot[j][b] = _mm512_dpbusd_epi32(hi_dot[j][b], lo, _mm512_set1_epi32(quads[0]));
+          hi_dot[j][b] = _mm512_dpbusd_epi32(hi_dot[j][b], hi, _mm512_set1_epi32(quads[1]));
+          lo_dot[j][b] = _mm512_dpbusd_epi32(lo_dot[j][b], lo, _mm512_set1_epi32(quads[2]));
+          lo_dot[j][b] = _mm512_dpbusd_epi32(lo_dot[j][b], hi, _mm512_set1_epi32(quads[3]));
         }
       }
     }
+    const __m512i by254 = _mm512_set1_epi32(254);
     __m512 scale[kLanes], minimum[kLanes];
     for (int b = 0; b < kLanes; ++b) {
       scale[b] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + kNibbleBytes + b * 32)));
@@ -99,7 +108,7 @@ void GroupRows(const int8_t* Xq, const float* xs, const float* xsum, int64_t Kp,
     for (int j = 0; j < MB; ++j) {
       const __m512 x_scale = _mm512_set1_ps(xs[j * blocks + blk]), x_sum = _mm512_set1_ps(xsum[j * blocks + blk]);
       for (int b = 0; b < kLanes; ++b) {
-        const __m512i total = H == 2 ? _mm512_add_epi32(dot[j][b][0], dot[j][b][H - 1]) : dot[j][b][0];
+        const __m512i total = _mm512_add_epi32(_mm512_mullo_epi32(hi_dot[j][b], by254), lo_dot[j][b]);
         acc[j][b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total), _mm512_mul_ps(scale[b], x_scale), acc[j][b]);
         acc[j][b] = _mm512_fmadd_ps(minimum[b], x_sum, acc[j][b]);
       }
@@ -113,38 +122,41 @@ void GroupRows(const int8_t* Xq, const float* xs, const float* xsum, int64_t Kp,
 }
 
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+constexpr int kRowsPerPass = 2;  // rows of X per pass: each row holds 8 integer accumulators in 16 registers
+
 // Prefetch distance (bytes) of this path, as linear_int8.cc's (the same reason: ~20 instructions per 128 bytes).
 constexpr int kPrefetchAhead = 4096;
 
 // AVX2 has no vpdpbusd: a 32-byte half of a 64-byte load is 8 rows x 8 inputs; its low and high
-// nibbles (unsigned, <= 15) times a broadcast quad of x are summed in pairs to int16 by vpmaddubsw. All
-// 8 products of a block's 32 inputs stay below 2^15 in int16 (8 x 2 x 15 x 127 = 30480), so they are
-// added there and widened once a block (vpmaddwd by ones): the same integers as the VNNI path, then
-// the same float32 arithmetic, so the same bits. The group's 32 rows are 4 vectors of 8.
+// nibbles (unsigned, <= 15) times a broadcast quad of a part of x are summed in pairs to int16 by
+// vpmaddubsw. All 8 products of a block's 32 inputs stay below 2^15 in int16 (8 x 2 x 15 x 127 = 30480),
+// so each part's are added there and widened once a block (vpmaddwd: the hi part's by 254, the lo part's
+// by 1): the same integers as the VNNI path, then the same float32 arithmetic, so the same bits. The
+// group's 32 rows are 4 vectors of 8.
 template <int MB>
 void GroupRows(const int8_t* Xq, const float* xs, const float* xsum, int64_t Kp, const uint8_t* Wg, int64_t outputs,
                int64_t N, float* Y) {
   constexpr int R = kGroup / 8;
   const int64_t blocks = Kp / kQuant;
-  const __m256i low = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+  const __m256i low = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1), by254 = _mm256_set1_epi16(254);
   __m256 acc[MB][R];
   for (int j = 0; j < MB; ++j)
     for (int r = 0; r < R; ++r) acc[j][r] = _mm256_setzero_ps();
   const uint8_t* w = Wg;
   const bool prefetch = fdcore_prefetch_weights;
   for (int64_t blk = 0; blk < blocks; ++blk, w += kRecord) {
-    __m256i dot[MB][R];
+    __m256i hi_dot[MB][R], lo_dot[MB][R];
     for (int j = 0; j < MB; ++j)
-      for (int r = 0; r < R; ++r) dot[j][r] = _mm256_setzero_si256();
-    const int8_t* xb = Xq + blk * kQuant;
+      for (int r = 0; r < R; ++r) hi_dot[j][r] = lo_dot[j][r] = _mm256_setzero_si256();
+    const int8_t* xb = Xq + blk * 2 * kQuant;
     for (int v = 0; v < kQuant / 8; ++v) {
-      __m256i first[MB], second[MB];
+      __m256i quads[MB][4];  // per row: the hi part's two quads, then the lo part's
       for (int j = 0; j < MB; ++j) {
-        int32_t a, b;
-        __builtin_memcpy(&a, xb + j * Kp + v * 8, 4);
-        __builtin_memcpy(&b, xb + j * Kp + v * 8 + 4, 4);
-        first[j] = _mm256_set1_epi32(a);
-        second[j] = _mm256_set1_epi32(b);
+        for (int i = 0; i < 4; ++i) {
+          int32_t four;
+          __builtin_memcpy(&four, xb + j * 2 * Kp + (i / 2) * kQuant + v * 8 + (i % 2) * 4, 4);
+          quads[j][i] = _mm256_set1_epi32(four);
+        }
       }
       if (prefetch) {
         _mm_prefetch(reinterpret_cast<const char*>(w + v * 128 + kPrefetchAhead), _MM_HINT_T0);
@@ -154,9 +166,12 @@ void GroupRows(const int8_t* Xq, const float* xs, const float* xsum, int64_t Kp,
         const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + v * 128 + r * 32));
         const __m256i lo = _mm256_and_si256(packed, low);
         const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low);
-        for (int j = 0; j < MB; ++j)
-          dot[j][r] = _mm256_add_epi16(dot[j][r], _mm256_add_epi16(_mm256_maddubs_epi16(lo, first[j]),
-                                                                   _mm256_maddubs_epi16(hi, second[j])));
+        for (int j = 0; j < MB; ++j) {
+          hi_dot[j][r] = _mm256_add_epi16(hi_dot[j][r], _mm256_add_epi16(_mm256_maddubs_epi16(lo, quads[j][0]),
+                                                                         _mm256_maddubs_epi16(hi, quads[j][1])));
+          lo_dot[j][r] = _mm256_add_epi16(lo_dot[j][r], _mm256_add_epi16(_mm256_maddubs_epi16(lo, quads[j][2]),
+                                                                         _mm256_maddubs_epi16(hi, quads[j][3])));
+        }
       }
     }
     for (int r = 0; r < R; ++r) {
@@ -165,7 +180,7 @@ void GroupRows(const int8_t* Xq, const float* xs, const float* xsum, int64_t Kp,
           _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + kNibbleBytes + kGroup * 2 + r * 16)));
       for (int j = 0; j < MB; ++j) {
         const __m256 x_scale = _mm256_set1_ps(xs[j * blocks + blk]), x_sum = _mm256_set1_ps(xsum[j * blocks + blk]);
-        const __m256i total = _mm256_madd_epi16(dot[j][r], ones);
+        const __m256i total = _mm256_add_epi32(_mm256_madd_epi16(hi_dot[j][r], by254), _mm256_madd_epi16(lo_dot[j][r], ones));
         acc[j][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), _mm256_mul_ps(scale, x_scale), acc[j][r]);
         acc[j][r] = _mm256_fmadd_ps(minimum, x_sum, acc[j][r]);
       }
@@ -184,19 +199,20 @@ void GroupRows(const int8_t* Xq, const float* xs, const float* xsum, int64_t Kp,
   }
 }
 #else
+constexpr int kRowsPerPass = 1;
 template <int MB>
 void GroupRows(const int8_t*, const float*, const float*, int64_t, const uint8_t*, int64_t, int64_t, float*) {}
 #endif
 
-// One row of x -> int8 per block of 32 (zeros past K, up to Kp), the blocks' scales and the sums of the
-// quantized x (scale * sum of the block's int8 values): QuantizeBlock's bits, as wint8's activations.
+// One row of x -> two int8 parts per block of 32 (64 bytes a block, zeros past K, up to Kp), the blocks' scales
+// and the sums of the quantized x (scale * the block's sum of 254 hi + lo): QuantizeBlock's bits, as wint8's.
 void QuantizeRow(const float* x, int64_t K, int64_t Kp, int8_t* q, float* scales, float* sums) {
 #if defined(__AVX2__)
   for (int64_t blk = 0, k0 = 0; k0 < Kp; ++blk, k0 += kQuant) {
     float top;
     int32_t sum;
-    QuantizeBlock(x + k0, std::min<int64_t>(K - k0, kQuant), q + k0, &top, &sum);
-    scales[blk] = top / 127.f;
+    QuantizeBlock(x + k0, std::min<int64_t>(K - k0, kQuant), q + 2 * k0, &top, &sum);
+    scales[blk] = top / 32258.f;
     sums[blk] = scales[blk] * static_cast<float>(sum);
   }
 #else
@@ -209,13 +225,13 @@ void Linear(const float* X, int64_t M, int64_t K, const uint8_t* Wp, int64_t G, 
   const int64_t blocks = Kp / kQuant;
   thread_local std::vector<int8_t> q;
   thread_local std::vector<float> scales, sums;
-  q.resize(M * Kp);
+  q.resize(M * 2 * Kp);
   scales.resize(M * blocks);
   sums.resize(M * blocks);
   int8_t* xq = q.data();  // taken on the calling thread: in the parallel loops `q` is each thread's own
   float *xs = scales.data(), *xsum = sums.data();
 #pragma omp parallel for schedule(static) if (M >= 8 && M * K >= (1 << 16))
-  for (int64_t m = 0; m < M; ++m) QuantizeRow(X + m * K, K, Kp, xq + m * Kp, xs + m * blocks, xsum + m * blocks);
+  for (int64_t m = 0; m < M; ++m) QuantizeRow(X + m * K, K, Kp, xq + m * 2 * Kp, xs + m * blocks, xsum + m * blocks);
 
   const int64_t chunks = (M + kChunk - 1) / kChunk;
   const bool parallel = G > 1 && M * N * K >= (1 << 18);
@@ -226,7 +242,7 @@ void Linear(const float* X, int64_t M, int64_t K, const uint8_t* Wp, int64_t G, 
       const int64_t outputs = std::min<int64_t>(kGroup, N - g * kGroup), end = std::min(M, (c + 1) * kChunk);
       auto rows = [&](auto pass, int64_t m) {
         constexpr int MB = decltype(pass)::value;
-        GroupRows<MB>(xq + m * Kp, xs + m * blocks, xsum + m * blocks, Kp, Wg, outputs, N, Y + m * N + g * kGroup);
+        GroupRows<MB>(xq + m * 2 * Kp, xs + m * blocks, xsum + m * blocks, Kp, Wg, outputs, N, Y + m * N + g * kGroup);
       };
       int64_t m = c * kChunk;
       for (; m + kRowsPerPass <= end; m += kRowsPerPass) rows(std::integral_constant<int, kRowsPerPass>(), m);

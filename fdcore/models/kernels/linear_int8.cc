@@ -1,19 +1,24 @@
 // fdcore's weight-only int8 linear layer (wint8): Y[M, N] = X[M, K] . W[N, K]^T, W quantized per output
-// row and block of 32 inputs (symmetric: W ~= scale[n, b] * q[n, k], q in [-127, 127], llama.cpp's Q8_0
-// grouping, the scale in float16), X quantized on the fly the same way (per row and block of 32), int32 dot products per
-// block with AVX512-VNNI's `vpdpbusd` (or AVX2's `vpmaddubsw`, where the library is built for a CPU without
-// AVX512-VNNI: see GroupRows), scaled and summed in float32.
+// row and block of 32 inputs with a scale and a minimum (W ~= scale[n, b] * u[n, k] + minimum[n, b], u in
+// [0, 255], both in float16: Q4_1's form with 8-bit levels; a Q8_0 file's q is u = q + 128 with minimum
+// = -128 scale, exactly), X as 16-bit fixed point per row and block of 32 in two int8 parts (QuantizeBlock),
+// int32 dot products per block and part with AVX512-VNNI's `vpdpbusd` (or AVX2's `vpmaddubsw`, where the
+// library is built for a CPU without AVX512-VNNI: see GroupRows), scaled and summed in float32.
 //
-// Why: a quarter of float32's bytes for decoding one sequence (memory bound), and 4 products per
-// 32-bit lane and instruction in batches. Per-block activation scales (llama.cpp's Q8 for activations)
-// keep an outlier channel from flattening a whole row's precision.
+// Why: a quarter of float32's bytes for decoding one sequence (memory bound), and 4 products per 32-bit
+// lane and instruction in batches. The activations keep 16 bits (x ~= top / 32258 (254 hi + lo) per block,
+// off by at most top / 64516) where 8 (llama.cpp's Q8 for activations) moved SmolLM2's logits enough to
+// change float32's greedy token on 4 of 9 golden prompts within 16 tokens: "weight-only" quantization
+// should cost the weights' rounding alone. Two `vpdpbusd` per quad instead of one: batch 1 streams memory
+// either way, batches pay it in arithmetic.
 //
-// NOTE: `vpdpbusd` multiplies unsigned by signed bytes. The weights are stored offset by 128
-// (u = q + 128, in [1, 255]) so that they are the unsigned operand and the activations the signed one;
-// sum_k u[n, k] x[k] = sum_k q[n, k] x[k] + 128 * sum_k x[k], and the second term (one number per row
-// of X and block, the same for every output) is subtracted per block. Packing, as for bfloat16, in
-// groups of kGroup output rows: packed[g][kq][b][lane][j] = u[kGroup g + 16 b + lane][4 kq + j], so one
-// 64-byte load holds 16 rows x 4 inputs against a broadcast quad of x. kGroup is the path's (64 for
+// NOTE: `vpdpbusd` multiplies unsigned by signed bytes: the levels u are the unsigned operand and each
+// part of x the signed one. Per block, D = sum_k (u[n, k] - 128) x16[k] (x16 = 254 hi + lo, an exact int32)
+// and the result adds scale * D + centre * sum_k x16 with centre = minimum + 128 scale (the level 128's
+// weight: exact in float32, and 0 for a Q8_0 file's blocks), both times the activations' scale. Centred, the
+// two terms do not cancel: with the minimum instead they are ~128 times the result for a symmetric block.
+// Packing in groups of kGroup output rows: packed[g][kq][b][lane][j] = u[kGroup g + 16 b + lane][4 kq + j],
+// so one 64-byte load holds 16 rows x 4 inputs against a broadcast quad of x. kGroup is the path's (64 for
 // AVX512-VNNI, 32 for AVX2: fdcore.models.kernels.int8_group_rows packs to match), and a group's bytes
 // are contiguous: the threads share out whole groups, each streaming its own range of memory.
 #include <immintrin.h>
@@ -71,12 +76,13 @@ inline float MaxOf(__m256 v) {
 #if defined(__AVX2__)
 }  // namespace
 
-// One block of 32 activations as int8 with the scalar loop's operations (the maximum of |x|, 127 / top, the
-// product rounded to nearest even by vcvtps2dq as nearbyint does, an integer sum), so its bits: q[32] (zeros
-// past `left`, the block's real values), top (the block's scale is top / 127) and the sum of q. 16 values at
-// a time on AVX-512, 8 on AVX2 (the two took the same time in a 512-token SmolLM2 wint8 prefill, where
-// quantizing is ~9 % of the CPU: alternating in one process, 0.99-1.00). One quantizer for linear_int4.cc
-// too, whose activations are quantized the same way (hidden: a direct call within the library, no PLT).
+// One block of 32 activations as 16-bit fixed point in two int8 parts, with the scalar loop's operations (so
+// its bits): top = max |x|, t = x * (127 / top) (|t| <= 127), hi = t rounded to nearest even (vcvtps2dq, as
+// nearbyint), lo = (t - hi) * 254 rounded (t - hi is exact and within 1/2, so lo is within [-127, 127]), so
+// x ~= top / 32258 * (254 hi + lo), off by at most top / 64516. Writes q[0, 32) = hi and q[32, 64) = lo
+// (zeros past `left`, the block's real values), top and the sum of 254 hi + lo. 16 values at a time on
+// AVX-512, 8 on AVX2. One quantizer for linear_int4.cc too, whose activations are quantized the same way
+// (hidden: a direct call within the library, no PLT).
 __attribute__((visibility("hidden"))) void QuantizeBlock(const float* x, int64_t left, int8_t* q, float* top,
                                                          int32_t* sum) {
 #if defined(__AVX512F__) && defined(__AVX512BW__)
@@ -84,26 +90,41 @@ __attribute__((visibility("hidden"))) void QuantizeBlock(const float* x, int64_t
   const __mmask16 m1 = left >= 32 ? 0xffff : left > 16 ? static_cast<__mmask16>((1u << (left - 16)) - 1) : 0;
   const __m512 a = _mm512_maskz_loadu_ps(m0, x), b = _mm512_maskz_loadu_ps(m1, x + 16);
   *top = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
-  const __m512 inverse = _mm512_set1_ps(*top > 0.f ? 127.f / *top : 0.f);
-  const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, inverse)), qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, inverse));
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtepi32_epi8(qa));
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtepi32_epi8(qb));
-  *sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
+  const __m512 inverse = _mm512_set1_ps(*top > 0.f ? 127.f / *top : 0.f), step = _mm512_set1_ps(254.f);
+  const __m512i by254 = _mm512_set1_epi32(254);
+  __m512i total = _mm512_setzero_si512();
+  const __m512 t[2] = {_mm512_mul_ps(a, inverse), _mm512_mul_ps(b, inverse)};
+  for (int i = 0; i < 2; ++i) {
+    const __m512i hi = _mm512_cvtps_epi32(t[i]);
+    const __m512 rest = _mm512_sub_ps(t[i], _mm512_cvtepi32_ps(hi));
+    const __m512i lo = _mm512_cvtps_epi32(_mm512_mul_ps(rest, step));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16 * i), _mm512_cvtepi32_epi8(hi));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 32 + 16 * i), _mm512_cvtepi32_epi8(lo));
+    total = _mm512_add_epi32(total, _mm512_add_epi32(_mm512_mullo_epi32(hi, by254), lo));
+  }
+  *sum = _mm512_reduce_add_epi32(total);
 #else
   __m256 v[4];
   LoadBlock(x, left, v);
   const __m256 sign = _mm256_set1_ps(-0.f);
   *top = MaxOf(_mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
                              _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3]))));
-  const __m256 inverse = _mm256_set1_ps(*top > 0.f ? 127.f / *top : 0.f);
-  __m256i r[4];
-  for (int i = 0; i < 4; ++i) r[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inverse));
+  const __m256 inverse = _mm256_set1_ps(*top > 0.f ? 127.f / *top : 0.f), step = _mm256_set1_ps(254.f);
+  const __m256i by254 = _mm256_set1_epi32(254);
+  __m256i hi[4], lo[4], total = _mm256_setzero_si256();
+  for (int i = 0; i < 4; ++i) {
+    const __m256 t = _mm256_mul_ps(v[i], inverse);
+    hi[i] = _mm256_cvtps_epi32(t);
+    const __m256 rest = _mm256_sub_ps(t, _mm256_cvtepi32_ps(hi[i]));
+    lo[i] = _mm256_cvtps_epi32(_mm256_mul_ps(rest, step));
+    total = _mm256_add_epi32(total, _mm256_add_epi32(_mm256_mullo_epi32(hi[i], by254), lo[i]));
+  }
   // to bytes in order: packs interleave the 128-bit lanes, the permutation puts them back
-  const __m256i bytes = _mm256_permutevar8x32_epi32(
-      _mm256_packs_epi16(_mm256_packs_epi32(r[0], r[1]), _mm256_packs_epi32(r[2], r[3])),
-      _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), bytes);
-  __m256i total = _mm256_add_epi32(_mm256_add_epi32(r[0], r[1]), _mm256_add_epi32(r[2], r[3]));
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), _mm256_permutevar8x32_epi32(
+      _mm256_packs_epi16(_mm256_packs_epi32(hi[0], hi[1]), _mm256_packs_epi32(hi[2], hi[3])), order));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 32), _mm256_permutevar8x32_epi32(
+      _mm256_packs_epi16(_mm256_packs_epi32(lo[0], lo[1]), _mm256_packs_epi32(lo[2], lo[3])), order));
   __m128i half = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
   half = _mm_add_epi32(half, _mm_shuffle_epi32(half, 0x4e));
   *sum = _mm_cvtsi128_si32(_mm_add_epi32(half, _mm_shuffle_epi32(half, 0xb1)));
@@ -117,22 +138,31 @@ namespace {
 // quantizing and SplitByRows cut alike, so a thread multiplies the rows it quantized.
 inline int64_t RowShare(int64_t M, int64_t i, int64_t threads) { return i == threads ? M : M * i / threads / 4 * 4; }
 
-// x rows -> int8 per block of 32 (padded with zeros to Kp), their scales and 128 * their sums. With AVX2 or
-// AVX-512, QuantizeBlock: the same operations as the scalar loop, so the same bits (the scalar loop took
-// ~7 us of a SmolLM2 batch-1 projection's ~85, on one thread while the others waited).
-void QuantizeRows(const float* X, int64_t M, int64_t K, int64_t Kp, std::vector<int8_t>& q,
-                  std::vector<float>& scales, std::vector<int32_t>& offsets) {
+// The activations of one row as the kernels read them: per block of 32, 64 bytes (QuantizeBlock's hi then lo);
+// per row and block, the scale (top / 32258), 128 times the integer sum (VNNI's offset for its unsigned levels)
+// and the scale times that sum (the centre's factor).
+struct QuantizedRows {
+  std::vector<int8_t> q;
+  std::vector<float> scales, sums;
+  std::vector<int32_t> offsets;
+};
+
+// x rows -> QuantizedRows (blocks padded with zeros to Kp). With AVX2 or AVX-512, QuantizeBlock: the same
+// operations as the scalar loop, so the same bits (the scalar loop took ~7 us of a SmolLM2 batch-1
+// projection's ~85, on one thread while the others waited).
+void QuantizeRows(const float* X, int64_t M, int64_t K, int64_t Kp, QuantizedRows& rows) {
   const int64_t blocks = Kp / kQuant;
 #if defined(__AVX2__)
-  q.resize(M * Kp);  // every block is written whole (its zeros past K too): no clearing pass
+  rows.q.resize(M * 2 * Kp);  // every block is written whole (its zeros past K too): no clearing pass
 #else
-  q.assign(M * Kp, 0);
+  rows.q.assign(M * 2 * Kp, 0);
 #endif
-  scales.resize(M * blocks);
-  offsets.resize(M * blocks);
-  int8_t* Q = q.data();  // (the calling thread's vectors, taken before the parallel loop)
-  float* XS = scales.data();
-  int32_t* XO = offsets.data();
+  rows.scales.resize(M * blocks);
+  rows.sums.resize(M * blocks);
+  rows.offsets.resize(M * blocks);
+  int8_t* Q = rows.q.data();  // (the calling thread's vectors, taken before the parallel loop)
+  float *XS = rows.scales.data(), *XSUM = rows.sums.data();
+  int32_t* XO = rows.offsets.data();
   // A row's blocks are its own, so rows shared out across threads give the same bits: a 512-token prefill
   // quantized ~0.4 ms a projection on one thread while the others waited.
 #pragma omp parallel if (M >= 8 && M * K >= (1 << 16))
@@ -141,27 +171,45 @@ void QuantizeRows(const float* X, int64_t M, int64_t K, int64_t Kp, std::vector<
     for (int64_t m = RowShare(M, t, threads); m < RowShare(M, t + 1, threads); ++m) {
       for (int64_t blk = 0; blk < blocks; ++blk) {
         const int64_t k0 = blk * kQuant, k1 = std::min(K, k0 + kQuant);
-#if defined(__AVX2__)
+        int8_t* q = Q + m * 2 * Kp + 2 * k0;
         float top;
         int32_t sum;
-        QuantizeBlock(X + m * K + k0, k1 - k0, Q + m * Kp + k0, &top, &sum);
+#if defined(__AVX2__)
+        QuantizeBlock(X + m * K + k0, k1 - k0, q, &top, &sum);
 #else
-        float top = 0.f;
+        top = 0.f;
         for (int64_t k = k0; k < k1; ++k) top = std::max(top, std::fabs(X[m * K + k]));
         const float inverse = top > 0.f ? 127.f / top : 0.f;
-        int32_t sum = 0;
+        sum = 0;
         for (int64_t k = k0; k < k1; ++k) {
-          const int value = static_cast<int>(std::nearbyint(X[m * K + k] * inverse));
-          Q[m * Kp + k] = static_cast<int8_t>(value);
-          sum += value;
+          const float t = X[m * K + k] * inverse;
+          const int hi = static_cast<int>(std::nearbyint(t));
+          const int lo = static_cast<int>(std::nearbyint((t - static_cast<float>(hi)) * 254.f));
+          q[k - k0] = static_cast<int8_t>(hi);
+          q[kQuant + k - k0] = static_cast<int8_t>(lo);
+          sum += 254 * hi + lo;
         }
 #endif
-        XS[m * blocks + blk] = top / 127.f;
+        XS[m * blocks + blk] = top / 32258.f;
+        XSUM[m * blocks + blk] = XS[m * blocks + blk] * static_cast<float>(sum);
         XO[m * blocks + blk] = 128 * sum;
       }
     }
   }
 }
+
+// What the multiplying passes read of the quantized activations (QuantizedRows' pointers): row m's block blk
+// is q[m * 2 Kp + 64 blk, + 64) (hi, then lo), its scale, sum and offset at [m * blocks + blk].
+struct XRows {
+  const int8_t* q;
+  const float* scales;
+  const float* sums;
+  const int32_t* offsets;
+  int64_t Kp, blocks;
+
+  const int8_t* Block(int64_t m, int64_t blk) const { return q + m * 2 * Kp + blk * 2 * kQuant; }
+  int64_t At(int64_t m, int64_t blk) const { return m * blocks + blk; }
+};
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 constexpr int kGroup = 64;
@@ -176,24 +224,23 @@ constexpr int kRowsPerPass = 2;
 constexpr int kPrefetchAhead = 4096;
 
 // MB rows of x against NB of the 4 16-row blocks of one group of 64 output rows, from block B0 (ws: the
-// group's scales, [blocks][64] float16 bits). Each output's arithmetic is the same whatever MB, NB and
-// B0 are (integer sums over a block's quads, then one FMA a block in block order), so a row's bits do
-// not depend on the pass it falls in. Batches go 4 rows by 2 blocks (16 accumulators, the weights of a
-// group read once per 4 rows from L1) where 2 rows by 4 blocks re-read them twice as often.
+// group's scales and minimums, [blocks][2][64] float16 bits). Each output's arithmetic is the same whatever
+// MB, NB and B0 are (integer sums over a block's quads, then two FMAs a block in block order), so a row's
+// bits do not depend on the pass it falls in. Batches go 4 rows by 2 blocks (16 + 16 integer accumulators,
+// the weights of a group read once per 4 rows from L1) where 2 rows by 4 blocks re-read them twice as often.
 template <int MB, int NB = kBlocks, int B0 = 0>
-void GroupRows(const int8_t* Xq, const float* xs, const int32_t* xo, int64_t Kp, const uint8_t* Wg,
-               const uint16_t* ws, int64_t N, int64_t g, int64_t m0, float* Y) {
-  const int64_t blocks = Kp / kQuant;
+void GroupRows(const XRows& x, const uint8_t* Wg, const uint16_t* ws, int64_t N, int64_t g, int64_t m0, float* Y) {
   __m512 acc[MB][NB];
   for (int j = 0; j < MB; ++j)
     for (int b = 0; b < NB; ++b) acc[j][b] = _mm512_setzero_ps();
   const uint8_t* w = Wg;
   // (batches re-read a group's quads from L1, 4 rows at a time: only a row alone prefetches)
   const bool prefetch = MB == 1 && fdcore_prefetch_weights;
-  for (int64_t blk = 0; blk < blocks; ++blk) {
-    __m512i dot[MB][NB];
+  const __m512 level128 = _mm512_set1_ps(128.f);
+  for (int64_t blk = 0; blk < x.blocks; ++blk) {
+    __m512i hi_dot[MB][NB], lo_dot[MB][NB];
     for (int j = 0; j < MB; ++j)
-      for (int b = 0; b < NB; ++b) dot[j][b] = _mm512_setzero_si512();
+      for (int b = 0; b < NB; ++b) hi_dot[j][b] = lo_dot[j][b] = _mm512_setzero_si512();
     for (int quad = 0; quad < kQuant / 4; ++quad, w += kGroup * 4) {
       if (prefetch) {
         for (int b = 0; b < NB; ++b) _mm_prefetch(reinterpret_cast<const char*>(w + (B0 + b) * 64 + kPrefetchAhead), _MM_HINT_T0);
@@ -201,21 +248,34 @@ void GroupRows(const int8_t* Xq, const float* xs, const int32_t* xo, int64_t Kp,
       __m512i wb[NB];
       for (int b = 0; b < NB; ++b) wb[b] = _mm512_loadu_si512(w + (B0 + b) * 64);
       for (int j = 0; j < MB; ++j) {
-        int32_t four;
-        __builtin_memcpy(&four, Xq + (m0 + j) * Kp + blk * kQuant + quad * 4, 4);
-        const __m512i x = _mm512_set1_epi32(four);
-        for (int b = 0; b < NB; ++b) dot[j][b] = _mm512_dpbusd_epi32(dot[j][b], wb[b], x);
+        const int8_t* xb = x.Block(m0 + j, blk) + quad * 4;
+        int32_t hi, lo;
+        __builtin_memcpy(&hi, xb, 4);
+        __builtin_memcpy(&lo, xb + kQuant, 4);
+        const __m512i x_hi = _mm512_set1_epi32(hi), x_lo = _mm512_set1_epi32(lo);
+        for (int b = 0; b < NB; ++b) {
+          hi_dot[j][b] = _mm512_dpbusd_epi32(hi_dot[j][b], wb[b], x_hi);
+          lo_dot[j][b] = _mm512_dpbusd_epi32(lo_dot[j][b], wb[b], x_lo);
+        }
       }
     }
-    __m512 w_scale[NB];
-    for (int b = 0; b < NB; ++b)
-      w_scale[b] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ws + blk * kGroup + (B0 + b) * 16)));
+    const __m512i by254 = _mm512_set1_epi32(254);
+    __m512 w_scale[NB], centre[NB];
+    for (int b = 0; b < NB; ++b) {
+      const uint16_t* at = ws + blk * 2 * kGroup + (B0 + b) * 16;
+      w_scale[b] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(at)));
+      const __m512 minimum = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(at + kGroup)));
+      centre[b] = _mm512_fmadd_ps(w_scale[b], level128, minimum);
+    }
     for (int j = 0; j < MB; ++j) {
-      const __m512i offset = _mm512_set1_epi32(xo[(m0 + j) * blocks + blk]);
-      const __m512 x_scale = _mm512_set1_ps(xs[(m0 + j) * blocks + blk]);
+      const int64_t at = x.At(m0 + j, blk);
+      const __m512i offset = _mm512_set1_epi32(x.offsets[at]);
+      const __m512 x_scale = _mm512_set1_ps(x.scales[at]), x_sum = _mm512_set1_ps(x.sums[at]);
       for (int b = 0; b < NB; ++b) {
-        const __m512 scale = _mm512_mul_ps(x_scale, w_scale[b]);
-        acc[j][b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(dot[j][b], offset)), scale, acc[j][b]);
+        // sum (u - 128) x16: exact in int32 (|u x16| sums to at most 32 x 255 x 32385 < 2^31)
+        const __m512i dot = _mm512_sub_epi32(_mm512_add_epi32(_mm512_mullo_epi32(hi_dot[j][b], by254), lo_dot[j][b]), offset);
+        acc[j][b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(x_scale, w_scale[b]), acc[j][b]);
+        acc[j][b] = _mm512_fmadd_ps(centre[b], x_sum, acc[j][b]);
       }
     }
   }
@@ -228,10 +288,9 @@ void GroupRows(const int8_t* Xq, const float* xs, const int32_t* xo, int64_t Kp,
 }
 
 // 4 rows at a time, in two halves of the group's blocks.
-void GroupFourRows(const int8_t* Xq, const float* xs, const int32_t* xo, int64_t Kp, const uint8_t* Wg,
-                   const uint16_t* ws, int64_t N, int64_t g, int64_t m0, float* Y) {
-  GroupRows<4, 2, 0>(Xq, xs, xo, Kp, Wg, ws, N, g, m0, Y);
-  if (g * kGroup + 32 < N) GroupRows<4, 2, 2>(Xq, xs, xo, Kp, Wg, ws, N, g, m0, Y);
+void GroupFourRows(const XRows& x, const uint8_t* Wg, const uint16_t* ws, int64_t N, int64_t g, int64_t m0, float* Y) {
+  GroupRows<4, 2, 0>(x, Wg, ws, N, g, m0, Y);
+  if (g * kGroup + 32 < N) GroupRows<4, 2, 2>(x, Wg, ws, N, g, m0, Y);
 }
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 constexpr int kGroup = 32;
@@ -244,34 +303,36 @@ constexpr int kRowsPerPass = 2;
 // thread and 18.2 (from 15.0) on two, on the AVX2 EPYC (2026-12-02: 2 to 8 KiB all helped, 4 best).
 constexpr int kPrefetchAhead = 4096;
 
-// AVX2 has no vpdpbusd. Per 32 bytes (8 rows x 4 inputs): the signed weights q = u ^ 0x80, then
-// llama.cpp's pairing: |q| (unsigned) times x carrying q's sign (vpsignb), pairs summed to int16
-// (vpmaddubsw: at most 2 x 127 x 127, never saturated) and pairs of those to int32 (vpmaddwd by ones).
-// That is q . x itself (no offset to subtract): the same integers as the VNNI path, then the same
-// float32 arithmetic, so the same bits. A group is 32 rows: 4 integer accumulators a row of x, within
-// AVX2's 16 registers for 2 rows. (Groups of 64 read as two halves of 128 bytes in every 256 streamed
-// 11.3 GB/s from memory on 2 threads of an EPYC, where contiguous groups of 32 stream 16.5.)
+// AVX2 has no vpdpbusd. Per 32 bytes (8 rows x 4 inputs): the signed levels q = u ^ 0x80 = u - 128, then
+// llama.cpp's pairing: |q| (unsigned, <= 128) times a part of x carrying q's sign (vpsignb; the parts are
+// within [-127, 127], so the sign never overflows), pairs summed to int16 (vpmaddubsw: at most 2 x 128 x 127,
+// never saturated) and pairs of those to int32 (vpmaddwd: by 254 for hi, by 1 for lo). That is
+// sum (u - 128) x16 itself (no offset to subtract): the same integers as the VNNI path, then the same float32
+// arithmetic, so the same bits. A group is 32 rows: 4 integer accumulators a row of x.
 template <int MB>
-void GroupRows(const int8_t* Xq, const float* xs, const int32_t*, int64_t Kp, const uint8_t* Wg,
-               const uint16_t* ws, int64_t N, int64_t g, int64_t m0, float* Y) {
+void GroupRows(const XRows& x, const uint8_t* Wg, const uint16_t* ws, int64_t N, int64_t g, int64_t m0, float* Y) {
   constexpr int R = kGroup / 8;  // 8-row vectors
-  const int64_t blocks = Kp / kQuant;
-  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80)), ones = _mm256_set1_epi16(1);
+  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80)), ones = _mm256_set1_epi16(1),
+                by254 = _mm256_set1_epi16(254);
+  const __m256 level128 = _mm256_set1_ps(128.f);
   __m256 acc[MB][R];
   for (int j = 0; j < MB; ++j)
     for (int r = 0; r < R; ++r) acc[j][r] = _mm256_setzero_ps();
   const uint8_t* w = Wg;
   const bool prefetch = fdcore_prefetch_weights;
-  for (int64_t blk = 0; blk < blocks; ++blk) {
+  for (int64_t blk = 0; blk < x.blocks; ++blk) {
     __m256i dot[MB][R];
     for (int j = 0; j < MB; ++j)
       for (int r = 0; r < R; ++r) dot[j][r] = _mm256_setzero_si256();
     for (int quad = 0; quad < kQuant / 4; ++quad, w += kGroup * 4) {
-      __m256i x[MB];
+      __m256i x_hi[MB], x_lo[MB];
       for (int j = 0; j < MB; ++j) {
-        int32_t four;
-        __builtin_memcpy(&four, Xq + (m0 + j) * Kp + blk * kQuant + quad * 4, 4);
-        x[j] = _mm256_set1_epi32(four);
+        const int8_t* xb = x.Block(m0 + j, blk) + quad * 4;
+        int32_t hi, lo;
+        __builtin_memcpy(&hi, xb, 4);
+        __builtin_memcpy(&lo, xb + kQuant, 4);
+        x_hi[j] = _mm256_set1_epi32(hi);
+        x_lo[j] = _mm256_set1_epi32(lo);
       }
       if (prefetch) {
         _mm_prefetch(reinterpret_cast<const char*>(w + kPrefetchAhead), _MM_HINT_T0);
@@ -281,17 +342,22 @@ void GroupRows(const int8_t* Xq, const float* xs, const int32_t*, int64_t Kp, co
         const __m256i q = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + r * 32)), flip);
         const __m256i magnitude = _mm256_abs_epi8(q);
         for (int j = 0; j < MB; ++j) {
-          const __m256i pairs = _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(x[j], q));
-          dot[j][r] = _mm256_add_epi32(dot[j][r], _mm256_madd_epi16(pairs, ones));
+          const __m256i hi = _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(x_hi[j], q));
+          const __m256i lo = _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(x_lo[j], q));
+          dot[j][r] = _mm256_add_epi32(dot[j][r], _mm256_add_epi32(_mm256_madd_epi16(hi, by254), _mm256_madd_epi16(lo, ones)));
         }
       }
     }
-    for (int j = 0; j < MB; ++j) {
-      const __m256 x_scale = _mm256_set1_ps(xs[(m0 + j) * blocks + blk]);
-      for (int r = 0; r < R; ++r) {
-        const __m256 w_scale = _mm256_cvtph_ps(
-            _mm_loadu_si128(reinterpret_cast<const __m128i*>(ws + blk * kGroup + r * 8)));
+    for (int r = 0; r < R; ++r) {
+      const uint16_t* at = ws + blk * 2 * kGroup + r * 8;
+      const __m256 w_scale = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(at)));
+      const __m256 minimum = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(at + kGroup)));
+      const __m256 centre = _mm256_fmadd_ps(w_scale, level128, minimum);
+      for (int j = 0; j < MB; ++j) {
+        const int64_t i = x.At(m0 + j, blk);
+        const __m256 x_scale = _mm256_set1_ps(x.scales[i]), x_sum = _mm256_set1_ps(x.sums[i]);
         acc[j][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[j][r]), _mm256_mul_ps(x_scale, w_scale), acc[j][r]);
+        acc[j][r] = _mm256_fmadd_ps(centre, x_sum, acc[j][r]);
       }
     }
   }
@@ -315,17 +381,15 @@ constexpr int kGroup = 64;
 constexpr int kBlocks = kGroup / 16;
 constexpr int kRowsPerPass = 1;
 template <int MB>
-void GroupRows(const int8_t*, const float*, const int32_t*, int64_t, const uint8_t*, const uint16_t*, int64_t,
-               int64_t, int64_t, float*) {
+void GroupRows(const XRows&, const uint8_t*, const uint16_t*, int64_t, int64_t, int64_t, float*) {
   PD_CHECK(false, "linear_int8: built for a CPU without AVX2 (the caller must check its flags)");
 }
 #endif
 
 #if !(defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__))
 // 4 rows as passes of kRowsPerPass (the AVX-512 VNNI path splits the group's blocks instead).
-void GroupFourRows(const int8_t* Xq, const float* xs, const int32_t* xo, int64_t Kp, const uint8_t* Wg,
-                   const uint16_t* ws, int64_t N, int64_t g, int64_t m0, float* Y) {
-  for (int j = 0; j < 4; j += kRowsPerPass) GroupRows<kRowsPerPass>(Xq, xs, xo, Kp, Wg, ws, N, g, m0 + j, Y);
+void GroupFourRows(const XRows& x, const uint8_t* Wg, const uint16_t* ws, int64_t N, int64_t g, int64_t m0, float* Y) {
+  for (int j = 0; j < 4; j += kRowsPerPass) GroupRows<kRowsPerPass>(x, Wg, ws, N, g, m0 + j, Y);
 }
 #endif
 
@@ -333,22 +397,22 @@ void GroupFourRows(const int8_t* Xq, const float* xs, const int32_t* xo, int64_t
 // Rows m0 .. m0 + MB - 1 of x against the 16-row blocks lo .. hi - 1 of group g, two blocks a pass (the
 // arithmetic of each output is GroupRows', whatever the blocks: the same bits).
 template <int MB>
-void BlockRange(const int8_t* Xq, const float* xs, const int32_t* xo, int64_t Kp, const uint8_t* Wg,
-                const uint16_t* ws, int64_t N, int64_t g, int64_t m0, float* Y, int64_t lo, int64_t hi) {
+void BlockRange(const XRows& x, const uint8_t* Wg, const uint16_t* ws, int64_t N, int64_t g, int64_t m0, float* Y,
+                int64_t lo, int64_t hi) {
   for (int64_t b = lo; b < hi;) {
     if (hi - b >= 2) {
       switch (b) {
-        case 0: GroupRows<MB, 2, 0>(Xq, xs, xo, Kp, Wg, ws, N, g, m0, Y); break;
-        case 1: GroupRows<MB, 2, 1>(Xq, xs, xo, Kp, Wg, ws, N, g, m0, Y); break;
-        default: GroupRows<MB, 2, 2>(Xq, xs, xo, Kp, Wg, ws, N, g, m0, Y); break;
+        case 0: GroupRows<MB, 2, 0>(x, Wg, ws, N, g, m0, Y); break;
+        case 1: GroupRows<MB, 2, 1>(x, Wg, ws, N, g, m0, Y); break;
+        default: GroupRows<MB, 2, 2>(x, Wg, ws, N, g, m0, Y); break;
       }
       b += 2;
     } else {
       switch (b) {
-        case 0: GroupRows<MB, 1, 0>(Xq, xs, xo, Kp, Wg, ws, N, g, m0, Y); break;
-        case 1: GroupRows<MB, 1, 1>(Xq, xs, xo, Kp, Wg, ws, N, g, m0, Y); break;
-        case 2: GroupRows<MB, 1, 2>(Xq, xs, xo, Kp, Wg, ws, N, g, m0, Y); break;
-        default: GroupRows<MB, 1, 3>(Xq, xs, xo, Kp, Wg, ws, N, g, m0, Y); break;
+        case 0: GroupRows<MB, 1, 0>(x, Wg, ws, N, g, m0, Y); break;
+        case 1: GroupRows<MB, 1, 1>(x, Wg, ws, N, g, m0, Y); break;
+        case 2: GroupRows<MB, 1, 2>(x, Wg, ws, N, g, m0, Y); break;
+        default: GroupRows<MB, 1, 3>(x, Wg, ws, N, g, m0, Y); break;
       }
       b += 1;
     }
@@ -357,19 +421,19 @@ void BlockRange(const int8_t* Xq, const float* xs, const int32_t* xo, int64_t Kp
 
 // Rows m_lo .. m_hi - 1 of x against the 16-row blocks u_begin .. u_end - 1 of W (whole groups by
 // GroupFourRows, a group's part by BlockRange: the same arithmetic for each output).
-void RowsByBlocks(const int8_t* xq, const float* xs, const int32_t* xo, int64_t Kp, const uint8_t* Wp,
-                  const uint16_t* ws, int64_t N, int64_t m_lo, int64_t m_hi, int64_t u_begin, int64_t u_end, float* Y) {
+void RowsByBlocks(const XRows& x, const uint8_t* Wp, const uint16_t* ws, int64_t N, int64_t m_lo, int64_t m_hi,
+                  int64_t u_begin, int64_t u_end, float* Y) {
   for (int64_t u = u_begin; u < u_end;) {
     const int64_t g = u / kBlocks, lo = u % kBlocks, hi = std::min<int64_t>(kBlocks, u_end - g * kBlocks);
-    const uint8_t* Wg = Wp + g * Kp * kGroup;
-    const uint16_t* wsg = ws + g * (Kp / kQuant) * kGroup;
+    const uint8_t* Wg = Wp + g * x.Kp * kGroup;
+    const uint16_t* wsg = ws + g * x.blocks * 2 * kGroup;
     int64_t m0 = m_lo;
     if (lo == 0 && hi == kBlocks) {
-      for (; m0 + 4 <= m_hi; m0 += 4) GroupFourRows(xq, xs, xo, Kp, Wg, wsg, N, g, m0, Y);
+      for (; m0 + 4 <= m_hi; m0 += 4) GroupFourRows(x, Wg, wsg, N, g, m0, Y);
     } else {
-      for (; m0 + 4 <= m_hi; m0 += 4) BlockRange<4>(xq, xs, xo, Kp, Wg, wsg, N, g, m0, Y, lo, hi);
+      for (; m0 + 4 <= m_hi; m0 += 4) BlockRange<4>(x, Wg, wsg, N, g, m0, Y, lo, hi);
     }
-    for (; m0 < m_hi; ++m0) BlockRange<1>(xq, xs, xo, Kp, Wg, wsg, N, g, m0, Y, lo, hi);
+    for (; m0 < m_hi; ++m0) BlockRange<1>(x, Wg, wsg, N, g, m0, Y, lo, hi);
     u = g * kBlocks + hi;
   }
 }
@@ -391,16 +455,16 @@ constexpr int64_t kRowSplit = 256;
 //   0.95x, 1024 0.92x.
 // A one-row pass streams memory: there the thread that finishes first leaves the other the whole bandwidth,
 // and a group split in two measured no faster (0.99-1.06x), so one row keeps whole groups (Linear).
-void BatchByBlocks(const int8_t* xq, const float* xs, const int32_t* xo, int64_t M, int64_t Kp, const uint8_t* Wp,
+void BatchByBlocks(const XRows& x, int64_t M, const uint8_t* Wp,
                    const uint16_t* ws, int64_t N, bool parallel, float* Y) {
   const int64_t units = (N + 15) / 16;
 #pragma omp parallel if (parallel)
   {
     const int64_t threads = omp_get_num_threads(), t = omp_get_thread_num();
     if (M >= kRowSplit) {
-      RowsByBlocks(xq, xs, xo, Kp, Wp, ws, N, RowShare(M, t, threads), RowShare(M, t + 1, threads), 0, units, Y);
+      RowsByBlocks(x, Wp, ws, N, RowShare(M, t, threads), RowShare(M, t + 1, threads), 0, units, Y);
     } else {
-      RowsByBlocks(xq, xs, xo, Kp, Wp, ws, N, 0, M, units * t / threads, units * (t + 1) / threads, Y);
+      RowsByBlocks(x, Wp, ws, N, 0, M, units * t / threads, units * (t + 1) / threads, Y);
     }
   }
 }
@@ -408,35 +472,30 @@ void BatchByBlocks(const int8_t* xq, const float* xs, const int32_t* xo, int64_t
 
 void Linear(const float* X, int64_t M, int64_t K, const uint8_t* Wp, const uint16_t* ws, int64_t G, int64_t Kp,
             int64_t N, float* Y) {
-  thread_local std::vector<int8_t> q;
-  thread_local std::vector<float> scales;
-  thread_local std::vector<int32_t> offsets;
-  QuantizeRows(X, M, K, Kp, q, scales, offsets);
-  // NOTE: taken here, on the calling thread: inside the parallel loop `q` would name each OpenMP
-  // thread's own (empty) thread_local vector (a null pointer: SIGSEGV whenever OMP_NUM_THREADS > 1).
-  const int8_t* xq = q.data();
-  const float* xs = scales.data();
-  const int32_t* xo = offsets.data();
-  const int64_t group_size = Kp * kGroup;
+  thread_local QuantizedRows rows;
+  QuantizeRows(X, M, K, Kp, rows);
+  // NOTE: taken here, on the calling thread: inside the parallel loop `rows` would name each OpenMP
+  // thread's own (empty) thread_local vectors (a null pointer: SIGSEGV whenever OMP_NUM_THREADS > 1).
+  const XRows x{rows.q.data(), rows.scales.data(), rows.sums.data(), rows.offsets.data(), Kp, Kp / kQuant};
   const bool parallel = G > 1 && M * N * K >= (1 << 18);
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
-  if (M >= 4) return BatchByBlocks(xq, xs, xo, M, Kp, Wp, ws, N, parallel, Y);
+  if (M >= 4) return BatchByBlocks(x, M, Wp, ws, N, parallel, Y);
 #endif
 #pragma omp parallel for schedule(static) if (parallel)
   for (int64_t g = 0; g < G; ++g) {
-    const uint8_t* Wg = Wp + g * group_size;
-    const uint16_t* wsg = ws + g * (Kp / kQuant) * kGroup;
+    const uint8_t* Wg = Wp + g * Kp * kGroup;
+    const uint16_t* wsg = ws + g * x.blocks * 2 * kGroup;
     int64_t m0 = 0;
-    for (; m0 + 4 <= M; m0 += 4) GroupFourRows(xq, xs, xo, Kp, Wg, wsg, N, g, m0, Y);
-    for (; m0 + kRowsPerPass <= M; m0 += kRowsPerPass) GroupRows<kRowsPerPass>(xq, xs, xo, Kp, Wg, wsg, N, g, m0, Y);
-    for (; m0 < M; ++m0) GroupRows<1>(xq, xs, xo, Kp, Wg, wsg, N, g, m0, Y);
+    for (; m0 + 4 <= M; m0 += 4) GroupFourRows(x, Wg, wsg, N, g, m0, Y);
+    for (; m0 + kRowsPerPass <= M; m0 += kRowsPerPass) GroupRows<kRowsPerPass>(x, Wg, wsg, N, g, m0, Y);
+    for (; m0 < M; ++m0) GroupRows<1>(x, Wg, wsg, N, g, m0, Y);
   }
 }
 
 }  // namespace
 
-// x [M, K] float32; w [G, Kp / 4, kBlocks, 16, 4] uint8 (q + 128, packed); scales [G, Kp / 32, kGroup] float16
-// as int16;
+// x [M, K] float32; w [G, Kp / 4, kBlocks, 16, 4] uint8 (the levels u, packed); scales [G, Kp / 32, 2, kGroup]
+// float16 as int16 (per block the group's scales, then its minimums);
 // rows = N.
 // Y [M, rows] = X [M, K] . W^T into the caller's memory (decoder_layers' workspace, or the op's output).
 void LinearInt8Into(const float* X, int64_t M, int64_t K, const paddle::Tensor& w, const paddle::Tensor& scales,
@@ -447,7 +506,8 @@ void LinearInt8Into(const float* X, int64_t M, int64_t K, const paddle::Tensor& 
   const int64_t G = s[0], Kp = s[1] * 4;
   PD_CHECK(Kp % kQuant == 0 && Kp >= K && Kp - K < kQuant, "linear_int8: x and w disagree on the inner dimension");
   PD_CHECK(rows > G * kGroup - kGroup && rows <= G * kGroup, "linear_int8: rows does not fit the packed groups");
-  PD_CHECK(scales.numel() == G * kGroup * (Kp / kQuant), "linear_int8: one scale per packed row and block");
+  PD_CHECK(scales.numel() == G * 2 * kGroup * (Kp / kQuant),
+           "linear_int8: one scale and one minimum per packed row and block");
   PD_CHECK(scales.dtype() == paddle::DataType::INT16, "linear_int8: scales must be float16 bits (int16)");
   Linear(X, M, K, w.data<uint8_t>(), reinterpret_cast<const uint16_t*>(scales.data<int16_t>()), G, Kp, rows, Y);
 }
