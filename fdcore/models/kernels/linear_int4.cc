@@ -80,21 +80,26 @@ void GroupRows(const int8_t* Xq, const float* xs, const float* xsum, int64_t Kp,
         _mm_prefetch(reinterpret_cast<const char*>(w + line * 64 + kPrefetchRecords * kRecord), _MM_HINT_T0);
     }
     for (int v = 0; v < kQuant / 8; ++v) {
+      __m512i lo[kLanes], hi[kLanes];  // both 16-row vectors' nibbles, then every row against them
       for (int b = 0; b < kLanes; ++b) {
         const __m512i packed = _mm512_loadu_si512(w + (v * kLanes + b) * 64);
-        const __m512i lo = _mm512_and_si512(packed, low);
-        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low);
-        for (int j = 0; j < MB; ++j) {
-          const int8_t* x = xb + j * 2 * Kp + v * 8;
-          int32_t quads[4];  // the hi part's inputs 8 v .. 8 v + 3 and 8 v + 4 .. 8 v + 7, then the lo part's
-          __builtin_memcpy(&quads[0], x, 4);
-          __builtin_memcpy(&quads[1], x + 4, 4);
-          __builtin_memcpy(&quads[2], x + kQuant, 4);
-          __builtin_memcpy(&quads[3], x + kQuant + 4, 4);
-          hi_dot[j][b] = _mm512_dpbusd_epi32(hi_dot[j][b], lo, _mm512_set1_epi32(quads[0]));
-          hi_dot[j][b] = _mm512_dpbusd_epi32(hi_dot[j][b], hi, _mm512_set1_epi32(quads[1]));
-          lo_dot[j][b] = _mm512_dpbusd_epi32(lo_dot[j][b], lo, _mm512_set1_epi32(quads[2]));
-          lo_dot[j][b] = _mm512_dpbusd_epi32(lo_dot[j][b], hi, _mm512_set1_epi32(quads[3]));
+        lo[b] = _mm512_and_si512(packed, low);
+        hi[b] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low);
+      }
+      for (int j = 0; j < MB; ++j) {
+        const int8_t* x = xb + j * 2 * Kp + v * 8;
+        int32_t quads[4];  // the hi part's inputs 8 v .. 8 v + 3 and 8 v + 4 .. 8 v + 7, then the lo part's
+        __builtin_memcpy(&quads[0], x, 4);
+        __builtin_memcpy(&quads[1], x + 4, 4);
+        __builtin_memcpy(&quads[2], x + kQuant, 4);
+        __builtin_memcpy(&quads[3], x + kQuant + 4, 4);
+        const __m512i q0 = _mm512_set1_epi32(quads[0]), q1 = _mm512_set1_epi32(quads[1]),
+                      q2 = _mm512_set1_epi32(quads[2]), q3 = _mm512_set1_epi32(quads[3]);
+        for (int b = 0; b < kLanes; ++b) {
+          hi_dot[j][b] = _mm512_dpbusd_epi32(hi_dot[j][b], lo[b], q0);
+          hi_dot[j][b] = _mm512_dpbusd_epi32(hi_dot[j][b], hi[b], q1);
+          lo_dot[j][b] = _mm512_dpbusd_epi32(lo_dot[j][b], lo[b], q2);
+          lo_dot[j][b] = _mm512_dpbusd_epi32(lo_dot[j][b], hi[b], q3);
         }
       }
     }
