@@ -127,17 +127,17 @@ void GroupRows(const int8_t* Xq, const float* xs, const float* xsum, int64_t Kp,
 }
 
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-constexpr int kRowsPerPass = 2;  // rows of X per pass: each row holds 8 integer accumulators in 16 registers
+constexpr int kRowsPerPass = 2;  // rows of X per pass: each row's 4 integer accumulators and 4 broadcasts in registers
 
 // Prefetch distance (bytes) of this path, as linear_int8.cc's (the same reason: ~20 instructions per 128 bytes).
 constexpr int kPrefetchAhead = 4096;
 
 // AVX2 has no vpdpbusd: a 32-byte half of a 64-byte load is 8 rows x 8 inputs; its low and high
 // nibbles (unsigned, <= 15) times a broadcast quad of a part of x are summed in pairs to int16 by
-// vpmaddubsw. All 8 products of a block's 32 inputs stay below 2^15 in int16 (8 x 2 x 15 x 127 = 30480),
-// so each part's are added there and widened once a block (vpmaddwd: the hi part's by 254, the lo part's
-// by 1): the same integers as the VNNI path, then the same float32 arithmetic, so the same bits. The
-// group's 32 rows are 4 vectors of 8.
+// vpmaddubsw (at most 2 x 15 x 127 each, two of them added: never saturated), and widened to int32 at
+// once (vpmaddwd: the hi part's by 254, the lo part's by 1), one int32 accumulator per row of x and 8
+// outputs: the same integers as the VNNI path, then the same float32 arithmetic, so the same bits. The
+// group's 32 rows are 4 vectors of 8; a row of x at a time against them (its 4 broadcasts live once).
 template <int MB>
 void GroupRows(const int8_t* Xq, const float* xs, const float* xsum, int64_t Kp, const uint8_t* Wg, int64_t outputs,
                int64_t N, float* Y) {
@@ -150,32 +150,30 @@ void GroupRows(const int8_t* Xq, const float* xs, const float* xsum, int64_t Kp,
   const uint8_t* w = Wg;
   const bool prefetch = fdcore_prefetch_weights;
   for (int64_t blk = 0; blk < blocks; ++blk, w += kRecord) {
-    __m256i hi_dot[MB][R], lo_dot[MB][R];
+    __m256i dot[MB][R];
     for (int j = 0; j < MB; ++j)
-      for (int r = 0; r < R; ++r) hi_dot[j][r] = lo_dot[j][r] = _mm256_setzero_si256();
+      for (int r = 0; r < R; ++r) dot[j][r] = _mm256_setzero_si256();
     const int8_t* xb = Xq + blk * 2 * kQuant;
     for (int v = 0; v < kQuant / 8; ++v) {
-      __m256i quads[MB][4];  // per row: the hi part's two quads, then the lo part's
-      for (int j = 0; j < MB; ++j) {
-        for (int i = 0; i < 4; ++i) {
-          int32_t four;
-          __builtin_memcpy(&four, xb + j * 2 * Kp + (i / 2) * kQuant + v * 8 + (i % 2) * 4, 4);
-          quads[j][i] = _mm256_set1_epi32(four);
-        }
-      }
       if (prefetch) {
         _mm_prefetch(reinterpret_cast<const char*>(w + v * 128 + kPrefetchAhead), _MM_HINT_T0);
         _mm_prefetch(reinterpret_cast<const char*>(w + v * 128 + kPrefetchAhead + 64), _MM_HINT_T0);
       }
-      for (int r = 0; r < R; ++r) {  // rows 8 r .. 8 r + 7: 16-row vector r / 2, its half r % 2
-        const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + v * 128 + r * 32));
-        const __m256i lo = _mm256_and_si256(packed, low);
-        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low);
-        for (int j = 0; j < MB; ++j) {
-          hi_dot[j][r] = _mm256_add_epi16(hi_dot[j][r], _mm256_add_epi16(_mm256_maddubs_epi16(lo, quads[j][0]),
-                                                                         _mm256_maddubs_epi16(hi, quads[j][1])));
-          lo_dot[j][r] = _mm256_add_epi16(lo_dot[j][r], _mm256_add_epi16(_mm256_maddubs_epi16(lo, quads[j][2]),
-                                                                         _mm256_maddubs_epi16(hi, quads[j][3])));
+      for (int j = 0; j < MB; ++j) {
+        __m256i quads[4];  // the hi part's two quads, then the lo part's
+        for (int i = 0; i < 4; ++i) {
+          int32_t four;
+          __builtin_memcpy(&four, xb + j * 2 * Kp + (i / 2) * kQuant + v * 8 + (i % 2) * 4, 4);
+          quads[i] = _mm256_set1_epi32(four);
+        }
+        for (int r = 0; r < R; ++r) {  // rows 8 r .. 8 r + 7: 16-row vector r / 2, its half r % 2
+          const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + v * 128 + r * 32));
+          const __m256i lo = _mm256_and_si256(packed, low);
+          const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low);
+          const __m256i hi_part = _mm256_add_epi16(_mm256_maddubs_epi16(lo, quads[0]), _mm256_maddubs_epi16(hi, quads[1]));
+          const __m256i lo_part = _mm256_add_epi16(_mm256_maddubs_epi16(lo, quads[2]), _mm256_maddubs_epi16(hi, quads[3]));
+          dot[j][r] = _mm256_add_epi32(dot[j][r], _mm256_add_epi32(_mm256_madd_epi16(hi_part, by254),
+                                                                   _mm256_madd_epi16(lo_part, ones)));
         }
       }
     }
@@ -185,8 +183,7 @@ void GroupRows(const int8_t* Xq, const float* xs, const float* xsum, int64_t Kp,
           _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + kNibbleBytes + kGroup * 2 + r * 16)));
       for (int j = 0; j < MB; ++j) {
         const __m256 x_scale = _mm256_set1_ps(xs[j * blocks + blk]), x_sum = _mm256_set1_ps(xsum[j * blocks + blk]);
-        const __m256i total = _mm256_add_epi32(_mm256_madd_epi16(hi_dot[j][r], by254), _mm256_madd_epi16(lo_dot[j][r], ones));
-        acc[j][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), _mm256_mul_ps(scale, x_scale), acc[j][r]);
+        acc[j][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[j][r]), _mm256_mul_ps(scale, x_scale), acc[j][r]);
         acc[j][r] = _mm256_fmadd_ps(minimum, x_sum, acc[j][r]);
       }
     }

@@ -208,6 +208,11 @@ struct XRows {
   int64_t Kp, blocks;
 
   const int8_t* Block(int64_t m, int64_t blk) const { return q + m * 2 * Kp + blk * 2 * kQuant; }
+  // Inputs 4 quad .. 4 quad + 3 of row m's block blk: the hi part's 4 bytes and the lo part's, each as an int32.
+  void Quad(int64_t m, int64_t blk, int quad, int32_t* hi, int32_t* lo) const {
+    __builtin_memcpy(hi, Block(m, blk) + quad * 4, 4);
+    __builtin_memcpy(lo, Block(m, blk) + kQuant + quad * 4, 4);
+  }
   int64_t At(int64_t m, int64_t blk) const { return m * blocks + blk; }
 };
 
@@ -248,10 +253,8 @@ void GroupRows(const XRows& x, const uint8_t* Wg, const uint16_t* ws, int64_t N,
       __m512i wb[NB];
       for (int b = 0; b < NB; ++b) wb[b] = _mm512_loadu_si512(w + (B0 + b) * 64);
       for (int j = 0; j < MB; ++j) {
-        const int8_t* xb = x.Block(m0 + j, blk) + quad * 4;
         int32_t hi, lo;
-        __builtin_memcpy(&hi, xb, 4);
-        __builtin_memcpy(&lo, xb + kQuant, 4);
+        x.Quad(m0 + j, blk, quad, &hi, &lo);
         const __m512i x_hi = _mm512_set1_epi32(hi), x_lo = _mm512_set1_epi32(lo);
         for (int b = 0; b < NB; ++b) {
           hi_dot[j][b] = _mm512_dpbusd_epi32(hi_dot[j][b], wb[b], x_hi);
@@ -325,26 +328,21 @@ void GroupRows(const XRows& x, const uint8_t* Wg, const uint16_t* ws, int64_t N,
     for (int j = 0; j < MB; ++j)
       for (int r = 0; r < R; ++r) dot[j][r] = _mm256_setzero_si256();
     for (int quad = 0; quad < kQuant / 4; ++quad, w += kGroup * 4) {
-      __m256i x_hi[MB], x_lo[MB];
-      for (int j = 0; j < MB; ++j) {
-        const int8_t* xb = x.Block(m0 + j, blk) + quad * 4;
-        int32_t hi, lo;
-        __builtin_memcpy(&hi, xb, 4);
-        __builtin_memcpy(&lo, xb + kQuant, 4);
-        x_hi[j] = _mm256_set1_epi32(hi);
-        x_lo[j] = _mm256_set1_epi32(lo);
-      }
       if (prefetch) {
         _mm_prefetch(reinterpret_cast<const char*>(w + kPrefetchAhead), _MM_HINT_T0);
         _mm_prefetch(reinterpret_cast<const char*>(w + kPrefetchAhead + 64), _MM_HINT_T0);
       }
-      for (int r = 0; r < R; ++r) {
-        const __m256i q = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + r * 32)), flip);
-        const __m256i magnitude = _mm256_abs_epi8(q);
-        for (int j = 0; j < MB; ++j) {
-          const __m256i hi = _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(x_hi[j], q));
-          const __m256i lo = _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(x_lo[j], q));
-          dot[j][r] = _mm256_add_epi32(dot[j][r], _mm256_add_epi32(_mm256_madd_epi16(hi, by254), _mm256_madd_epi16(lo, ones)));
+      for (int j = 0; j < MB; ++j) {  // a row of x at a time against the 4 vectors (its 2 broadcasts live once)
+        int32_t hi, lo;
+        x.Quad(m0 + j, blk, quad, &hi, &lo);
+        const __m256i x_hi = _mm256_set1_epi32(hi), x_lo = _mm256_set1_epi32(lo);
+        for (int r = 0; r < R; ++r) {
+          const __m256i q = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + r * 32)), flip);
+          const __m256i magnitude = _mm256_abs_epi8(q);
+          const __m256i hi_pairs = _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(x_hi, q));
+          const __m256i lo_pairs = _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(x_lo, q));
+          dot[j][r] = _mm256_add_epi32(dot[j][r], _mm256_add_epi32(_mm256_madd_epi16(hi_pairs, by254),
+                                                                   _mm256_madd_epi16(lo_pairs, ones)));
         }
       }
     }
