@@ -642,9 +642,10 @@ class Int8Matrix:
     would add 12.5 % more to the bytes a batch-1 step streams).
 
     Why a minimum: a block's 256 levels span its range [min, max] rather than [-max |w|, max |w|], and a
-    4-bit block (Q4_1, Q4_0) quantized again lands on levels 17 apart (its 16 levels exactly but for the
-    float16 rounding of scale / 17). Symmetric int8 moved SmolLM2's logits enough to change float32's
-    greedy token on 2 of 9 golden prompts within 16 tokens (benchmarks/bench_quality.py); this form none."""
+    file's 4-bit blocks (Q4_1, Q4_0, Q4_K) are this form as they are (LlamaModel._matrix takes them).
+    Quantized from SmolLM2's float weights (with 16-bit activations), symmetric int8 levels changed
+    float32's greedy token on 2 of 9 golden prompts within 16 tokens (a float64 simulation), this grid on
+    1 (a top-two gap of 0.002), the file's own levels on none (benchmarks/bench_quality.py)."""
 
     __slots__ = ("packed", "scales", "rows")
 
