@@ -2,7 +2,8 @@
 // row and block of 32 inputs asymmetrically (llama.cpp's Q4_1: W ~= scale[n, b] * q[n, k] + minimum[n, b],
 // q in [0, 15], scale and minimum in float16), X quantized on the fly per row and block of 32 to 16-bit
 // fixed point in two int8 parts (as wint8 does: linear_int8.cc says why), int32 dot products per block and
-// part with AVX512-VNNI's `vpdpbusd`, scaled and summed in float32 (AVX2's `vpmaddubsw` where the library is built for a CPU without AVX512-VNNI).
+// part with AVX512-VNNI's `vpdpbusd`, scaled and summed in float32 (AVX2's `vpmaddubsw` where the library is
+// built for a CPU without AVX512-VNNI).
 //
 // Why: decoding one sequence reads every weight once (memory bound), and Q4_1 is 20 bytes per 32 weights:
 // 0.56x wint8's 36, 0.16x float32's 128. The minimum keeps quality close to float32 (a block's range is
@@ -34,7 +35,7 @@
 
 extern int fdcore_prefetch_weights;  // linear_int8.cc
 #if defined(__AVX2__)
-__attribute__((visibility("hidden"))) void QuantizeBlock(const float* x, int64_t left, int8_t* q, float* top,
+__attribute__((visibility("hidden"))) void QuantizeBlock(const float* x, int64_t left, int8_t* q, float* scale,
                                                          int32_t* sum);  // linear_int8.cc
 #endif
 
@@ -53,8 +54,6 @@ constexpr int64_t kChunk = 64;                           // rows of X per chunk 
 // three runs -1.5 to -2.8 %). Less than wint8's gain: a record's nibbles cost twice the instructions per byte.
 constexpr int kPrefetchRecords = 8;  // (when fdcore_prefetch_weights is on: linear_int8.cc says why it may not be)
 
-// MB rows of x (from Xq, xs, xsum at the first of them) against one group of 32 output rows (Wg: its
-// records, one per block); Y at the first row's first output of the group.
 constexpr int kRowsPerPass = 4;  // rows of X per pass over a group's weights
 
 // MB rows of x (from Xq, xs, xsum at the first of them; a row's quantized values 2 Kp bytes apart) against one
@@ -211,10 +210,8 @@ void GroupRows(const int8_t*, const float*, const float*, int64_t, const uint8_t
 void QuantizeRow(const float* x, int64_t K, int64_t Kp, int8_t* q, float* scales, float* sums) {
 #if defined(__AVX2__)
   for (int64_t blk = 0, k0 = 0; k0 < Kp; ++blk, k0 += kQuant) {
-    float top;
     int32_t sum;
-    QuantizeBlock(x + k0, std::min<int64_t>(K - k0, kQuant), q + 2 * k0, &top, &sum);
-    scales[blk] = top / 32258.f;
+    QuantizeBlock(x + k0, std::min<int64_t>(K - k0, kQuant), q + 2 * k0, &scales[blk], &sum);
     sums[blk] = scales[blk] * static_cast<float>(sum);
   }
 #else

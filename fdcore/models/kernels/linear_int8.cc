@@ -34,6 +34,7 @@
 namespace {
 
 constexpr int kQuant = 32;  // inputs per activation scale
+constexpr float kX16Span = 127.f * 254.f;  // x16 = 254 hi + lo spans [-32258, 32258]: x ~= top / kX16Span * x16
 
 }  // namespace
 
@@ -80,17 +81,18 @@ inline float MaxOf(__m256 v) {
 // its bits): top = max |x|, t = x * (127 / top) (|t| <= 127), hi = t rounded to nearest even (vcvtps2dq, as
 // nearbyint), lo = (t - hi) * 254 rounded (t - hi is exact and within 1/2, so lo is within [-127, 127]), so
 // x ~= top / 32258 * (254 hi + lo), off by at most top / 64516. Writes q[0, 32) = hi and q[32, 64) = lo
-// (zeros past `left`, the block's real values), top and the sum of 254 hi + lo. 16 values at a time on
-// AVX-512, 8 on AVX2. One quantizer for linear_int4.cc too, whose activations are quantized the same way
-// (hidden: a direct call within the library, no PLT).
-__attribute__((visibility("hidden"))) void QuantizeBlock(const float* x, int64_t left, int8_t* q, float* top,
+// (zeros past `left`, the block's real values), the block's scale top / kX16Span and the sum of 254 hi + lo.
+// 16 values at a time on AVX-512, 8 on AVX2. One quantizer for linear_int4.cc too, whose activations are
+// quantized the same way (hidden: a direct call within the library, no PLT).
+__attribute__((visibility("hidden"))) void QuantizeBlock(const float* x, int64_t left, int8_t* q, float* scale,
                                                          int32_t* sum) {
+  float top;
 #if defined(__AVX512F__) && defined(__AVX512BW__)
   const __mmask16 m0 = left >= 16 ? 0xffff : static_cast<__mmask16>((1u << left) - 1);
   const __mmask16 m1 = left >= 32 ? 0xffff : left > 16 ? static_cast<__mmask16>((1u << (left - 16)) - 1) : 0;
   const __m512 a = _mm512_maskz_loadu_ps(m0, x), b = _mm512_maskz_loadu_ps(m1, x + 16);
-  *top = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
-  const __m512 inverse = _mm512_set1_ps(*top > 0.f ? 127.f / *top : 0.f), step = _mm512_set1_ps(254.f);
+  top = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+  const __m512 inverse = _mm512_set1_ps(top > 0.f ? 127.f / top : 0.f), step = _mm512_set1_ps(254.f);
   const __m512i by254 = _mm512_set1_epi32(254);
   __m512i total = _mm512_setzero_si512();
   const __m512 t[2] = {_mm512_mul_ps(a, inverse), _mm512_mul_ps(b, inverse)};
@@ -103,13 +105,14 @@ __attribute__((visibility("hidden"))) void QuantizeBlock(const float* x, int64_t
     total = _mm512_add_epi32(total, _mm512_add_epi32(_mm512_mullo_epi32(hi, by254), lo));
   }
   *sum = _mm512_reduce_add_epi32(total);
+  *scale = top / kX16Span;
 #else
   __m256 v[4];
   LoadBlock(x, left, v);
   const __m256 sign = _mm256_set1_ps(-0.f);
-  *top = MaxOf(_mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+  top = MaxOf(_mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
                              _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3]))));
-  const __m256 inverse = _mm256_set1_ps(*top > 0.f ? 127.f / *top : 0.f), step = _mm256_set1_ps(254.f);
+  const __m256 inverse = _mm256_set1_ps(top > 0.f ? 127.f / top : 0.f), step = _mm256_set1_ps(254.f);
   const __m256i by254 = _mm256_set1_epi32(254);
   __m256i hi[4], lo[4], total = _mm256_setzero_si256();
   for (int i = 0; i < 4; ++i) {
@@ -128,6 +131,7 @@ __attribute__((visibility("hidden"))) void QuantizeBlock(const float* x, int64_t
   __m128i half = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
   half = _mm_add_epi32(half, _mm_shuffle_epi32(half, 0x4e));
   *sum = _mm_cvtsi128_si32(_mm_add_epi32(half, _mm_shuffle_epi32(half, 0xb1)));
+  *scale = top / kX16Span;
 #endif
 }
 
@@ -139,7 +143,7 @@ namespace {
 inline int64_t RowShare(int64_t M, int64_t i, int64_t threads) { return i == threads ? M : M * i / threads / 4 * 4; }
 
 // The activations of one row as the kernels read them: per block of 32, 64 bytes (QuantizeBlock's hi then lo);
-// per row and block, the scale (top / 32258), 128 times the integer sum (VNNI's offset for its unsigned levels)
+// per row and block, the scale (top / kX16Span), 128 times the integer sum (VNNI's offset for its unsigned levels)
 // and the scale times that sum (the centre's factor).
 struct QuantizedRows {
   std::vector<int8_t> q;
@@ -172,12 +176,12 @@ void QuantizeRows(const float* X, int64_t M, int64_t K, int64_t Kp, QuantizedRow
       for (int64_t blk = 0; blk < blocks; ++blk) {
         const int64_t k0 = blk * kQuant, k1 = std::min(K, k0 + kQuant);
         int8_t* q = Q + m * 2 * Kp + 2 * k0;
-        float top;
+        float scale;
         int32_t sum;
 #if defined(__AVX2__)
-        QuantizeBlock(X + m * K + k0, k1 - k0, q, &top, &sum);
+        QuantizeBlock(X + m * K + k0, k1 - k0, q, &scale, &sum);
 #else
-        top = 0.f;
+        float top = 0.f;
         for (int64_t k = k0; k < k1; ++k) top = std::max(top, std::fabs(X[m * K + k]));
         const float inverse = top > 0.f ? 127.f / top : 0.f;
         sum = 0;
@@ -189,9 +193,10 @@ void QuantizeRows(const float* X, int64_t M, int64_t K, int64_t Kp, QuantizedRow
           q[kQuant + k - k0] = static_cast<int8_t>(lo);
           sum += 254 * hi + lo;
         }
+        scale = top / kX16Span;
 #endif
-        XS[m * blocks + blk] = top / 32258.f;
-        XSUM[m * blocks + blk] = XS[m * blocks + blk] * static_cast<float>(sum);
+        XS[m * blocks + blk] = scale;
+        XSUM[m * blocks + blk] = scale * static_cast<float>(sum);
         XO[m * blocks + blk] = 128 * sum;
       }
     }
