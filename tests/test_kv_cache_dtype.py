@@ -5,13 +5,12 @@ head size and heads-per-pass split, block size, sliding window and odd key count
 
 from __future__ import annotations
 
-import types
-
 import numpy as np
 import pytest
 
 from fdcore.models import kernels
 from fdcore.models.kernels import fused_ops, kernel_path
+from tests.attention import attend, reference
 
 needs_bf16 = pytest.mark.skipif(kernel_path("bfloat16") is None or fused_ops() is None,
                                 reason="a bfloat16 cache needs AVX512-BF16 and the C++ operators")
@@ -22,65 +21,6 @@ def _bf16(array: np.ndarray) -> np.ndarray:
     bits = np.asarray(array, dtype=np.float32).view(np.uint32).astype(np.uint64)
     rounded = (((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16).astype(np.uint32)
     return rounded.view(np.float32).astype(np.float64)
-
-
-def _attend(heads: int, kv_heads: int, dim: int, block: int, window: int, lengths: list[int], dtype: str, seed: int):
-    """The attention_block operator over sequences of ``lengths`` tokens, prefilled whole (no rotation: cos
-    1, sin 0): returns (its output [T, heads, dim], q scaled, k, v as float32 [T, heads|kv_heads, dim], the
-    row -> (sequence, position) map)."""
-    import paddle
-
-    from fdcore.models.llama import PagedKVCache
-
-    rng = np.random.default_rng(seed)
-    total = sum(lengths)
-    blocks_each = [-(-n // block) for n in lengths]
-    order = rng.permutation(sum(blocks_each))  # scattered block ids
-    tables, start = [], 0
-    for count in blocks_each:
-        tables.append(order[start:start + count].tolist())
-        start += count
-    width = max(blocks_each)
-    args = types.SimpleNamespace(num_kv_heads=kv_heads, head_dim=dim, num_layers=1)
-    cache = PagedKVCache(args, sum(blocks_each), block, dtype)
-    qkv = (rng.standard_normal((total, (heads + 2 * kv_heads) * dim)) * 2).astype(np.float32)
-    rows, slots, table_rows, row_lengths = [], [], [], []
-    for seq, n in enumerate(lengths):
-        for pos in range(n):
-            rows.append((seq, pos))
-            slots.append(tables[seq][pos // block] * block + pos % block)
-            table_rows.append(tables[seq] + [0] * (width - len(tables[seq])))
-            row_lengths.append(pos + 1)
-    scale = dim ** -0.5
-    k_cache, v_cache = cache.tensors(0)
-    out = fused_ops()[2](paddle.to_tensor(qkv), paddle.ones([total, dim // 2]), paddle.zeros([total, dim // 2]),
-                         paddle.to_tensor(np.array(slots, dtype=np.int64)), k_cache, v_cache,
-                         paddle.to_tensor(np.array(table_rows, dtype=np.int64)),
-                         paddle.to_tensor(np.array(row_lengths, dtype=np.int64)),
-                         paddle.empty([0], dtype="float32"), paddle.empty([0], dtype="float32"),
-                         heads, scale, window, 1e-6).numpy().reshape(total, heads, dim)
-    split = qkv.reshape(total, heads + 2 * kv_heads, dim)
-    q = split[:, :heads] * np.float32(scale)
-    return out, q, split[:, heads:heads + kv_heads], split[:, heads + kv_heads:], rows
-
-
-def _reference(q, k, v, rows, heads: int, kv_heads: int, window: int) -> np.ndarray:
-    """What the bfloat16 path computes, in float64 past its roundings: q, k and v rounded to bfloat16,
-    softmax weights e = exp(s - max) rounded to bfloat16 for the weighted sum, divided by the sum of e."""
-    q, k, v = _bf16(q), _bf16(k), _bf16(v)
-    out = np.zeros(q.shape)
-    first_row = {}
-    for t, (seq, pos) in enumerate(rows):
-        first_row.setdefault(seq, t)
-    for t, (seq, pos) in enumerate(rows):
-        begin = max(0, pos + 1 - window) if window else 0
-        keys = slice(first_row[seq] + begin, first_row[seq] + pos + 1)
-        for h in range(heads):
-            j = h // (heads // kv_heads)
-            scores = k[keys, j] @ q[t, h]
-            e = np.exp(scores - scores.max())
-            out[t, h] = _bf16(e.astype(np.float32)) @ v[keys, j] / e.sum()
-    return out
 
 
 @needs_bf16
@@ -94,11 +34,13 @@ def _reference(q, k, v, rows, heads: int, kv_heads: int, window: int) -> np.ndar
 ])
 def test_the_bf16_cache_attention_equals_its_float64_reference(heads, kv_heads, dim, block, window):
     lengths = [1, 2, 17, 40, 33]  # odd and even key counts, a pair left over, one and several 16-key groups
-    out, q, k, v, rows = _attend(heads, kv_heads, dim, block, window, lengths, "bfloat16", seed=dim + block)
-    expected = _reference(q, k, v, rows, heads, kv_heads, window)
+    out, q, k, v, rows = attend(heads, kv_heads, dim, block, window, lengths, "bfloat16", seed=dim + block)
+    # what the bfloat16 path computes, in float64 past its roundings: q, k and v rounded to bfloat16, softmax
+    # weights e = exp(s - max) rounded to bfloat16 for the weighted sum, divided by the sum of e
+    expected = reference(q, k, v, rows, heads, kv_heads, window, rounded=_bf16)
     # float32 sums in another order, and exp within 2 ulp (a weight may round to the next bfloat16)
     np.testing.assert_allclose(out, expected, rtol=2e-3, atol=2e-3 * np.abs(v).max())
-    exact, *_ = _attend(heads, kv_heads, dim, block, window, lengths, "float32", seed=dim + block)
+    exact, *_ = attend(heads, kv_heads, dim, block, window, lengths, "float32", seed=dim + block)
     assert np.abs(out - exact).max() < 0.05 * np.abs(v).max()  # close to the float32 cache's too
 
 

@@ -5,9 +5,10 @@ different positions, some prefilling a chunk of several tokens, others decoding
 one. Each sequence brings its block table.
 
 NOTE: on the CPU the KV cache lives in numpy arrays laid out head-major,
-``[kv_heads, num_blocks, block_size, head_dim]`` per layer: gathering a
-sequence's blocks (``np.take`` on axis 1) yields ``[kv_heads, blocks, block_size,
-head_dim]`` already contiguous, which Paddle's matmul needs. Paddle's own gather
+``[kv_heads, num_blocks, block_size, head_dim]`` per layer (a float32 cache's keys
+transposed within each block: see PagedKVCache): gathering a sequence's blocks
+(``np.take`` on axis 1) yields ``[kv_heads, blocks, block_size, head_dim]`` already
+contiguous, which Paddle's matmul needs. Paddle's own gather
 copies ~6x slower, and any strided view fed to its matmul (a transpose, a slice)
 costs 10-50x a contiguous one, so every such view is materialised first.
 Decoding sequences are attended in one batched matmul over their contexts
@@ -38,7 +39,12 @@ from fdcore.models.tensors import StepInputs, as_paddle, on_huge_pages, packing_
 class PagedKVCache:
     """K and V of every layer: numpy ``[kv_heads, num_blocks, block_size, head_dim]``, in float32 or (``dtype
     "bfloat16"``, held as int16 bits) bfloat16: half the memory a token, and attention's products in
-    AVX512-BF16's ``vdpbf16ps`` (paged_attention.cc's AttendHeadsBf16; only fdcore's C++ operators read it)."""
+    AVX512-BF16's ``vdpbf16ps`` (paged_attention.cc's AttendHeadsBf16; only fdcore's C++ operators read it).
+
+    A float32 cache's keys are transposed within each block, ``[kv_heads, num_blocks, head_dim, block_size]``:
+    a key a vector lane, so attention's scores are one FMA chain per key (paged_attention.cc's ScoreRuns) with no
+    reduction across lanes. (The bfloat16 cache keeps its keys as rows: its kernel multiplies them in pairs of
+    values along head_dim, and this machine's CPU, without AVX512-BF16, could not run a re-laid one.)"""
 
     def __init__(self, args: ModelArgs, num_blocks: int, block_size: int, dtype: str = "float32"):
         if dtype not in ("float32", "bfloat16"):
@@ -46,9 +52,10 @@ class PagedKVCache:
         self.num_blocks, self.block_size, self.dtype = num_blocks, block_size, dtype
         storage = np.float32 if dtype == "float32" else np.int16
         shape = (args.num_kv_heads, num_blocks, block_size, args.head_dim)
-        self.k = [zeros_on_huge_pages(shape, storage) for _ in range(args.num_layers)]
+        k_shape = (args.num_kv_heads, num_blocks, args.head_dim, block_size) if dtype == "float32" else shape
+        self.k = [zeros_on_huge_pages(k_shape, storage) for _ in range(args.num_layers)]
         self.v = [zeros_on_huge_pages(shape, storage) for _ in range(args.num_layers)]
-        self._k_buffer = self._v_buffer = np.empty(0, dtype=storage)
+        self._k_buffer = self._v_buffer = self._kt_buffer = np.empty(0, dtype=storage)
         self._views: tuple[list[paddle.Tensor], list[paddle.Tensor]] | None = None
 
     def all_tensors(self) -> tuple[list[paddle.Tensor], list[paddle.Tensor]]:
@@ -73,7 +80,7 @@ class PagedKVCache:
         """Store new K/V rows ([tokens, kv_heads, head_dim]) at their slots."""
         self._float32_only()
         blocks, offsets = np.divmod(slots, self.block_size)
-        self.k[layer][:, blocks, offsets] = k.transpose(1, 0, 2)
+        self.k[layer][:, blocks, :, offsets] = k  # (indexed [tokens, kv_heads, head_dim]: the arrays' axes first)
         self.v[layer][:, blocks, offsets] = v.transpose(1, 0, 2)
 
     def gather(self, layer: int, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -85,15 +92,16 @@ class PagedKVCache:
         ``mode="clip"`` keeps np.take from staging ``out`` through a temporary.
         """
         self._float32_only()
-        heads, _, size, dim = self.k[layer].shape
+        heads, _, size, dim = self.v[layer].shape
         shape = (heads, len(blocks), size, dim)
         need = heads * len(blocks) * size * dim
         if self._k_buffer.size < need:
-            self._k_buffer = np.empty(need, dtype=self.k[layer].dtype)
-            self._v_buffer = np.empty(need, dtype=self.k[layer].dtype)
+            self._k_buffer, self._v_buffer, self._kt_buffer = (np.empty(need, dtype=np.float32) for _ in range(3))
         k = self._k_buffer[:need].reshape(shape)
         v = self._v_buffer[:need].reshape(shape)
-        np.take(self.k[layer], blocks, axis=1, out=k, mode="clip")
+        kt = self._kt_buffer[:need].reshape(heads, len(blocks), dim, size)
+        np.take(self.k[layer], blocks, axis=1, out=kt, mode="clip")
+        np.copyto(k, kt.transpose(0, 1, 3, 2))  # the blocks' keys as rows again
         np.take(self.v[layer], blocks, axis=1, out=v, mode="clip")
         return k.reshape(heads, -1, dim), v.reshape(heads, -1, dim)
 

@@ -171,7 +171,7 @@ std::vector<paddle::Tensor> DecoderLayers(const paddle::Tensor& hidden, const pa
   PD_CHECK(head_kind < 0 || head.size() == 3, "decoder_layers: the head is (packed, scales, bias)");
   const Group comm(group_segment, group[0], group[1], group[2], group_timeout);
   const int64_t T = hidden.shape()[0], E = hidden.shape()[1];
-  const int64_t attn_width = num_heads * (layers > 0 ? k_caches[0].shape()[3] : 0);
+  const int64_t attn_width = num_heads * (layers > 0 ? v_caches[0].shape()[3] : 0);  // (V: [KVH, NB, BS, D])
   int64_t qkv_width = 0, gate_up_width = 0;
   for (size_t i = 0; i < layers; ++i) {
     const int64_t* m = meta.data() + i * kMeta;

@@ -1,9 +1,9 @@
 // fdcore's Paddle operators. Attention over a paged KV cache reads each block in place (no gather):
 //
 // q        [B, H, D]          float32, already scaled by 1/sqrt(D)
-// k_cache  [KVH, NB, BS, D]   float32, or bfloat16 (see AttendHeadsBf16) (the worker's cache of one layer,
-//                             shared with numpy)
-// v_cache  [KVH, NB, BS, D]   the same
+// k_cache  [KVH, NB, D, BS]   float32, each block's keys transposed (see ScoreRuns), or bfloat16
+//          [KVH, NB, BS, D]   (see AttendHeadsBf16) (the worker's cache of one layer, shared with numpy)
+// v_cache  [KVH, NB, BS, D]   float32, or bfloat16
 // tables   [B, W]             int64, block ids of each row's sequence (padded)
 // lengths  [B]                int64, keys each row attends to (its position + 1)
 // out      [B, H, D]          float32
@@ -41,6 +41,27 @@ static inline void ForEachRun(const T* base, int64_t kv_base, int64_t BS, int64_
 
 // The first key a row ending at `end` sees: window > 0 keeps its last `window` keys.
 static inline int64_t FirstKey(int64_t end, int64_t window) { return (window > 0 && end > window) ? end - window : 0; }
+
+// A run of consecutive keys of one transposed block (ForEachKeyRun): keys l .. l + n - 1, value d of key l + i
+// at kt[d * BS + i].
+struct KeyRun {
+  int64_t l;
+  const float* kt;
+  int64_t n;
+};
+
+// Visits a row's keys in a float32 cache's transposed blocks ([D, BS] a block: a key's values BS apart) in runs of
+// at most `width` consecutive keys of one block, in order: visit(l, kt, n) for keys l .. l + n - 1, key l + i's
+// value d at kt[d * BS + i].
+template <typename Visit>
+static inline void ForEachKeyRun(const float* K, int64_t kv_base, int64_t BS, int64_t D, const int64_t* table,
+                                 int64_t first, int64_t L, int64_t width, Visit&& visit) {
+  for (int64_t key = first, l = 0; key < first + L;) {
+    const int64_t offset = key % BS, n = std::min({BS - offset, first + L - key, width});
+    visit(l, K + (kv_base + table[key / BS] * BS) * D + offset, n);
+    key += n, l += n;
+  }
+}
 
 // Visits a row's keys (or values) one by one, in order: visit(l, row) for key l (from 0).
 template <typename T, typename Visit>
@@ -139,45 +160,84 @@ static inline void Softmax(float* scores, int64_t L, __m512 (&inverse)[HB]) {
   }
 }
 
+// The scores q . k of R rows' HB heads against NV runs of keys (ForEachKeyRun, at most 16 keys each), a key a lane:
+// for each d in order, lane i += q[d] * k_i[d] (one FMA chain per key and head: a score's bits are a function of
+// its q and key alone, on every path: the AVX2 and scalar ones run the same chain). A key's values are one
+// (masked) load a d from the transposed block, shared by the R HB chains; the NV runs are independent chains for
+// the FMA units' latency. Row r keeps keys l < Ls[r] (a pair's second row sees one key more), in scores[r][h][l].
+// Before: keys as rows of the block, 16 of them reduced together (Sum16: ~3 shuffles and adds a key and head)
+// and stored on the stack a key at a time; the 512-token SmolLM2 prefill's attention took 1.4x this.
+template <int R, int HB, int NV>
+static inline void ScoreRuns(const float* const (&qg)[R], int64_t D, int64_t BS, const KeyRun* runs,
+                             const int64_t (&Ls)[R], float* const (&scores)[R]) {
+  __mmask16 m[NV];
+  for (int v = 0; v < NV; ++v) m[v] = Tail(runs[v].n);
+  __m512 acc[NV][R][HB];
+  for (int v = 0; v < NV; ++v)
+    for (int r = 0; r < R; ++r)
+      for (int h = 0; h < HB; ++h) acc[v][r][h] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < D; ++d) {
+    __m512 k[NV];
+    for (int v = 0; v < NV; ++v) k[v] = _mm512_maskz_loadu_ps(m[v], runs[v].kt + d * BS);
+    for (int r = 0; r < R; ++r)
+      for (int h = 0; h < HB; ++h) {
+        const __m512 q = _mm512_set1_ps(qg[r][h * D + d]);
+        for (int v = 0; v < NV; ++v) acc[v][r][h] = _mm512_fmadd_ps(q, k[v], acc[v][r][h]);
+      }
+  }
+  // (every index a constant: an array indexed at run time stays in memory, and GCC then stored every
+  // accumulator after each d, 1.2x the time of the pass)
+#pragma GCC unroll 8
+  for (int v = 0; v < NV; ++v)
+#pragma GCC unroll 2
+    for (int r = 0; r < R; ++r) {
+      const int64_t l = runs[v].l;
+      const __mmask16 keep = l < Ls[r] ? m[v] & Tail(Ls[r] - l) : 0;
+#pragma GCC unroll 4
+      for (int h = 0; h < HB; ++h) _mm512_mask_storeu_ps(scores[r] + h * Ls[r] + l, keep, acc[v][r][h]);
+    }
+}
+
+// ScoreRuns of the last `count` (< NV) runs.
+template <int R, int HB, int NV>
+static inline void ScoreFewerRuns(int count, const float* const (&qg)[R], int64_t D, int64_t BS, const KeyRun* runs,
+                                  const int64_t (&Ls)[R], float* const (&scores)[R]) {
+  if constexpr (NV > 1) {
+    if (count == NV - 1) return ScoreRuns<R, HB, NV - 1>(qg, D, BS, runs, Ls, scores);
+    ScoreFewerRuns<R, HB, NV - 1>(count, qg, D, BS, runs, Ls, scores);
+  }
+}
+
+// Runs scored together: 12 chains (as many as fit beside the keys' vectors), at most 8 runs.
+template <int R, int HB>
+constexpr int RunsPerPass() { return std::max(1, std::min(8, 12 / (R * HB))); }
+
 // HB query heads (of the G sharing one KV head) of R rows against their keys: row r sees keys first ..
 // first + L + r - 1 (R = 2: two consecutive rows of one sequence, the second seeing one key more). Scores
-// (q . k per key, 16-wide FMAs over D), softmax with the row's maximum subtracted (exp 16 keys at a time),
-// then o = sum p v. Each key's and value's row is loaded once for the R rows' HB heads (the keys of a 512-token
-// prompt do not stay in L1, and reading them once per head made prefill attention L2-bound; a second row in
-// the same pass: 0.91-0.93x a 512-token SmolLM2 layer's attention on 2 threads of a Xeon). C = ceil(D / 16), HB
-// and R are compile-time constants so that q and o live in registers. Each head's arithmetic is its own, in
-// key order (a second row's last key after the others), whatever HB and R are and whatever the row's
-// neighbours: the result is a function of the row's q, keys and values alone (crash recompute and chunking
-// give the same bits, paired or not).
+// (ScoreRuns), softmax with the row's maximum subtracted (exp 16 keys at a time), then o = sum p v. Each key's
+// and value's row is loaded once for the R rows' HB heads (the keys of a 512-token prompt do not stay in L1,
+// and reading them once per head made prefill attention L2-bound; a second row in the same pass: 0.91-0.93x a
+// 512-token SmolLM2 layer's attention on 2 threads of a Xeon). C = ceil(D / 16), HB and R are compile-time
+// constants so that o lives in registers. Each head's arithmetic is its own, in key order (a second row's last
+// key after the others), whatever HB and R are and whatever the row's neighbours: the result is a function of
+// the row's q, keys and values alone (crash recompute and chunking give the same bits, paired or not).
 template <int C, int HB, int R>
 static void AttendHeadsRows(const float* const (&qg)[R], int64_t D, const float* K, const float* V, int64_t kv_base,
                             int64_t BS, const int64_t* table, int64_t first, int64_t L, float* const (&scores)[R],
                             float* const (&out)[R]) {
-  static_assert(R == 1 || (R == 2 && 2 * HB * C <= 24), "AttendHeadsRows: q would not stay in registers");
+  static_assert(R == 1 || (R == 2 && HB * C <= 12), "AttendHeadsRows: o would not stay in registers");
   __mmask16 masks[C];
   for (int c = 0; c < C; ++c) masks[c] = Tail(D - 16 * c);
-  __m512 q[R][HB][C];
-  for (int r = 0; r < R; ++r)
-    for (int h = 0; h < HB; ++h)
-      for (int c = 0; c < C; ++c) q[r][h][c] = _mm512_maskz_loadu_ps(masks[c], qg[r] + h * D + 16 * c);
-  __m512 dots[R][HB][16];  // 16 keys' q . k as vectors, summed together (Sum16)
-  auto store = [&](int64_t start) {  // the scores of the 16 keys from `start` (fewer at a row's end)
-    for (int r = 0; r < R; ++r)  // (row 0's dots past its keys are zeroed by StoreScores)
-      if (L + r > start) StoreScores<HB>(dots[r], start, std::min<int64_t>(16, L + r - start), L + r, scores[r]);
-  };
-  const int64_t keys = L + R - 1;
-  ForEachKey(K, kv_base, BS, D, table, first, keys, [&](int64_t l, const float* kr) {
-    __m512 k[C];
-    for (int c = 0; c < C; ++c) k[c] = _mm512_maskz_loadu_ps(masks[c], kr + 16 * c);
-    for (int r = 0; r < R; ++r)
-      for (int h = 0; h < HB; ++h) {
-        __m512 acc = _mm512_mul_ps(q[r][h][0], k[0]);
-        for (int c = 1; c < C; ++c) acc = _mm512_fmadd_ps(q[r][h][c], k[c], acc);
-        dots[r][h][l % 16] = acc;
-      }
-    if (l % 16 == 15) store(l - 15);
+  int64_t Ls[R];
+  for (int r = 0; r < R; ++r) Ls[r] = L + r;
+  constexpr int NV = RunsPerPass<R, HB>();
+  KeyRun runs[NV];
+  int pending = 0;
+  ForEachKeyRun(K, kv_base, BS, D, table, first, L + R - 1, 16, [&](int64_t l, const float* kt, int64_t n) {
+    runs[pending++] = {l, kt, n};
+    if (pending == NV) ScoreRuns<R, HB, NV>(qg, D, BS, runs, Ls, scores), pending = 0;
   });
-  if (keys % 16) store(keys - keys % 16);
+  ScoreFewerRuns<R, HB, NV>(pending, qg, D, BS, runs, Ls, scores);
   __m512 inverse[R][HB];
   for (int r = 0; r < R; ++r) Softmax<HB>(scores[r], L + r, inverse[r]);
   __m512 o[R][HB][C];
@@ -226,7 +286,7 @@ static void AttendHeads(const float* qg, int64_t D, const float* K, const float*
 using AttendFn = void (*)(const float*, int64_t, const float*, const float*, int64_t, int64_t, const int64_t*,
                           int64_t, int64_t, float*, float*);
 
-// AttendHeads for D, by heads per pass (1 to 4; 1 only past D = 128, where q and o fill the registers).
+// AttendHeads for D, by heads per pass (1 to 4; 1 only past D = 128, where o fills the registers).
 template <int... C>
 static AttendFn AttendFor(int64_t D, int heads, std::integer_sequence<int, C...>) {
   static constexpr AttendFn table[][kMostHeads] = {
@@ -249,7 +309,7 @@ static void AttendOne(const float* qg, int64_t G, int64_t D, const float* K, con
 }
 
 // Two consecutive rows of one sequence (AttendHeadsRows with R = 2): row 1 sees row 0's L keys (from key 0) and
-// key L. C <= 4 (D <= 64): both rows' q stay in registers (2 HB C vectors, at most 24).
+// key L. C <= 4 (D <= 64): both rows' o stay in registers (2 HB C vectors, at most 24).
 template <int C, int HB>
 static void AttendHeadsPair(const float* qg0, const float* qg1, int64_t D, const float* K, const float* V,
                             int64_t kv_base, int64_t BS, const int64_t* table, int64_t L, float* scores0,
@@ -257,7 +317,7 @@ static void AttendHeadsPair(const float* qg0, const float* qg1, int64_t D, const
   AttendHeadsRows<C, HB, 2>({qg0, qg1}, D, K, V, kv_base, BS, table, 0, L, {scores0, scores1}, {out0, out1});
 }
 
-// Heads per pass of a pair of rows: both rows' q in registers (C = 1: 4, 2: 4, 3: 4, 4: 3).
+// Heads per pass of a pair of rows: both rows' o in registers (C = 1: 4, 2: 4, 3: 4, 4: 3).
 static constexpr int PairHeadsPerPass(int C) { return C <= 3 ? kMostHeads : 3; }
 
 using AttendPairFn = void (*)(const float*, const float*, int64_t, const float*, const float*, int64_t, int64_t,
@@ -457,41 +517,40 @@ static inline __m256i Lanes(int64_t left) {
 }
 
 // AttendHeads of the AVX-512 path, 8 lanes wide, for D a multiple of 8: CC = D / 8 as a compile-time
-// constant for the usual head sizes (64, 128: q and o in registers), 0 for the rest (read from L1).
-// Each head's arithmetic is its own, in key order: a row's bits depend on its q, keys and values alone.
+// constant for the usual head sizes (64, 128: o in registers), 0 for the rest (read from L1). Each head's
+// arithmetic is its own, in key order: a row's bits depend on its q, keys and values alone.
 template <int CC, int HB>
 static void AttendHeads8(const float* qg, int64_t D, const float* K, const float* V, int64_t kv_base, int64_t BS,
                          const int64_t* table, int64_t first, int64_t L, float* scores, float* out) {
-  constexpr int kRegs = CC > 0 ? CC : 1;
   const int64_t C = CC > 0 ? CC : D / 8;
   auto each_key = [&](const float* base, auto&& visit) { ForEachKey(base, kv_base, BS, D, table, first, L, visit); };
-  __m256 q[HB][kRegs];
-  if constexpr (CC > 0)
-    for (int h = 0; h < HB; ++h)
-      for (int c = 0; c < CC; ++c) q[h][c] = _mm256_loadu_ps(qg + h * D + 8 * c);
-  __m256 dots[HB][8];
-  each_key(K, [&](int64_t l, const float* kr) {
-    for (int h = 0; h < HB; ++h) {
-      __m256 acc;
-      if constexpr (CC > 0) {
-        acc = _mm256_mul_ps(q[h][0], _mm256_loadu_ps(kr));
-        for (int c = 1; c < CC; ++c) acc = _mm256_fmadd_ps(q[h][c], _mm256_loadu_ps(kr + 8 * c), acc);
-      } else {
-        const float* qh = qg + h * D;
-        acc = _mm256_mul_ps(_mm256_loadu_ps(qh), _mm256_loadu_ps(kr));
-        for (int64_t c = 1; c < C; ++c) acc = _mm256_fmadd_ps(_mm256_loadu_ps(qh + 8 * c), _mm256_loadu_ps(kr + 8 * c), acc);
+  constexpr int NV = std::max(1, std::min(4, 8 / HB));  // runs a pass: 8 chains beside the keys' vectors
+  KeyRun runs[NV];
+  int pending = 0;
+  auto score = [&](int count) {  // ScoreRuns' chains, 8 lanes wide: the same bits
+    __m256i m[NV];
+    for (int v = 0; v < count; ++v) m[v] = Lanes(runs[v].n);
+    __m256 acc[NV][HB];
+    for (int v = 0; v < NV; ++v)
+      for (int h = 0; h < HB; ++h) acc[v][h] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D; ++d) {
+      __m256 k[NV];
+      for (int v = 0; v < NV; ++v)
+        if (v < count) k[v] = _mm256_maskload_ps(runs[v].kt + d * BS, m[v]);
+      for (int h = 0; h < HB; ++h) {
+        const __m256 q = _mm256_set1_ps(qg[h * D + d]);
+        for (int v = 0; v < NV; ++v)
+          if (v < count) acc[v][h] = _mm256_fmadd_ps(q, k[v], acc[v][h]);
       }
-      dots[h][l % 8] = acc;
     }
-    if (l % 8 == 7)
-      for (int h = 0; h < HB; ++h) _mm256_storeu_ps(scores + h * L + l - 7, Sum8(dots[h]));
+    for (int v = 0; v < count; ++v)
+      for (int h = 0; h < HB; ++h) _mm256_maskstore_ps(scores + h * L + runs[v].l, m[v], acc[v][h]);
+  };
+  ForEachKeyRun(K, kv_base, BS, D, table, first, L, 8, [&](int64_t l, const float* kt, int64_t n) {
+    runs[pending++] = {l, kt, n};
+    if (pending == NV) score(NV), pending = 0;
   });
-  if (L % 8) {
-    for (int h = 0; h < HB; ++h) {
-      for (int64_t i = L % 8; i < 8; ++i) dots[h][i] = _mm256_setzero_ps();
-      _mm256_maskstore_ps(scores + h * L + L - L % 8, Lanes(L % 8), Sum8(dots[h]));
-    }
-  }
+  if (pending) score(pending);
   float inverse[HB];
   for (int h = 0; h < HB; ++h) {
     float* row = scores + h * L;
@@ -573,16 +632,14 @@ static Attend8Fn Attend8For(int64_t D, int heads) {
 // One (row, KV head)'s attention, one value at a time: for head sizes the vector paths do not take.
 static void AttendScalar(const float* qg, int64_t G, int64_t D, const float* K, const float* V, int64_t kv_base,
                          int64_t BS, const int64_t* table, int64_t first, int64_t L, float* scores, float* out) {
-  for (int64_t l = 0; l < L; ++l) {
-    const int64_t key = first + l;
-    const float* __restrict__ kr = K + (kv_base + table[key / BS] * BS + key % BS) * D;
-    for (int64_t g = 0; g < G; ++g) {
-      const float* __restrict__ qr = qg + g * D;
-      float s = 0.f;
-      for (int64_t d = 0; d < D; ++d) s += qr[d] * kr[d];
-      scores[g * L + l] = s;
-    }
-  }
+  ForEachKeyRun(K, kv_base, BS, D, table, first, L, BS, [&](int64_t l, const float* kt, int64_t n) {
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t g = 0; g < G; ++g) {
+        float s = 0.f;  // ScoreRuns' chain
+        for (int64_t d = 0; d < D; ++d) s = std::fma(qg[g * D + d], kt[d * BS + i], s);
+        scores[g * L + l + i] = s;
+      }
+  });
   for (int64_t g = 0; g < G; ++g) {
     float* row = scores + g * L;
     float top = row[0];
@@ -715,29 +772,34 @@ void AttentionBlockInto(const float* X, int64_t Tn, int64_t width, const paddle:
                         const paddle::Tensor& tables, const paddle::Tensor& lengths, const paddle::Tensor& q_norm,
                         const paddle::Tensor& k_norm, int64_t num_heads, float scale, int64_t window, float norm_eps,
                         float* Qo, float* O) {
-  const auto ks = k_cache.shape();
-  const int64_t KVH = ks[0], NB = ks[1], BS = ks[2], D = ks[3], H = num_heads, half = D / 2;
+  const auto vs = v_cache.shape();
+  const int64_t KVH = vs[0], NB = vs[1], BS = vs[2], D = vs[3], H = num_heads, half = D / 2;
   PD_CHECK(width == (H + 2 * KVH) * D, "attention_block: qkv width does not match the heads");
-  PD_CHECK(H % KVH == 0 && v_cache.shape() == ks, "attention_block: cache shapes do not match");
-  PD_CHECK(D <= 256, "attention: head_dim above 256");
   const float* C = cos.data<float>();
   const float* S = sin.data<float>();
   const int64_t* SLOT = slots.data<int64_t>();
   const bool bf16 = k_cache.dtype() == paddle::DataType::BFLOAT16;
   PD_CHECK(v_cache.dtype() == k_cache.dtype() && (bf16 || k_cache.dtype() == paddle::DataType::FLOAT32),
            "attention_block: the caches must be both float32 or both bfloat16");
+  const std::vector<int64_t> k_shape = bf16 ? vs : std::vector<int64_t>{KVH, NB, D, BS};  // float32: transposed blocks
+  PD_CHECK(H % KVH == 0 && k_cache.shape() == k_shape, "attention_block: cache shapes do not match");
+  PD_CHECK(D <= 256, "attention: head_dim above 256");
 #if defined(FDCORE_ATTENTION_BF16)
   PD_CHECK(!bf16 || D % 32 == 0, "attention_block: a bfloat16 cache needs head_dim a multiple of 32");
 #else
   PD_CHECK(!bf16, "attention_block: a bfloat16 cache needs a build for AVX512-BF16");
 #endif
-  // the cache is written in place: a row of D values at `slot` of KV head j (rounded to bfloat16 where it is)
+  // the cache is written in place: a row of D values at `slot` of KV head j (rounded to bfloat16 where it is), or
+  // for a float32 cache's keys a column of their block (values BS apart: ForEachKeyRun's layout)
   void* Kc = const_cast<void*>(k_cache.data());
   void* Vc = const_cast<void*>(v_cache.data());
-  auto store = [&](void* cache, int64_t j, int64_t slot, const float* values) {
+  auto store = [&](void* cache, int64_t j, int64_t slot, const float* values, bool transposed) {
     const int64_t at = (j * NB * BS + slot) * D;
     if (bf16) {
       RoundToBf16(values, D, static_cast<uint16_t*>(cache) + at);
+    } else if (transposed) {
+      float* column = static_cast<float*>(cache) + (j * NB * BS + slot - slot % BS) * D + slot % BS;
+      for (int64_t d = 0; d < D; ++d) column[d * BS] = values[d];
     } else {
       std::memcpy(static_cast<float*>(cache) + at, values, D * sizeof(float));
     }
@@ -773,9 +835,9 @@ void AttentionBlockInto(const float* X, int64_t Tn, int64_t width, const paddle:
         dst[i] = h < H ? a * mul : a;
         dst[i + half] = h < H ? b * mul : b;
       }
-      if (h >= H) store(Kc, h - H, SLOT[t], key);
+      if (h >= H) store(Kc, h - H, SLOT[t], key, true);
     }
-    for (int64_t j = 0; j < KVH; ++j) store(Vc, j, SLOT[t], row + (H + KVH + j) * D);  // values, as they are
+    for (int64_t j = 0; j < KVH; ++j) store(Vc, j, SLOT[t], row + (H + KVH + j) * D, false);  // values, as they are
   }
   AttendRows(Qo, Tn, H, D, Kc, Vc, bf16, KVH, NB, BS, tables.data<int64_t>(), tables.shape()[1],
              lengths.data<int64_t>(), window, O);
@@ -787,7 +849,7 @@ std::vector<paddle::Tensor> AttentionBlock(const paddle::Tensor& qkv, const padd
                                            const paddle::Tensor& tables, const paddle::Tensor& lengths,
                                            const paddle::Tensor& q_norm, const paddle::Tensor& k_norm,
                                            int64_t num_heads, float scale, int64_t window, float norm_eps) {
-  const int64_t Tn = qkv.shape()[0], D = k_cache.shape()[3];
+  const int64_t Tn = qkv.shape()[0], D = v_cache.shape()[3];
   auto q = paddle::empty({Tn, num_heads, D}, paddle::DataType::FLOAT32, paddle::CPUPlace());
   auto out = paddle::empty({Tn, num_heads * D}, paddle::DataType::FLOAT32, paddle::CPUPlace());
   AttentionBlockInto(qkv.data<float>(), Tn, qkv.shape()[1], cos, sin, slots, k_cache, v_cache, tables, lengths, q_norm,
