@@ -191,7 +191,7 @@ np.savez(sys.argv[2], prefill=prefill, decode=decode)
 """
 
 
-@pytest.mark.parametrize("quantization", ["none", "wint8"])
+@pytest.mark.parametrize("quantization", ["none", "wint8", "wint4"])
 def test_a_row_gets_the_same_bits_prefilled_whole_in_chunks_or_step_by_step(checkpoints, quantization):
     """Crash-resume recomputes a sequence in other chunks and batches: position 44's logits are the same to
     the bit from a whole prefill (attention pairs rows 0-1, ..., 42-43: AttendHeadsPair), from chunks cut at
