@@ -233,7 +233,7 @@ void Linear(const float* X, int64_t M, int64_t K, const uint8_t* Wp, int64_t G, 
   sums.resize(M * blocks);
   int8_t* xq = q.data();  // taken on the calling thread: in the parallel loops `q` is each thread's own
   float *xs = scales.data(), *xsum = sums.data();
-#pragma omp parallel for schedule(static) if (M >= 8 && M * K >= (1 << 16))
+#pragma omp parallel for schedule(static) if (M >= 8 && M * K >= (1 << 12))
   for (int64_t m = 0; m < M; ++m) QuantizeRow(X + m * K, K, Kp, xq + m * 2 * Kp, xs + m * blocks, xsum + m * blocks);
 
   const int64_t chunks = (M + kChunk - 1) / kChunk;

@@ -856,7 +856,7 @@ void AttentionBlockInto(const float* X, int64_t Tn, int64_t width, const paddle:
   for (int64_t t = 0; t < Tn; ++t) PD_CHECK(SLOT[t] >= 0 && SLOT[t] < NB * BS, "attention_block: slot out of range");
   // Rows alone (each its own slots of the cache): shared out, the same bits. A 512-token SmolLM2 prefill spent
   // ~1 % of its time here on one thread while the others waited.
-#pragma omp parallel for schedule(static) if (Tn >= 8 && Tn * width >= (1 << 16))
+#pragma omp parallel for schedule(static) if (Tn >= 8 && Tn * width >= (1 << 12))
   for (int64_t t = 0; t < Tn; ++t) {
     float head[256], key[256];
     const float* row = X + t * (H + 2 * KVH) * D;
@@ -1113,7 +1113,7 @@ PD_BUILD_OP(fdcore_gumbel_sample)
 void AddRmsNormInto(const float* __restrict__ H, const float* __restrict__ DL, const float* __restrict__ W, int64_t T,
                     int64_t E, float eps, float* __restrict__ S, float* __restrict__ N) {
   const bool add = DL != nullptr;
-#pragma omp parallel for schedule(static) if (T >= 8 && T * E >= (1 << 16))  // rows alone: the same bits
+#pragma omp parallel for schedule(static) if (T >= 8 && T * E >= (1 << 12))  // rows alone: the same bits
   for (int64_t t = 0; t < T; ++t) {
     const float* h = H + t * E;
     float* s = S + t * E;
@@ -1157,7 +1157,7 @@ PD_BUILD_OP(fdcore_add_rms_norm)
 // SwiGLU: out = silu(gate) * up for gate_up = [gate | up] along the last axis ([T, 2I] -> [T, I]).
 // Into the caller's memory: G [T, 2I], O [T, I].
 void SiluMulInto(const float* __restrict__ G, int64_t T, int64_t I, float* __restrict__ O) {
-#pragma omp parallel for schedule(static) if (T * I >= (1 << 16))
+#pragma omp parallel for schedule(static) if (T >= 8 && T * I >= (1 << 12))
   for (int64_t t = 0; t < T; ++t) {
     const float* g = G + t * 2 * I;
     const float* u = g + I;
