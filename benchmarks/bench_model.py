@@ -6,10 +6,11 @@ time of the step's matrix products run alone on contiguous inputs of the same
 shapes: per layer qkv, o, gate_up, down and the two attention products
 (scores, weighted values), then the LM head. Prefill is measured in tokens/s
 for one 512-token prompt, beside its GEMM floor too (the LM head on its last
-token only, as the model computes it).
+token only, as the model computes it; the prompt's attention is not in this
+floor, so it counts against the step).
 
 Usage: OMP_NUM_THREADS=1 python benchmarks/bench_model.py [--model DIR|smollm2] [--dtype float32|bfloat16]
-           [--quantization none|wint8] [--steps N] [--batches 1,8,32]
+           [--quantization none|wint8|wint4] [--steps N] [--batches 1,8,32]
 
 ``--model smollm2`` is the real SmolLM2-135M-Instruct (fetched once; see
 fdcore.models.fetch); the floor uses the model's own matrix dtype, the step the KV cache the worker
