@@ -34,6 +34,7 @@
 #include "paddle/extension.h"
 
 extern int fdcore_prefetch_weights;  // linear_int8.cc
+__attribute__((visibility("hidden"))) bool RowsWorthSharing(int64_t rows, int64_t width);  // linear_int8.cc
 #if defined(__AVX2__)
 __attribute__((visibility("hidden"))) void QuantizeBlock(const float* x, int64_t left, int8_t* q, float* scale,
                                                          int32_t* sum);  // linear_int8.cc
@@ -233,7 +234,7 @@ void Linear(const float* X, int64_t M, int64_t K, const uint8_t* Wp, int64_t G, 
   sums.resize(M * blocks);
   int8_t* xq = q.data();  // taken on the calling thread: in the parallel loops `q` is each thread's own
   float *xs = scales.data(), *xsum = sums.data();
-#pragma omp parallel for schedule(static) if (M >= 8 && M * K >= (1 << 12))
+#pragma omp parallel for schedule(static) if (RowsWorthSharing(M, K))
   for (int64_t m = 0; m < M; ++m) QuantizeRow(X + m * K, K, Kp, xq + m * 2 * Kp, xs + m * blocks, xsum + m * blocks);
 
   const int64_t chunks = (M + kChunk - 1) / kChunk;

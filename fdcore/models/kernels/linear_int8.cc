@@ -49,6 +49,15 @@ int fdcore_prefetch_weights = 1;
 extern "C" void fdcore_set_weight_prefetch(int on) { fdcore_prefetch_weights = on; }
 extern "C" int fdcore_weight_prefetch() { return fdcore_prefetch_weights; }
 
+// Whether a loop over `rows` independent rows of `width` values each is shared out over the threads (each row
+// whole on one thread: the same bits either way): from 8 rows and 2^12 values. Under 2^16, the bound these loops
+// had, a 32-row decode step quantized its activations and ran SwiGLU, the norms and the rotary loop on one
+// thread while the other spun (SmolLM2 wint8 decode steps on 2 threads, in-process A/B: batch 32 0.92-0.96x the
+// time, 8 0.98x; float32 0.99x). Used by this file, linear_int4.cc and paged_attention.cc (hidden: a direct call).
+__attribute__((visibility("hidden"))) bool RowsWorthSharing(int64_t rows, int64_t width) {
+  return rows >= 8 && rows * width >= (1 << 12);
+}
+
 namespace {
 
 #if defined(__AVX2__)
@@ -168,11 +177,8 @@ void QuantizeRows(const float* X, int64_t M, int64_t K, int64_t Kp, QuantizedRow
   float *XS = rows.scales.data(), *XSUM = rows.sums.data();
   int32_t* XO = rows.offsets.data();
   // A row's blocks are its own, so rows shared out across threads give the same bits: a 512-token prefill
-  // quantized ~0.4 ms a projection on one thread while the others waited. From 8 rows and 2^12 values (not 2^16,
-  // which left a 32-row decode step's quantizing, SwiGLU, norms and rotary on one thread while the other spun:
-  // SmolLM2 wint8 decode steps on 2 threads, in-process A/B: batch 32 0.92-0.96x the time, 8 0.98x; float32 0.99x).
-  // The row-wise loops of linear_int4.cc and paged_attention.cc share from the same size.
-#pragma omp parallel if (M >= 8 && M * K >= (1 << 12))
+  // quantized ~0.4 ms a projection on one thread while the others waited.
+#pragma omp parallel if (RowsWorthSharing(M, K))
   {
     const int64_t threads = omp_get_num_threads(), t = omp_get_thread_num();
     for (int64_t m = RowShare(M, t, threads); m < RowShare(M, t + 1, threads); ++m) {

@@ -19,6 +19,9 @@
 
 #include "paddle/extension.h"
 
+// linear_int8.cc: whether a loop over independent rows is shared out over the threads
+__attribute__((visibility("hidden"))) bool RowsWorthSharing(int64_t rows, int64_t width);
+
 // n values to bfloat16 bits, to nearest even (linear_bf16.cc; AVX512-BF16 CPUs only).
 __attribute__((visibility("hidden"))) void RoundToBf16(const float* x, int64_t n, uint16_t* r);
 
@@ -856,7 +859,7 @@ void AttentionBlockInto(const float* X, int64_t Tn, int64_t width, const paddle:
   for (int64_t t = 0; t < Tn; ++t) PD_CHECK(SLOT[t] >= 0 && SLOT[t] < NB * BS, "attention_block: slot out of range");
   // Rows alone (each its own slots of the cache): shared out, the same bits. A 512-token SmolLM2 prefill spent
   // ~1 % of its time here on one thread while the others waited.
-#pragma omp parallel for schedule(static) if (Tn >= 8 && Tn * width >= (1 << 12))
+#pragma omp parallel for schedule(static) if (RowsWorthSharing(Tn, width))
   for (int64_t t = 0; t < Tn; ++t) {
     float head[256], key[256];
     const float* row = X + t * (H + 2 * KVH) * D;
@@ -1113,7 +1116,7 @@ PD_BUILD_OP(fdcore_gumbel_sample)
 void AddRmsNormInto(const float* __restrict__ H, const float* __restrict__ DL, const float* __restrict__ W, int64_t T,
                     int64_t E, float eps, float* __restrict__ S, float* __restrict__ N) {
   const bool add = DL != nullptr;
-#pragma omp parallel for schedule(static) if (T >= 8 && T * E >= (1 << 12))  // rows alone: the same bits
+#pragma omp parallel for schedule(static) if (RowsWorthSharing(T, E))  // rows alone: the same bits
   for (int64_t t = 0; t < T; ++t) {
     const float* h = H + t * E;
     float* s = S + t * E;
@@ -1157,7 +1160,7 @@ PD_BUILD_OP(fdcore_add_rms_norm)
 // SwiGLU: out = silu(gate) * up for gate_up = [gate | up] along the last axis ([T, 2I] -> [T, I]).
 // Into the caller's memory: G [T, 2I], O [T, I].
 void SiluMulInto(const float* __restrict__ G, int64_t T, int64_t I, float* __restrict__ O) {
-#pragma omp parallel for schedule(static) if (T >= 8 && T * I >= (1 << 12))
+#pragma omp parallel for schedule(static) if (RowsWorthSharing(T, I))
   for (int64_t t = 0; t < T; ++t) {
     const float* g = G + t * 2 * I;
     const float* u = g + I;
