@@ -176,39 +176,42 @@ _FORWARD_ON_THREADS = """
 import sys
 import numpy as np
 from fdcore.core.batch import BatchInput
-from fdcore.models.llama import LlamaModel, PagedKVCache
+from fdcore.models.llama import LlamaModel
 from fdcore.models.loader import load_checkpoint
 
 given = np.load(sys.argv[1])
-model = LlamaModel(load_checkpoint(str(given["path"]), progress=lambda *_: None))
+model = LlamaModel(load_checkpoint(str(given["path"]), progress=lambda *_: None), str(given["dtype"]))
 assert model.fused is not None
 prompts = [row[row >= 0].tolist() for row in given["prompts"]]
 tables = [list(range(i, 160, len(prompts)))[:10] for i in range(len(prompts))]
-cache = PagedKVCache(model.args, 160, 16)
+cache = model.new_cache(160, 16)
 prefill = model.forward(BatchInput(prompts, [0] * len(prompts), tables), cache)
 decode = model.forward(BatchInput([[7] for _ in prompts], [len(p) for p in prompts], tables), cache)
 np.savez(sys.argv[2], prefill=prefill, decode=decode)
 """
 
 
-@pytest.mark.parametrize("quantization", ["none", "wint8", "wint4"])
-def test_a_row_gets_the_same_bits_prefilled_whole_in_chunks_or_step_by_step(checkpoints, quantization):
+@pytest.mark.parametrize("dtype, quantization", [("float32", "none"), ("float32", "wint8"), ("float32", "wint4"),
+                                                  ("bfloat16", "none")])
+def test_a_row_gets_the_same_bits_prefilled_whole_in_chunks_or_step_by_step(checkpoints, dtype, quantization):
     """Crash-resume recomputes a sequence in other chunks and batches: position 44's logits are the same to
-    the bit from a whole prefill (attention pairs rows 0-1, ..., 42-43: AttendHeadsPair), from chunks cut at
-    odd places (other pairs, rows alone between) and from decode steps beside another sequence."""
+    the bit from a whole prefill (attention pairs rows 0-1, ..., 42-43: AttendHeadsPair; bfloat16's products
+    in 16-row tiles where the CPU has AMX), from chunks cut at odd places (other pairs, rows alone between)
+    and from decode steps beside another sequence."""
     from fdcore.models.kernels import kernel_path
 
-    if quantization != "none" and kernel_path(quantization) is None:
-        pytest.skip(f"{quantization} is refused on this CPU")
-    model = LlamaModel(load_checkpoint(checkpoints["llama-gqa"], progress=lambda *_: None), "float32", quantization)
+    kind = dtype if quantization == "none" else quantization
+    if kernel_path(kind) is None:
+        pytest.skip(f"{kind} is refused on this CPU")
+    model = LlamaModel(load_checkpoint(checkpoints["llama-gqa"], progress=lambda *_: None), dtype, quantization)
     rng = np.random.default_rng(4)
     prompt, other = rng.integers(5, 4000, 45).tolist(), rng.integers(5, 4000, 20).tolist()
-    whole = model.forward(BatchInput([prompt], [0], [[0, 1, 2]]), PagedKVCache(model.args, 16, BLOCK))[0]
-    chunks = PagedKVCache(model.args, 16, BLOCK)
+    whole = model.forward(BatchInput([prompt], [0], [[0, 1, 2]]), model.new_cache(16, BLOCK))[0]
+    chunks = model.new_cache(16, BLOCK)
     for start, end in ((0, 7), (7, 20), (20, 45)):
         logits = model.forward(BatchInput([prompt[start:end]], [start], [[4, 9, 2]]), chunks)
     assert np.array_equal(logits[-1], whole)
-    steps = PagedKVCache(model.args, 16, BLOCK)
+    steps = model.new_cache(16, BLOCK)
     model.forward(BatchInput([other], [0], [[5, 6, 8]]), steps)
     model.forward(BatchInput([prompt[:19]], [0], [[9, 3, 7]]), steps)
     for pos in range(19, 45):  # a decode step each, beside the other sequence's
@@ -216,17 +219,22 @@ def test_a_row_gets_the_same_bits_prefilled_whole_in_chunks_or_step_by_step(chec
     assert np.array_equal(logits[0], whole)
 
 
-def test_a_forward_pass_gives_the_same_bits_on_one_and_two_threads(checkpoints, on_threads):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_forward_pass_gives_the_same_bits_on_one_and_two_threads(checkpoints, on_threads, dtype):
     """The fused operators share rows (attention: rows x KV heads; SwiGLU: rows) out over OpenMP's
     threads, each computed whole by one thread: a crash recompute on another thread count, or a
     worker restarted with other settings, gets the same logits to the bit. 16 sequences: their decode step's
     16 rows are enough for the row-wise loops (norms, SwiGLU, rotary) to share them out too."""
+    from fdcore.models.kernels import kernel_path
+
+    if kernel_path(dtype) is None:
+        pytest.skip(f"{dtype} is refused on this CPU")
     rng = np.random.default_rng(5)
     lengths = (150, 3, 77, 1, 120, 9, 2, 5, 30, 4, 11, 6, 17, 8, 3, 12)
     prompts = np.full((len(lengths), max(lengths)), -1)
     for row, n in enumerate(lengths):
         prompts[row, :n] = rng.integers(5, 4000, size=n)
-    given = {"path": np.array(checkpoints["llama-gqa"]), "prompts": prompts}
+    given = {"path": np.array(checkpoints["llama-gqa"]), "prompts": prompts, "dtype": np.array(dtype)}
     one, two = on_threads(_FORWARD_ON_THREADS, given, threads=1), on_threads(_FORWARD_ON_THREADS, given, threads=2)
     for name in ("prefill", "decode"):
         assert np.array_equal(one[name], two[name]), name

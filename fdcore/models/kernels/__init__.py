@@ -149,6 +149,23 @@ def weight_prefetch() -> bool | None:
     return None if library is None else bool(library.fdcore_weight_prefetch())
 
 
+def set_bf16_tiles(on: bool) -> bool:
+    """Whether the bfloat16 kernel may run on AMX tiles (linear_bf16.cc; on by default where the CPU has AMX-BF16
+    and the OS grants the tile state): a setting to measure and test the AVX512-BF16 path on an AMX CPU. The
+    two paths round differently, so a serving process never switches. False when the kernels are not built."""
+    library = _library()
+    if library is None:
+        return False
+    library.fdcore_set_bf16_tiles(int(on))
+    return True
+
+
+def bf16_tiles() -> bool:
+    """Whether bfloat16 products (of an inner dimension a multiple of 32) run on AMX tiles in this process."""
+    library = _library()
+    return library is not None and bool(library.fdcore_bf16_tiles())
+
+
 def _library():
     """The built library for ctypes (its plain C functions: settings, not operators), or None."""
     if not _ops():
@@ -163,7 +180,8 @@ def _library():
 # The /proc/cpuinfo flags each kernel needs, by path (the first the CPU has is built), with their usual name.
 KERNEL_PATHS = {
     "float32": ((("avx512f",), "AVX-512F"), (("avx2", "fma"), "AVX2")),
-    "bfloat16": ((("avx512f", "avx512bw", "avx512_bf16"), "AVX512-BF16"),),
+    "bfloat16": ((("avx512f", "avx512bw", "avx512_bf16", "amx_tile", "amx_bf16"), "AMX-BF16"),
+                 (("avx512f", "avx512bw", "avx512_bf16"), "AVX512-BF16")),
     "wint8": ((("avx512f", "avx512bw", "avx512_vnni"), "AVX512-VNNI"), (("avx2", "fma", "f16c"), "AVX2")),
     "wint4": ((("avx512f", "avx512bw", "avx512_vnni"), "AVX512-VNNI"), (("avx2", "fma", "f16c"), "AVX2")),
 }

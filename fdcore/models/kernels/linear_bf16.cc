@@ -25,8 +25,12 @@
 // target attribute, so the library builds on any x86-64 compiler and CPU.
 #include <immintrin.h>
 
+#include <sys/syscall.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #include "paddle/extension.h"
@@ -50,6 +54,10 @@ __attribute__((visibility("hidden"))) FDCORE_BF16_TARGET void RoundToBf16(const 
     _mm512_mask_cvtepi32_storeu_epi16(r + k, lanes, rounded);
   }
 }
+
+// Whether the bfloat16 kernel runs on AMX tiles where the CPU has them (default on): a setting for measuring
+// and testing one path against the other, read at each call.
+static int fdcore_bf16_tiles_wanted = 1;
 
 namespace {
 
@@ -98,16 +106,137 @@ FDCORE_BF16_TARGET void RoundRows(const float* X, int64_t M, int64_t K, int64_t 
   }
 }
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+// AMX path (CPUs with AMX-BF16, e.g. Sapphire Rapids and later Xeons): `tdpbf16ps` multiplies a tile of 16
+// rows x 32 inputs of X by one of 32 inputs x 16 outputs of W per instruction, 16 times the products of a
+// `vdpbf16ps`. The packed layout above is already what a B tile wants: rows are pairs of K, each 64 bytes
+// holding 16 outputs x 2 inputs, a block's rows 128 bytes apart (the group's two blocks interleave). X's
+// rounded rows are A tiles as they are (stride 4 KP bytes). Every row, alone or in a batch of any size,
+// goes through the same tiles over K in the same order (a tile's row m depends on X's row m alone), so a
+// row's bits are the same in any batch here too. They differ from the AVX512-BF16 path's (the tiles' error
+// to a float64 reference is 2-3x smaller), so a serving process keeps one path (fdcore_set_bf16_tiles is for
+// measuring and testing the other).
+bool AmxPermitted();
+constexpr int kTileRows = 16;  // rows of X per A tile (and per C tile)
+constexpr int kTilePairs = 16; // pairs of K per tile step (32 bfloat16 inputs: one 64-byte tile row)
+// The tiles take K in steps of 32 inputs; a matrix whose K is not a multiple of 32 keeps the AVX512-BF16 path
+// for every batch (the choice is the matrix's, never the batch's: a row's bits must not depend on its batch).
+inline bool UseAmx(int64_t KP) { return fdcore_bf16_tiles_wanted && KP % kTilePairs == 0 && AmxPermitted(); }
+
+// Linux hands out AMX's tile state only to processes that ask (arch_prctl ARCH_REQ_XCOMP_PERM for
+// XTILEDATA); without it the first tile instruction dies of SIGILL. Asked once per process.
+bool AmxPermitted() {
+  static const bool permitted = [] {
+    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return permitted;
+}
+
+struct TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t bytes_per_row[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Tiles 0-3: C (two row blocks x the group's two 16-output blocks); 4, 5: A (X's row blocks); 6, 7: B.
+// `rows`: X's rows per A and C tile (fewer than 16 for a batch smaller than a tile).
+FDCORE_BF16_TARGET __attribute__((target("amx-tile,amx-bf16"))) void ConfigureTiles(int rows) {
+  TileConfig config;
+  for (int t = 0; t < 8; ++t) {
+    config.bytes_per_row[t] = 64;
+    config.rows[t] = t < 6 ? rows : kTilePairs;
+  }
+  _tile_loadconfig(&config);
+}
+
+// Stores a C tile's `rows` x 16 outputs into Y's rows m0.. at outputs first.. (masked past N).
+FDCORE_BF16_TARGET void StoreTile(const float* tile, int rows, int64_t m0, int64_t M, int64_t first, int64_t N,
+                                  float* Y) {
+  for (int r = 0; r < rows && m0 + r < M; ++r) StoreBlock(Y + (m0 + r) * N, first, N, _mm512_loadu_ps(tile + r * 16));
+}
+
+// One group of 32 outputs against two row blocks of X (m0 and m0 + rows; kBoth false: the first only).
+template <bool kBoth>
+FDCORE_BF16_TARGET __attribute__((target("amx-tile,amx-bf16"))) void GroupTiles(
+    const uint16_t* Xr, int64_t KP, const uint16_t* Wg, int rows, int64_t m0, int64_t M, int64_t g, int64_t N,
+    float* Y) {
+  _tile_zero(0);
+  _tile_zero(1);
+  if (kBoth) {
+    _tile_zero(2);
+    _tile_zero(3);
+  }
+  const int64_t x_stride = KP * 4, w_stride = kGroup * 4;
+  const uint16_t* x0 = Xr + m0 * KP * 2;
+  const uint16_t* x1 = x0 + rows * KP * 2;
+  for (int64_t kp = 0; kp < KP; kp += kTilePairs) {
+    const uint16_t* w = Wg + kp * kGroup * 2;
+    _tile_loadd(6, w, w_stride);
+    _tile_loadd(7, w + 32, w_stride);
+    _tile_loadd(4, x0 + kp * 2, x_stride);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    if (kBoth) {
+      _tile_loadd(5, x1 + kp * 2, x_stride);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  alignas(64) float tile[kTileRows * 16];
+  _tile_stored(0, tile, 64);
+  StoreTile(tile, rows, m0, M, g * kGroup, N, Y);
+  _tile_stored(1, tile, 64);
+  StoreTile(tile, rows, m0, M, g * kGroup + 16, N, Y);
+  if (kBoth) {
+    _tile_stored(2, tile, 64);
+    StoreTile(tile, rows, m0 + rows, M, g * kGroup, N, Y);
+    _tile_stored(3, tile, 64);
+    StoreTile(tile, rows, m0 + rows, M, g * kGroup + 16, N, Y);
+  }
+}
+
+// Xr: X's rows rounded (RoundRows), padded with zero rows to a whole number of tiles.
+FDCORE_BF16_TARGET __attribute__((target("amx-tile,amx-bf16"))) void LinearTiles(
+    const uint16_t* Xr, int64_t M, int64_t KP, const uint16_t* Wp, int64_t G, int64_t N, float* Y, bool parallel) {
+  const int rows = static_cast<int>(std::min<int64_t>(M, kTileRows));
+  const int64_t group_size = KP * kGroup * 2;
+#pragma omp parallel if (parallel)
+  {
+    ConfigureTiles(rows);  // the tile configuration is each thread's own
+#pragma omp for schedule(static)
+    for (int64_t g = 0; g < G; ++g) {
+      const uint16_t* Wg = Wp + g * group_size;
+      int64_t m0 = 0;
+      for (; m0 + 2 * rows < M + rows; m0 += 2 * rows) GroupTiles<true>(Xr, KP, Wg, rows, m0, M, g, N, Y);
+      if (m0 < M) GroupTiles<false>(Xr, KP, Wg, rows, m0, M, g, N, Y);
+    }
+    _tile_release();  // a thread that leaves its tiles configured costs every context switch 8 KB more to save
+  }
+}
+#endif
+
 FDCORE_BF16_TARGET void Linear(const float* X, int64_t M, int64_t K, const uint16_t* Wp, int64_t G, int64_t KP,
                                int64_t N, float* Y) {
   thread_local std::vector<uint16_t> rounded;
+  // Groups of output rows are split across the OpenMP threads (OMP_NUM_THREADS): each streams its
+  // own share of W, which is what lets one sequence's decoding use more than one core's bandwidth.
+  const bool parallel = G > 1 && M * N * K >= (1 << 18);
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  if (UseAmx(KP)) {
+    // whole tiles of rows: the padding rows are zeros (their outputs are computed and dropped)
+    const int64_t padded = M <= kTileRows ? M : (M + kTileRows - 1) / kTileRows * kTileRows;
+    rounded.resize(padded * KP * 2);
+    RoundRows(X, M, K, KP, rounded.data());
+    std::memset(rounded.data() + M * KP * 2, 0, (padded - M) * KP * 2 * sizeof(uint16_t));
+    LinearTiles(rounded.data(), M, KP, Wp, G, N, Y, parallel);
+    return;
+  }
+#endif
   rounded.resize(M * KP * 2);  // every value is written (RoundRows): no clearing pass
   RoundRows(X, M, K, KP, rounded.data());
   const auto* Xp = reinterpret_cast<const uint32_t*>(rounded.data());
   const int64_t group_size = KP * kGroup * 2;
-  // Groups of output rows are split across the OpenMP threads (OMP_NUM_THREADS): each streams its
-  // own share of W, which is what lets one sequence's decoding use more than one core's bandwidth.
-  const bool parallel = G > 1 && M * N * K >= (1 << 18);
 #pragma omp parallel for schedule(static) if (parallel)
   for (int64_t g = 0; g < G; ++g) {
     const uint16_t* Wg = Wp + g * group_size;
@@ -119,6 +248,17 @@ FDCORE_BF16_TARGET void Linear(const float* X, int64_t M, int64_t K, const uint1
 }
 
 }  // namespace
+
+// 1: the AMX path is used where the CPU and the OS allow it (the default); 0: the AVX512-BF16 path everywhere.
+extern "C" void fdcore_set_bf16_tiles(int on) { fdcore_bf16_tiles_wanted = on; }
+// Whether a bfloat16 product of a suitable shape runs on AMX tiles in this process.
+extern "C" int fdcore_bf16_tiles() {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  return fdcore_bf16_tiles_wanted && AmxPermitted();
+#else
+  return 0;
+#endif
+}
 
 // x [M, K] float32; w [G, KP, 2, 16, 2] bfloat16 (the packed weight); rows = N, the real output count.
 // Y [M, rows] = X [M, K] . W^T into the caller's memory (decoder_layers' workspace, or the op's output).
