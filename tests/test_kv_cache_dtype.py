@@ -1,5 +1,5 @@
 """The KV cache in bfloat16 (``cache.dtype``): half the memory a token, attention's products in AVX512-BF16's
-``vdpbf16ps`` (paged_attention.cc's AttendHeadsBf16). Against a float64 reference of the same roundings, every
+``vdpbf16ps`` (paged_attention.cc's AttendHeadsBf16), or AMX tiles where the CPU has them (AttendRowsTiles). Against a float64 reference of the same roundings, every
 head size and heads-per-pass split, block size, sliding window and odd key count; a row's bits its own
 (chunks, decode steps); where it is refused, a message naming the key."""
 
@@ -12,9 +12,6 @@ from fdcore.models import kernels
 from fdcore.models.kernels import fused_ops, kernel_path
 from tests.attention import attend, reference
 
-needs_bf16 = pytest.mark.skipif(kernel_path("bfloat16") is None or fused_ops() is None,
-                                reason="a bfloat16 cache needs AVX512-BF16 and the C++ operators")
-
 
 def _bf16(array: np.ndarray) -> np.ndarray:
     """float32 rounded to bfloat16 (nearest even), widened to float64."""
@@ -23,16 +20,18 @@ def _bf16(array: np.ndarray) -> np.ndarray:
     return rounded.view(np.float32).astype(np.float64)
 
 
-@needs_bf16
 @pytest.mark.parametrize("heads, kv_heads, dim, block, window", [
-    (9, 3, 64, 16, 0),    # SmolLM2: 3 heads a KV head, 4 a pass
+    (9, 3, 64, 16, 0),    # SmolLM2: 3 heads a KV head, 4 a pass (tiles: 5 rows of 3 heads)
     (5, 1, 64, 16, 0),    # a pass of 4 heads then 1
     (4, 2, 128, 16, 0),   # 2 heads a pass at 128
     (3, 1, 256, 8, 0),    # 1 head a pass past 128; blocks of 8
     (2, 2, 32, 5, 0),     # blocks that cut the 16-key groups and the key pairs
     (4, 2, 64, 16, 7),    # a sliding window (odd: pairs start mid-block)
+    (4, 2, 32, 16, 0),    # tiles: 32 dims, 8 rows of 2 heads
+    (14, 2, 64, 32, 0),   # tiles: Qwen2.5's 7 heads a KV head, 2 rows; blocks of 32
+    (16, 1, 64, 16, 0),   # tiles: 16 heads, a row a tile
 ])
-def test_the_bf16_cache_attention_equals_its_float64_reference(heads, kv_heads, dim, block, window):
+def test_the_bf16_cache_attention_equals_its_float64_reference(bf16_path, heads, kv_heads, dim, block, window):
     lengths = [1, 2, 17, 40, 33]  # odd and even key counts, a pair left over, one and several 16-key groups
     out, q, k, v, rows = attend(heads, kv_heads, dim, block, window, lengths, "bfloat16", seed=dim + block)
     # what the bfloat16 path computes, in float64 past its roundings: q, k and v rounded to bfloat16, softmax
@@ -44,10 +43,10 @@ def test_the_bf16_cache_attention_equals_its_float64_reference(heads, kv_heads, 
     assert np.abs(out - exact).max() < 0.05 * np.abs(v).max()  # close to the float32 cache's too
 
 
-@needs_bf16
-def test_a_row_gets_the_same_bits_in_any_chunk_or_step(tmp_path):
+def test_a_row_gets_the_same_bits_in_any_chunk_or_step(bf16_path, tmp_path):
     """Crash-resume recomputes a sequence in other chunks and batches: a bfloat16 model's logits, with its
-    bfloat16 cache, are the same to the bit prefilled whole, in chunks, or token by token beside others."""
+    bfloat16 cache, are the same to the bit prefilled whole, in chunks, or token by token beside others (on
+    tiles: a row among 16 / G others of its prompt, or its heads alone)."""
     from fdcore.core.batch import BatchInput
     from fdcore.models import tiny
     from fdcore.models.llama import LlamaModel

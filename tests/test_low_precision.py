@@ -23,20 +23,6 @@ def _bf16(array: np.ndarray) -> np.ndarray:
     return rounded.astype(np.uint32).view(np.float32)
 
 
-@pytest.fixture(params=["tiles", "avx512"])
-def bf16_path(request):
-    """Each path of the bfloat16 kernel this CPU has: AMX tiles (where it has AMX-BF16) and AVX512-BF16."""
-    from fdcore.models.kernels import bf16_tiles, set_bf16_tiles
-
-    if not HAS_BF16:
-        pytest.skip("bfloat16 compute is refused on CPUs without AVX512-BF16")
-    if request.param == "tiles" and not bf16_tiles():
-        pytest.skip("no AMX-BF16 here")
-    set_bf16_tiles(request.param == "tiles")
-    yield request.param
-    set_bf16_tiles(True)
-
-
 @pytest.mark.parametrize("m, k, n", [(1, 576, 1536), (1, 33, 9), (1, 7, 130), (3, 100, 37), (4, 64, 64),
                                      (5, 64, 8), (32, 96, 130), (9, 1, 3), (16, 64, 33), (17, 96, 40),
                                      (40, 64, 50), (70, 128, 20)])

@@ -249,12 +249,18 @@ FDCORE_BF16_TARGET void Linear(const float* X, int64_t M, int64_t K, const uint1
 
 }  // namespace
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+// Whether bfloat16 products run on tiles in this process: wanted (the setting) and granted by the OS. Shared with
+// paged_attention.cc, whose bfloat16 cache is read on tiles where the products are.
+__attribute__((visibility("hidden"))) bool Bf16Tiles() { return fdcore_bf16_tiles_wanted && AmxPermitted(); }
+#endif
+
 // 1: the AMX path is used where the CPU and the OS allow it (the default); 0: the AVX512-BF16 path everywhere.
 extern "C" void fdcore_set_bf16_tiles(int on) { fdcore_bf16_tiles_wanted = on; }
 // Whether a bfloat16 product of a suitable shape runs on AMX tiles in this process.
 extern "C" int fdcore_bf16_tiles() {
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-  return fdcore_bf16_tiles_wanted && AmxPermitted();
+  return Bf16Tiles();
 #else
   return 0;
 #endif

@@ -471,6 +471,163 @@ static void AttendOneBf16(const float* qg, int64_t G, int64_t D, const uint16_t*
     g += heads;
   }
 }
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define FDCORE_ATTENTION_TILES 1
+// AMX tiles for a bfloat16 cache (where the bfloat16 products run on tiles: linear_bf16.cc's Bf16Tiles): up to 16
+// query rows at once, the G heads of consecutive positions of one sequence that share a KV head (a decode row's G
+// heads alone). Scores: 16 keys x 32 dims straight from the cache block (an A tile) against the query rows' dims in
+// pairs (B), 16 keys x 16 query rows a `tdpbf16ps`, turned to a row per query; softmax per row as AttendHeadsBf16's;
+// then o += p v with the weights' rows as A tiles (32 keys) and pairs of keys' values interleaved a dim at a time as
+// B tiles (16 dims). A query row's arithmetic is its own, over the same 16- and 32-key chunks from key 0 whatever
+// rows share its tiles: where its neighbours see more keys, its weights for them are exactly 0 (and values past the
+// last key any row sees are 0), so its bits are the same in a decode step as in any prefill chunk. Taken for D of 32
+// or 64, G <= 16, a block size a multiple of 16 and no sliding window (TilesTake); otherwise AttendHeadsBf16.
+constexpr int kQueryTile = 16;  // query rows per tile
+
+__attribute__((visibility("hidden"))) bool Bf16Tiles();  // linear_bf16.cc: tiles wanted here and granted by the OS
+
+static bool TilesTake(int64_t G, int64_t D, int64_t BS, int64_t window) {
+  return (D == 32 || D == 64) && G <= kQueryTile && BS % 16 == 0 && window == 0 && Bf16Tiles();
+}
+
+struct AttentionTileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t bytes_per_row[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Tile 0: scores (16 keys x 16 query rows); 1: A (16 keys x 32 dims, or 16 query rows x 32 weights); 2: B (16 pairs
+// of dims x 16 query rows, or 16 pairs of keys x 16 dims); 3-6: o (16 query rows x 16 dims each).
+__attribute__((target("amx-tile,amx-bf16"))) static void ConfigureAttentionTiles() {
+  AttentionTileConfig config;
+  for (int t = 0; t < 7; ++t) {
+    config.bytes_per_row[t] = 64;
+    config.rows[t] = 16;
+  }
+  _tile_loadconfig(&config);
+}
+
+// o's tiles 3 .. 3 + DC - 1 += the weights' tile (1) times values' tiles (2), one 16-dim chunk each.
+template <int DC>
+__attribute__((target("amx-tile,amx-bf16"))) static inline void WeightedValues(const uint16_t* values) {
+  _tile_loadd(2, values, 64);
+  _tile_dpbf16ps(3, 1, 2);
+  _tile_loadd(2, values + 512, 64);
+  _tile_dpbf16ps(4, 1, 2);
+  if (DC == 4) {
+    _tile_loadd(2, values + 1024, 64);
+    _tile_dpbf16ps(5, 1, 2);
+    _tile_loadd(2, values + 1536, 64);
+    _tile_dpbf16ps(6, 1, 2);
+  }
+}
+
+// Rows b .. b + R - 1 (consecutive positions of one sequence, each seeing one key more) of KV head kvh: its G query
+// heads each, n = r G + g. D / 16 = DC o tiles.
+template <int DC>
+__attribute__((target("amx-tile,amx-bf16"))) static void AttendRowsTiles(
+    const float* Q, int64_t H, int64_t G, int64_t R, const uint16_t* K, const uint16_t* V, int64_t kv_base, int64_t BS,
+    const int64_t* table, int64_t L0, float* O, int64_t row_stride) {
+  constexpr int64_t D = DC * 16;
+  const int64_t N = R * G, last = L0 + R - 1, padded = (last + 31) / 32 * 32;
+  thread_local std::vector<float> scores;
+  thread_local std::vector<uint16_t> weights;
+  // rows past N in the tiles (query rows, weights) are left as they are: a tile row's results are its own, and
+  // those rows' are never read
+  scores.resize(kQueryTile * padded);
+  weights.resize(kQueryTile * padded);
+  // B tiles of the queries: [D / 32][16 pairs of dims][16 query rows][2], rounded to bfloat16 as AttendHeadsBf16's q
+  alignas(64) uint16_t queries[D / 32][16][kQueryTile][2];
+  for (int64_t n = 0; n < N; ++n) {
+    const float* q = Q + (n / G) * row_stride + (n % G) * D;
+    alignas(64) uint16_t rounded[D];
+    for (int64_t c = 0; c < D / 32; ++c) {
+      const __m512bh pair = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(q + 32 * c + 16), _mm512_loadu_ps(q + 32 * c));
+      _mm512_store_si512(rounded + 32 * c, (__m512i)pair);
+    }
+    for (int64_t c = 0; c < D / 32; ++c)
+      for (int p = 0; p < 16; ++p) {
+        queries[c][p][n][0] = rounded[32 * c + 2 * p];
+        queries[c][p][n][1] = rounded[32 * c + 2 * p + 1];
+      }
+  }
+  alignas(64) float block[16 * kQueryTile];
+  const __m512i across = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                            _mm512_set1_epi32(kQueryTile));
+  for (int64_t l = 0; l < last; l += 16) {
+    const uint16_t* keys = K + (kv_base + table[l / BS] * BS + l % BS) * D;
+    _tile_zero(0);
+    _tile_loadd(1, keys, D * 2);
+    _tile_loadd(2, queries[0], 64);
+    _tile_dpbf16ps(0, 1, 2);
+    if (D == 64) {
+      _tile_loadd(1, keys + 32, D * 2);
+      _tile_loadd(2, queries[1], 64);
+      _tile_dpbf16ps(0, 1, 2);
+    }
+    _tile_stored(0, block, 64);
+    for (int64_t n = 0; n < N; ++n)  // query row n's 16 scores: column n of the keys x rows block
+      _mm512_storeu_ps(scores.data() + n * padded + l, _mm512_i32gather_ps(across, block + n, 4));
+  }
+  __m512 inverse[kQueryTile];
+  for (int64_t n = 0; n < N; ++n) {
+    const int64_t L = L0 + n / G;
+    const float* row = scores.data() + n * padded;
+    uint16_t* p = weights.data() + n * padded;
+    const __m512 most = RowMax(row, L);
+    __m512 total = _mm512_setzero_ps();
+    for (int64_t l = 0; l < L; l += 16) {
+      const __mmask16 m = Tail(L - l);
+      const __m512 e = _mm512_maskz_mov_ps(m, Exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, row + l), most)));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + l), (__m256i)_mm512_cvtneps_pbh(e));
+      total = _mm512_add_ps(total, e);
+    }
+    std::fill(p + (L + 15) / 16 * 16, p + padded, uint16_t{0});  // weights of exactly 0 for the keys it does not see
+    inverse[n] = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(total));
+  }
+  // the values of 32 keys as 16 pairs of keys x 16 dims x 2, a 16-dim chunk after another (vpermt2w interleaves
+  // two keys' 16 values: word 2 i from the first, 2 i + 1 from the second)
+  alignas(64) uint16_t values[DC][16][16][2];
+  const __m512i interleave = _mm512_setr_epi32(0x00200000, 0x00210001, 0x00220002, 0x00230003, 0x00240004, 0x00250005,
+                                               0x00260006, 0x00270007, 0x00280008, 0x00290009, 0x002a000a, 0x002b000b,
+                                               0x002c000c, 0x002d000d, 0x002e000e, 0x002f000f);
+  _tile_zero(3);  // (tile numbers are immediates: no loop)
+  _tile_zero(4);
+  if (DC == 4) {
+    _tile_zero(5);
+    _tile_zero(6);
+  }
+  for (int64_t l = 0; l < last; l += 32) {
+    for (int p = 0; p < 16; ++p) {
+      const uint16_t* two[2];  // keys l + 2 p and l + 2 p + 1 (none past the last key: zeros)
+      for (int e = 0; e < 2; ++e) {
+        const int64_t key = l + 2 * p + e;
+        two[e] = key < last ? V + (kv_base + table[key / BS] * BS + key % BS) * D : nullptr;
+      }
+      for (int c = 0; c < DC; ++c) {
+        const __m512i a = two[0] ? _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(two[0] + 16 * c)))
+                                 : _mm512_setzero_si512();
+        const __m512i b = two[1] ? _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(two[1] + 16 * c)))
+                                 : _mm512_setzero_si512();
+        _mm512_store_si512(values[c][p], _mm512_permutex2var_epi16(a, interleave, b));
+      }
+    }
+    _tile_loadd(1, weights.data() + l, padded * 2);
+    WeightedValues<DC>(&values[0][0][0][0]);
+  }
+  alignas(64) float o[DC][kQueryTile * 16];
+  _tile_stored(3, o[0], 64);
+  _tile_stored(4, o[1], 64);
+  if (DC == 4) {
+    _tile_stored(5, o[2], 64);
+    _tile_stored(6, o[3], 64);
+  }
+  for (int64_t n = 0; n < N; ++n) {
+    float* out = O + (n / G) * row_stride + (n % G) * D;
+    for (int c = 0; c < DC; ++c) _mm512_storeu_ps(out + 16 * c, _mm512_mul_ps(_mm512_loadu_ps(o[c] + n * 16), inverse[n]));
+  }
+}
+#endif
 #endif
 #elif defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -785,6 +942,32 @@ static void AttendRows(const float* Q, int64_t B, int64_t H, int64_t D, const vo
       }
       return;
     }
+  }
+#endif
+#if defined(FDCORE_ATTENTION_TILES)
+  if (bf16 && TilesTake(G, D, BS, window)) {
+    // a unit: up to 16 / G consecutive rows of one sequence (Pairable, chained), its tiles' query rows their heads
+    std::vector<int64_t> units;  // each unit's first row, then B
+    for (int64_t b = 0, r; b < B; b += r) {
+      units.push_back(b);
+      for (r = 1; r < kQueryTile / G && b + r < B && Pairable(b + r - 1, BS, T, W, LEN, window);) ++r;
+    }
+    units.push_back(B);
+    const int64_t unit_tasks = static_cast<int64_t>(units.size() - 1) * KVH;
+    const auto attend = D == 64 ? AttendRowsTiles<4> : AttendRowsTiles<2>;
+#pragma omp parallel if (parallel)
+    {
+      ConfigureAttentionTiles();  // each thread's own
+#pragma omp for schedule(static, 1)  // interleaved, as below
+      for (int64_t task = 0; task < unit_tasks; ++task) {
+        const int64_t u = task / KVH, head = task % KVH * G, b = units[u], R = units[u + 1] - b;
+        // the last row's table: every row's blocks are its (Pairable)
+        attend(Q + (b * H + head) * D, H, G, R, static_cast<const uint16_t*>(K), static_cast<const uint16_t*>(V),
+               head / G * NB * BS, BS, T + (b + R - 1) * W, LEN[b], O + (b * H + head) * D, H * D);
+      }
+      _tile_release();
+    }
+    return;
   }
 #endif
 #pragma omp parallel for schedule(static, 1) if (parallel)  // interleaved: a prompt's later rows see more keys (contiguous shares gave one thread 3/4 of the work)
