@@ -59,6 +59,37 @@ __attribute__((visibility("hidden"))) FDCORE_BF16_TARGET void RoundToBf16(const 
 // and testing one path against the other, read at each call.
 static int fdcore_bf16_tiles_wanted = 1;
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+// Linux hands out AMX's tile state only to processes that ask (arch_prctl ARCH_REQ_XCOMP_PERM for
+// XTILEDATA); without it the first tile instruction dies of SIGILL. Asked once per process.
+static bool AmxPermitted() {
+  static const bool permitted = [] {
+    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return permitted;
+}
+
+// Whether bfloat16 products run on tiles in this process: wanted (the setting) and granted by the OS. Shared with
+// paged_attention.cc, whose bfloat16 cache is read on tiles where the products are.
+__attribute__((visibility("hidden"))) bool Bf16Tiles() { return fdcore_bf16_tiles_wanted && AmxPermitted(); }
+
+// Configures this thread's tiles 0 .. count - 1 (palette 1), tile t `rows[t]` rows of 64 bytes: the one place the
+// tile configuration's layout is written (shared with paged_attention.cc).
+__attribute__((visibility("hidden"))) void ConfigureTileRows(const uint8_t* rows, int count) {
+  struct {
+    uint8_t palette = 1, start_row = 0, reserved[14] = {};
+    uint16_t bytes_per_row[16] = {};
+    uint8_t rows[16] = {};
+  } config;
+  for (int t = 0; t < count; ++t) {
+    config.bytes_per_row[t] = 64;
+    config.rows[t] = rows[t];
+  }
+  _tile_loadconfig(&config);
+}
+#endif
+
 namespace {
 
 constexpr int kGroup = 32;            // output rows per packed group
@@ -116,38 +147,18 @@ FDCORE_BF16_TARGET void RoundRows(const float* X, int64_t M, int64_t K, int64_t 
 // row's bits are the same in any batch here too. They differ from the AVX512-BF16 path's (the tiles' error
 // to a float64 reference is 2-3x smaller), so a serving process keeps one path (fdcore_set_bf16_tiles is for
 // measuring and testing the other).
-bool AmxPermitted();
 constexpr int kTileRows = 16;  // rows of X per A tile (and per C tile)
 constexpr int kTilePairs = 16; // pairs of K per tile step (32 bfloat16 inputs: one 64-byte tile row)
 // The tiles take K in steps of 32 inputs; a matrix whose K is not a multiple of 32 keeps the AVX512-BF16 path
 // for every batch (the choice is the matrix's, never the batch's: a row's bits must not depend on its batch).
-inline bool UseAmx(int64_t KP) { return fdcore_bf16_tiles_wanted && KP % kTilePairs == 0 && AmxPermitted(); }
-
-// Linux hands out AMX's tile state only to processes that ask (arch_prctl ARCH_REQ_XCOMP_PERM for
-// XTILEDATA); without it the first tile instruction dies of SIGILL. Asked once per process.
-bool AmxPermitted() {
-  static const bool permitted = [] {
-    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
-  return permitted;
-}
-
-struct TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t bytes_per_row[16] = {};
-  uint8_t rows[16] = {};
-};
+inline bool UseAmx(int64_t KP) { return KP % kTilePairs == 0 && Bf16Tiles(); }
 
 // Tiles 0-3: C (two row blocks x the group's two 16-output blocks); 4, 5: A (X's row blocks); 6, 7: B.
 // `rows`: X's rows per A and C tile (fewer than 16 for a batch smaller than a tile).
-FDCORE_BF16_TARGET __attribute__((target("amx-tile,amx-bf16"))) void ConfigureTiles(int rows) {
-  TileConfig config;
-  for (int t = 0; t < 8; ++t) {
-    config.bytes_per_row[t] = 64;
-    config.rows[t] = t < 6 ? rows : kTilePairs;
-  }
-  _tile_loadconfig(&config);
+void ConfigureTiles(int rows) {
+  const uint8_t shape[8] = {uint8_t(rows), uint8_t(rows), uint8_t(rows), uint8_t(rows), uint8_t(rows), uint8_t(rows),
+                            kTilePairs, kTilePairs};
+  ConfigureTileRows(shape, 8);
 }
 
 // Stores a C tile's `rows` x 16 outputs into Y's rows m0.. at outputs first.. (masked past N).
@@ -248,12 +259,6 @@ FDCORE_BF16_TARGET void Linear(const float* X, int64_t M, int64_t K, const uint1
 }
 
 }  // namespace
-
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-// Whether bfloat16 products run on tiles in this process: wanted (the setting) and granted by the OS. Shared with
-// paged_attention.cc, whose bfloat16 cache is read on tiles where the products are.
-__attribute__((visibility("hidden"))) bool Bf16Tiles() { return fdcore_bf16_tiles_wanted && AmxPermitted(); }
-#endif
 
 // 1: the AMX path is used where the CPU and the OS allow it (the default); 0: the AVX512-BF16 path everywhere.
 extern "C" void fdcore_set_bf16_tiles(int on) { fdcore_bf16_tiles_wanted = on; }

@@ -369,6 +369,21 @@ static void AttendPair(const float* qg0, const float* qg1, int64_t G, int64_t D,
 // its own, in key order, whatever HB and the row's neighbours: a row's bits are its q's, keys' and values'
 // alone, as on the float32 path. A 512-token prefill's attention in 0.82x the float32 path's time (SmolLM2's
 // shapes, one thread of a Zen 4 EPYC; 0.58x before both kept their sums of values in registers).
+// A row's softmax weights as bfloat16: e^(score - the row's maximum) for its L scores, 0 after them, into p's first
+// `width` values (width >= L; whole 16-lane chunks past L are written only up to width), and 1 / the sum of e (in
+// float32, 16 lanes a chunk, in key order). Shared by the per-row and the tile paths.
+static inline __m512 Bf16Weights(const float* row, int64_t L, int64_t width, uint16_t* p) {
+  const __m512 most = RowMax(row, L);
+  __m512 total = _mm512_setzero_ps();
+  for (int64_t l = 0; l < L; l += 16) {
+    const __mmask16 m = Tail(L - l);
+    const __m512 e = _mm512_maskz_mov_ps(m, Exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, row + l), most)));
+    _mm256_mask_storeu_epi16(p + l, Tail(width - l), (__m256i)_mm512_cvtneps_pbh(e));
+    total = _mm512_add_ps(total, e);
+  }
+  return _mm512_set1_ps(1.f / _mm512_reduce_add_ps(total));
+}
+
 template <int C2, int HB>
 static void AttendHeadsBf16(const float* qg, int64_t D, const uint16_t* K, const uint16_t* V, int64_t kv_base,
                             int64_t BS, const int64_t* table, int64_t first, int64_t L, float* scores,
@@ -392,19 +407,7 @@ static void AttendHeadsBf16(const float* qg, int64_t D, const uint16_t* K, const
   if (L % 16) StoreScores<HB>(dots, L - L % 16, L % 16, L, scores);
   const int64_t L2 = L + (L & 1);  // the weights in pairs (a zero after an odd count)
   __m512 inverse[HB];
-  for (int h = 0; h < HB; ++h) {
-    const float* row = scores + h * L;
-    uint16_t* p = weights + h * L2;
-    const __m512 most = RowMax(row, L);
-    __m512 total = _mm512_setzero_ps();
-    for (int64_t l = 0; l < L2; l += 16) {
-      const __mmask16 m = Tail(L - l);
-      const __m512 e = _mm512_maskz_mov_ps(m, Exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, row + l), most)));
-      _mm256_mask_storeu_epi16(p + l, Tail(L2 - l), (__m256i)_mm512_cvtneps_pbh(e));
-      total = _mm512_add_ps(total, e);
-    }
-    inverse[h] = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(total));
-  }
+  for (int h = 0; h < HB; ++h) inverse[h] = Bf16Weights(scores + h * L, L, L2, weights + h * L2);
   __m512 o[HB][2 * C2];
   for (int h = 0; h < HB; ++h)
     for (int c = 0; c < 2 * C2; ++c) o[h][c] = _mm512_setzero_ps();
@@ -490,21 +493,14 @@ static bool TilesTake(int64_t G, int64_t D, int64_t BS, int64_t window) {
   return (D == 32 || D == 64) && G <= kQueryTile && BS % 16 == 0 && window == 0 && Bf16Tiles();
 }
 
-struct AttentionTileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t bytes_per_row[16] = {};
-  uint8_t rows[16] = {};
-};
+// linear_bf16.cc: this thread's tiles 0 .. count - 1 configured as rows[t] rows of 64 bytes
+__attribute__((visibility("hidden"))) void ConfigureTileRows(const uint8_t* rows, int count);
 
 // Tile 0: scores (16 keys x 16 query rows); 1: A (16 keys x 32 dims, or 16 query rows x 32 weights); 2: B (16 pairs
 // of dims x 16 query rows, or 16 pairs of keys x 16 dims); 3-6: o (16 query rows x 16 dims each).
-__attribute__((target("amx-tile,amx-bf16"))) static void ConfigureAttentionTiles() {
-  AttentionTileConfig config;
-  for (int t = 0; t < 7; ++t) {
-    config.bytes_per_row[t] = 64;
-    config.rows[t] = 16;
-  }
-  _tile_loadconfig(&config);
+static void ConfigureAttentionTiles() {
+  const uint8_t shape[7] = {16, 16, 16, 16, 16, 16, 16};
+  ConfigureTileRows(shape, 7);
 }
 
 // o's tiles 3 .. 3 + DC - 1 += the weights' tile (1) times values' tiles (2), one 16-dim chunk each.
@@ -526,7 +522,7 @@ __attribute__((target("amx-tile,amx-bf16"))) static inline void WeightedValues(c
 // heads each, n = r G + g. D / 16 = DC o tiles.
 template <int DC>
 __attribute__((target("amx-tile,amx-bf16"))) static void AttendRowsTiles(
-    const float* Q, int64_t H, int64_t G, int64_t R, const uint16_t* K, const uint16_t* V, int64_t kv_base, int64_t BS,
+    const float* Q, int64_t G, int64_t R, const uint16_t* K, const uint16_t* V, int64_t kv_base, int64_t BS,
     const int64_t* table, int64_t L0, float* O, int64_t row_stride) {
   constexpr int64_t D = DC * 16;
   const int64_t N = R * G, last = L0 + R - 1, padded = (last + 31) / 32 * 32;
@@ -572,18 +568,9 @@ __attribute__((target("amx-tile,amx-bf16"))) static void AttendRowsTiles(
   __m512 inverse[kQueryTile];
   for (int64_t n = 0; n < N; ++n) {
     const int64_t L = L0 + n / G;
-    const float* row = scores.data() + n * padded;
     uint16_t* p = weights.data() + n * padded;
-    const __m512 most = RowMax(row, L);
-    __m512 total = _mm512_setzero_ps();
-    for (int64_t l = 0; l < L; l += 16) {
-      const __mmask16 m = Tail(L - l);
-      const __m512 e = _mm512_maskz_mov_ps(m, Exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, row + l), most)));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + l), (__m256i)_mm512_cvtneps_pbh(e));
-      total = _mm512_add_ps(total, e);
-    }
+    inverse[n] = Bf16Weights(scores.data() + n * padded, L, padded, p);
     std::fill(p + (L + 15) / 16 * 16, p + padded, uint16_t{0});  // weights of exactly 0 for the keys it does not see
-    inverse[n] = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(total));
   }
   // the values of 32 keys as 16 pairs of keys x 16 dims x 2, a 16-dim chunk after another (vpermt2w interleaves
   // two keys' 16 values: word 2 i from the first, 2 i + 1 from the second)
@@ -962,7 +949,7 @@ static void AttendRows(const float* Q, int64_t B, int64_t H, int64_t D, const vo
       for (int64_t task = 0; task < unit_tasks; ++task) {
         const int64_t u = task / KVH, head = task % KVH * G, b = units[u], R = units[u + 1] - b;
         // the last row's table: every row's blocks are its (Pairable)
-        attend(Q + (b * H + head) * D, H, G, R, static_cast<const uint16_t*>(K), static_cast<const uint16_t*>(V),
+        attend(Q + (b * H + head) * D, G, R, static_cast<const uint16_t*>(K), static_cast<const uint16_t*>(V),
                head / G * NB * BS, BS, T + (b + R - 1) * W, LEN[b], O + (b * H + head) * D, H * D);
       }
       _tile_release();
