@@ -77,7 +77,8 @@ class Supervisor:
         self.exit_code = 0
         self.stopping = False
         self.stop_reason = "the supervisor was asked to stop"
-        self._signals: list[int] = []
+        self._signals: list[tuple[int, bool]] = []  # (signal, whether the tree was already stopping), as received
+        self._signals_logged = 0
         self._wake_r = self._wake_w = -1
         self.board: HealthBoard | None = None
         self.inboxes: list[Inbox] = []
@@ -120,8 +121,10 @@ class Supervisor:
             pass
         finally:
             stop_started = time.monotonic()
+            self._log_signals()
             self._stop_all()
             self._destroy_ipc()
+            self._log_signals()  # (one received while stopping, with no wait after it)
             log("stopped", exit_code=self.exit_code, seconds=f"{time.monotonic() - stop_started:.2f}")
         return self.exit_code
 
@@ -412,7 +415,7 @@ class Supervisor:
     # -------------------------------------------------------------- signals
     @property
     def _kill_now(self) -> bool:
-        return self._signals.count(signal.SIGINT) + self._signals.count(signal.SIGTERM) >= 2
+        return len(self._signals) >= 2
 
     def _install_signals(self) -> None:
         self._wake_r, self._wake_w = os.pipe()
@@ -424,12 +427,23 @@ class Supervisor:
         signal.signal(signal.SIGCHLD, lambda *_: None)  # only to wake select()
 
     def _on_signal(self, signum, frame) -> None:
-        self._signals.append(signum)
-        if not self.stopping:
-            log("signal", name=signal.Signals(signum).name, action="stopping")
+        """SIGINT / SIGTERM: stop (a second: kill the children now). Only records it: Python runs the handler
+        between any two steps of the main thread, log()'s write to stderr included, where writing again raises
+        "reentrant call inside BufferedWriter" (a SIGTERM during a restart's log ended the supervisor with
+        exit code 1). The waits report it (_log_signals)."""
+        self._signals.append((signum, self.stopping))
         self.stopping = True
-        if self._kill_now:
-            log("signal", name=signal.Signals(signum).name, action="killing now")
+
+    def _log_signals(self) -> None:
+        """Log the signals received since the last call, as they were received."""
+        while self._signals_logged < len(self._signals):
+            signum, was_stopping = self._signals[self._signals_logged]
+            self._signals_logged += 1
+            name = signal.Signals(signum).name
+            if not was_stopping:
+                log("signal", name=name, action="stopping")
+            if self._signals_logged >= 2:
+                log("signal", name=name, action="killing now")
 
     def _wait_events(self, timeout: float) -> None:
         try:
@@ -441,6 +455,7 @@ class Supervisor:
                 pass
         except BlockingIOError:
             pass
+        self._log_signals()
 
     # ------------------------------------------------------------------ ipc
     def _create_ipc(self) -> None:

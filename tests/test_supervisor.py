@@ -311,6 +311,46 @@ def test_the_children_get_the_workers_thread_count_in_their_environment(monkeypa
         len(os.sched_getaffinity(0)))
 
 
+
+class _WriteForbidden:
+    """A stderr that fails every write, as a BufferedWriter does when a signal handler writes inside a write."""
+
+    def write(self, text):
+        raise RuntimeError("reentrant call inside <_io.BufferedWriter name='<stderr>'>")
+
+    def flush(self):
+        raise RuntimeError("reentrant call")
+
+
+def test_a_signal_handler_only_records_and_the_waits_log_it(monkeypatch, capsys):
+    """SIGTERM / SIGINT can land while the supervisor is inside log()'s write to stderr (a restart's events): the
+    handler writing there too raised "reentrant call" and the supervisor exited 1 mid-shutdown (seen on the
+    newcomer path's test run). It only records; the next wait logs, a second signal as "killing now"."""
+    from fdcore.config import parse_config
+    from fdcore.supervisor import Supervisor
+
+    supervisor = Supervisor(parse_config("", check_model=False), "x.toml")
+    monkeypatch.setattr(sys, "stderr", _WriteForbidden())
+    supervisor._on_signal(signal.SIGTERM, None)
+    supervisor._on_signal(signal.SIGINT, None)
+    assert supervisor.stopping and supervisor._kill_now
+    monkeypatch.undo()
+    supervisor._install_signals()
+    try:
+        supervisor._wait_events(0)
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        signal.set_wakeup_fd(-1)
+        os.close(supervisor._wake_r)
+        os.close(supervisor._wake_w)
+    lines = [line for line in capsys.readouterr().err.splitlines() if "event=signal" in line]
+    assert lines == ["fdcore.supervisor: event=signal name=SIGTERM action=stopping",
+                     "fdcore.supervisor: event=signal name=SIGINT action=\"killing now\""]
+    supervisor._log_signals()  # logged once
+    assert "event=signal" not in capsys.readouterr().err
+
 def test_check_prints_the_effective_configuration(tmp_path):
     model = make_model_dir(tmp_path)
     result = _check(tmp_path, f'[model]\npath = "{model}"\n[engine]\nmax_clients = 3\n')
