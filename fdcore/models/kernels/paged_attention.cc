@@ -369,6 +369,21 @@ static void AttendPair(const float* qg0, const float* qg1, int64_t G, int64_t D,
 // its own, in key order, whatever HB and the row's neighbours: a row's bits are its q's, keys' and values'
 // alone, as on the float32 path. A 512-token prefill's attention in 0.82x the float32 path's time (SmolLM2's
 // shapes, one thread of a Zen 4 EPYC; 0.58x before both kept their sums of values in registers).
+// e^x for 16 floats x <= 0 to the precision of the bfloat16 weights they become (within 7.5e-5 relative, where
+// bfloat16 keeps 8 bits: 2^-9 = 2e-3): 2^(x log2 e) as 2^n 2^f, f in [-0.5, 0.5] and 2^f a degree-3 polynomial
+// (least-relative-error fit) where Exp16 takes a Cody-Waite reduction and degree 6: 8 instructions instead of 14,
+// in the softmax of a bfloat16 cache's attention where the exponentials were most of the time. 0 below -87, as
+// Exp16. Per lane, as Exp16.
+static inline __m512 ExpForBf16(__m512 x) {
+  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(5.517599732e-02f), f, _mm512_set1_ps(2.426116168e-01f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.932601929e-01f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.999279976e-01f));
+  return _mm512_maskz_scalef_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.f), _CMP_GE_OQ), p, n);
+}
+
 // A row's softmax weights as bfloat16: e^(score - the row's maximum) for its L scores, 0 after them, into p's first
 // `width` values (width >= L; whole 16-lane chunks past L are written only up to width), and 1 / the sum of e (in
 // float32, 16 lanes a chunk, in key order). Shared by the per-row and the tile paths.
@@ -377,7 +392,7 @@ static inline __m512 Bf16Weights(const float* row, int64_t L, int64_t width, uin
   __m512 total = _mm512_setzero_ps();
   for (int64_t l = 0; l < L; l += 16) {
     const __mmask16 m = Tail(L - l);
-    const __m512 e = _mm512_maskz_mov_ps(m, Exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, row + l), most)));
+    const __m512 e = _mm512_maskz_mov_ps(m, ExpForBf16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, row + l), most)));
     _mm256_mask_storeu_epi16(p + l, Tail(width - l), (__m256i)_mm512_cvtneps_pbh(e));
     total = _mm512_add_ps(total, e);
   }
@@ -496,34 +511,105 @@ static bool TilesTake(int64_t G, int64_t D, int64_t BS, int64_t window) {
 // linear_bf16.cc: this thread's tiles 0 .. count - 1 configured as rows[t] rows of 64 bytes
 __attribute__((visibility("hidden"))) void ConfigureTileRows(const uint8_t* rows, int count);
 
-// Tile 0: scores (16 keys x 16 query rows); 1: A (16 keys x 32 dims, or 16 query rows x 32 weights); 2: B (16 pairs
-// of dims x 16 query rows, or 16 pairs of keys x 16 dims); 3-6: o (16 query rows x 16 dims each).
+// Eight tiles of 16 rows x 64 bytes, their roles by phase. Scores: 0, 1 the scores of two 16-key chunks (16 query
+// rows x 16 keys, or 16 keys x 16 query rows), 2, 3 the query rows' dims 0-31 and 32-63 (loaded once a unit), 4-7
+// the keys (two chunks' two 32-dim halves). Weighted values: 0-3 o (16 query rows x 16 dims each), 4, 5 the weights
+// of two 32-key chunks (16 query rows x 32 keys), 6, 7 values (16 pairs of keys x 16 dims). A tile's next load or
+// product waits for the last one using it: the chunks take turns so that products overlap (tdpbf16ps's latency is
+// several times its issue interval).
 static void ConfigureAttentionTiles() {
-  const uint8_t shape[7] = {16, 16, 16, 16, 16, 16, 16};
-  ConfigureTileRows(shape, 7);
+  const uint8_t shape[8] = {16, 16, 16, 16, 16, 16, 16, 16};
+  ConfigureTileRows(shape, 8);
 }
 
-// o's tiles 3 .. 3 + DC - 1 += the weights' tile (1) times values' tiles (2), one 16-dim chunk each.
+// o's tiles 0 .. DC - 1 += the weights' tile W (32 keys from `weights`, rows `stride` bytes apart) times the values'
+// tiles (6, 7 in turn), one 16-dim chunk each. (A macro: GCC's tile intrinsics take their tile numbers as tokens.)
+#define FDCORE_WEIGHTED_VALUES(W)                  \
+  _tile_loadd(W, weights, stride);                  \
+  _tile_loadd(6, values, 64);                       \
+  _tile_dpbf16ps(0, W, 6);                          \
+  _tile_loadd(7, values + 512, 64);                 \
+  _tile_dpbf16ps(1, W, 7);                          \
+  if (DC == 4) {                                    \
+    _tile_loadd(6, values + 1024, 64);              \
+    _tile_dpbf16ps(2, W, 6);                        \
+    _tile_loadd(7, values + 1536, 64);              \
+    _tile_dpbf16ps(3, W, 7);                        \
+  }
+template <int DC, int W>
+__attribute__((target("amx-tile,amx-bf16"))) static inline void WeightedValues(const uint16_t* weights, int64_t stride,
+                                                                              const uint16_t* values) {
+  static_assert(W == 4 || W == 5, "the weights' tiles are 4 and 5");
+  if (W == 4) {
+    FDCORE_WEIGHTED_VALUES(4)
+  } else {
+    FDCORE_WEIGHTED_VALUES(5)
+  }
+}
+#undef FDCORE_WEIGHTED_VALUES
+
+// The values of keys l .. l + 31 as o's B tiles: per 16-dim chunk c, 16 pairs of keys x 16 dims x 2, at
+// out + c * 512 (vpermt2w interleaves two keys' 16 values: word 2 i from the first, 2 i + 1 from the second);
+// keys from `last` on give zeros.
 template <int DC>
-__attribute__((target("amx-tile,amx-bf16"))) static inline void WeightedValues(const uint16_t* values) {
-  _tile_loadd(2, values, 64);
-  _tile_dpbf16ps(3, 1, 2);
-  _tile_loadd(2, values + 512, 64);
-  _tile_dpbf16ps(4, 1, 2);
-  if (DC == 4) {
-    _tile_loadd(2, values + 1024, 64);
-    _tile_dpbf16ps(5, 1, 2);
-    _tile_loadd(2, values + 1536, 64);
-    _tile_dpbf16ps(6, 1, 2);
+static inline void InterleaveValues(const uint16_t* V, int64_t kv_base, int64_t BS, const int64_t* table, int64_t l,
+                                    int64_t last, uint16_t* out) {
+  constexpr int64_t D = DC * 16;
+  const __m512i interleave = _mm512_setr_epi32(0x00200000, 0x00210001, 0x00220002, 0x00230003, 0x00240004, 0x00250005,
+                                               0x00260006, 0x00270007, 0x00280008, 0x00290009, 0x002a000a, 0x002b000b,
+                                               0x002c000c, 0x002d000d, 0x002e000e, 0x002f000f);
+  for (int p = 0; p < 16; ++p) {
+    const uint16_t* two[2];  // keys l + 2 p and l + 2 p + 1 (none past the last key: zeros)
+    for (int e = 0; e < 2; ++e) {
+      const int64_t key = l + 2 * p + e;
+      two[e] = key < last ? V + (kv_base + table[key / BS] * BS + key % BS) * D : nullptr;
+    }
+    for (int c = 0; c < DC; ++c) {
+      const __m512i a = two[0] ? _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(two[0] + 16 * c)))
+                               : _mm512_setzero_si512();
+      const __m512i b = two[1] ? _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(two[1] + 16 * c)))
+                               : _mm512_setzero_si512();
+      _mm512_store_si512(out + c * 512 + p * 32, _mm512_permutex2var_epi16(a, interleave, b));
+    }
   }
 }
 
+// The keys l .. l + 15 (l a multiple of 16) as the scores' B tiles: per 32-dim chunk c, 16 pairs of dims x 16 keys
+// x 2, at out + c * 512 (a 16 x 16 transpose of 32-bit pairs); keys from `last` on give zeros.
+template <int DC>
+static inline void TransposeKeys(const uint16_t* K, int64_t kv_base, int64_t BS, const int64_t* table, int64_t l,
+                                 int64_t last, uint16_t* out) {
+  constexpr int64_t D = DC * 16;
+  if (l >= last) {
+    std::memset(out, 0, D / 32 * 1024);
+    return;
+  }
+  const uint16_t* keys = K + (kv_base + table[l / BS] * BS + l % BS) * D;  // 16 keys in one block (BS % 16 == 0)
+  const __m512i rows = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                          _mm512_set1_epi32(D / 2));  // each key's first pair, in pairs
+  const __mmask16 seen = Tail(last - l);
+  for (int64_t c = 0; c < D / 32; ++c)
+    for (int p = 0; p < 16; ++p)
+      _mm512_store_si512(out + c * 512 + p * 32,
+                         _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), seen, rows, keys + 32 * c + 2 * p, 4));
+}
+
+// A run's keys and values laid out once as its units' B tiles (TransposeKeys, InterleaveValues: the chunk from key
+// l at kt + l D and vi + l D): a prompt's units otherwise turned the keys' scores into rows with a gather per query
+// row and interleaved every value again, unit after unit.
+struct RunLayout {
+  const uint16_t* kt;
+  const uint16_t* vi;
+};
+
 // Rows b .. b + R - 1 (consecutive positions of one sequence, each seeing one key more) of KV head kvh: its G query
-// heads each, n = r G + g. D / 16 = DC o tiles.
+// heads each, n = r G + g. D / 16 = DC o tiles. `run`: the keys and values already laid out (RunLayout), or nulls:
+// laid out here as they are needed (scores: the keys straight from the cache as A tiles, the query rows' dims
+// in pairs as B tiles, and a gather a query row turns them to rows).
 template <int DC>
 __attribute__((target("amx-tile,amx-bf16"))) static void AttendRowsTiles(
     const float* Q, int64_t G, int64_t R, const uint16_t* K, const uint16_t* V, int64_t kv_base, int64_t BS,
-    const int64_t* table, int64_t L0, float* O, int64_t row_stride) {
+    const int64_t* table, int64_t L0, float* O, int64_t row_stride, RunLayout run) {
   constexpr int64_t D = DC * 16;
   const int64_t N = R * G, last = L0 + R - 1, padded = (last + 31) / 32 * 32;
   thread_local std::vector<float> scores;
@@ -532,82 +618,93 @@ __attribute__((target("amx-tile,amx-bf16"))) static void AttendRowsTiles(
   // those rows' are never read
   scores.resize(kQueryTile * padded);
   weights.resize(kQueryTile * padded);
-  // B tiles of the queries: [D / 32][16 pairs of dims][16 query rows][2], rounded to bfloat16 as AttendHeadsBf16's q
+  float* const score = scores.data();  // (thread_local: looked up once, not at every use)
+  uint16_t* const weight = weights.data();
+  // the query rows rounded to bfloat16 as AttendHeadsBf16's q: as A tiles ([D / 32][16 query rows][32 dims]) where
+  // the keys are laid out, else as B tiles ([D / 32][16 pairs of dims][16 query rows][2])
   alignas(64) uint16_t queries[D / 32][16][kQueryTile][2];
+  alignas(64) uint16_t query_rows[D / 32][kQueryTile][32] = {};
   for (int64_t n = 0; n < N; ++n) {
     const float* q = Q + (n / G) * row_stride + (n % G) * D;
-    alignas(64) uint16_t rounded[D];
     for (int64_t c = 0; c < D / 32; ++c) {
       const __m512bh pair = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(q + 32 * c + 16), _mm512_loadu_ps(q + 32 * c));
-      _mm512_store_si512(rounded + 32 * c, (__m512i)pair);
+      _mm512_store_si512(query_rows[c][n], (__m512i)pair);
     }
+    if (run.kt) continue;
     for (int64_t c = 0; c < D / 32; ++c)
       for (int p = 0; p < 16; ++p) {
-        queries[c][p][n][0] = rounded[32 * c + 2 * p];
-        queries[c][p][n][1] = rounded[32 * c + 2 * p + 1];
+        queries[c][p][n][0] = query_rows[c][n][2 * p];
+        queries[c][p][n][1] = query_rows[c][n][2 * p + 1];
       }
   }
-  alignas(64) float block[16 * kQueryTile];
-  const __m512i across = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                            _mm512_set1_epi32(kQueryTile));
-  for (int64_t l = 0; l < last; l += 16) {
-    const uint16_t* keys = K + (kv_base + table[l / BS] * BS + l % BS) * D;
-    _tile_zero(0);
-    _tile_loadd(1, keys, D * 2);
-    _tile_loadd(2, queries[0], 64);
-    _tile_dpbf16ps(0, 1, 2);
-    if (D == 64) {
-      _tile_loadd(1, keys + 32, D * 2);
-      _tile_loadd(2, queries[1], 64);
-      _tile_dpbf16ps(0, 1, 2);
+  if (run.kt) {
+    _tile_loadd(2, query_rows[0], 64);
+    if (D == 64) _tile_loadd(3, query_rows[1], 64);
+    for (int64_t l = 0; l < last; l += 32) {  // scores of 16 query rows x 16 keys, twice, stored as rows
+      const uint16_t* keys = run.kt + l * D;  // (laid out up to `padded`: zeros past the run's last key)
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_loadd(4, keys, 64);
+      _tile_dpbf16ps(0, 2, 4);
+      _tile_loadd(6, keys + 16 * D, 64);
+      _tile_dpbf16ps(1, 2, 6);
+      if (D == 64) {
+        _tile_loadd(5, keys + 512, 64);
+        _tile_dpbf16ps(0, 3, 5);
+        _tile_loadd(7, keys + 16 * D + 512, 64);
+        _tile_dpbf16ps(1, 3, 7);
+      }
+      _tile_stored(0, score + l, padded * 4);
+      _tile_stored(1, score + l + 16, padded * 4);
     }
-    _tile_stored(0, block, 64);
-    for (int64_t n = 0; n < N; ++n)  // query row n's 16 scores: column n of the keys x rows block
-      _mm512_storeu_ps(scores.data() + n * padded + l, _mm512_i32gather_ps(across, block + n, 4));
+  } else {
+    alignas(64) float block[16 * kQueryTile];
+    const __m512i across = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                              _mm512_set1_epi32(kQueryTile));
+    _tile_loadd(2, queries[0], 64);
+    if (D == 64) _tile_loadd(3, queries[1], 64);
+    for (int64_t l = 0; l < last; l += 16) {  // 16 keys x 16 query rows, then a column per query row
+      const uint16_t* keys = K + (kv_base + table[l / BS] * BS + l % BS) * D;
+      _tile_zero(0);
+      _tile_loadd(4, keys, D * 2);
+      _tile_dpbf16ps(0, 4, 2);
+      if (D == 64) {
+        _tile_loadd(5, keys + 32, D * 2);
+        _tile_dpbf16ps(0, 5, 3);
+      }
+      _tile_stored(0, block, 64);
+      for (int64_t n = 0; n < N; ++n)
+        _mm512_storeu_ps(score + n * padded + l, _mm512_i32gather_ps(across, block + n, 4));
+    }
   }
   __m512 inverse[kQueryTile];
   for (int64_t n = 0; n < N; ++n) {
     const int64_t L = L0 + n / G;
-    uint16_t* p = weights.data() + n * padded;
-    inverse[n] = Bf16Weights(scores.data() + n * padded, L, padded, p);
+    uint16_t* p = weight + n * padded;
+    inverse[n] = Bf16Weights(score + n * padded, L, padded, p);
     std::fill(p + (L + 15) / 16 * 16, p + padded, uint16_t{0});  // weights of exactly 0 for the keys it does not see
   }
-  // the values of 32 keys as 16 pairs of keys x 16 dims x 2, a 16-dim chunk after another (vpermt2w interleaves
-  // two keys' 16 values: word 2 i from the first, 2 i + 1 from the second)
-  alignas(64) uint16_t values[DC][16][16][2];
-  const __m512i interleave = _mm512_setr_epi32(0x00200000, 0x00210001, 0x00220002, 0x00230003, 0x00240004, 0x00250005,
-                                               0x00260006, 0x00270007, 0x00280008, 0x00290009, 0x002a000a, 0x002b000b,
-                                               0x002c000c, 0x002d000d, 0x002e000e, 0x002f000f);
-  _tile_zero(3);  // (tile numbers are immediates: no loop)
-  _tile_zero(4);
+  _tile_zero(0);  // (tile numbers are immediates: no loop)
+  _tile_zero(1);
   if (DC == 4) {
-    _tile_zero(5);
-    _tile_zero(6);
+    _tile_zero(2);
+    _tile_zero(3);
   }
+  alignas(64) uint16_t values[DC * 512];
   for (int64_t l = 0; l < last; l += 32) {
-    for (int p = 0; p < 16; ++p) {
-      const uint16_t* two[2];  // keys l + 2 p and l + 2 p + 1 (none past the last key: zeros)
-      for (int e = 0; e < 2; ++e) {
-        const int64_t key = l + 2 * p + e;
-        two[e] = key < last ? V + (kv_base + table[key / BS] * BS + key % BS) * D : nullptr;
-      }
-      for (int c = 0; c < DC; ++c) {
-        const __m512i a = two[0] ? _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(two[0] + 16 * c)))
-                                 : _mm512_setzero_si512();
-        const __m512i b = two[1] ? _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(two[1] + 16 * c)))
-                                 : _mm512_setzero_si512();
-        _mm512_store_si512(values[c][p], _mm512_permutex2var_epi16(a, interleave, b));
-      }
-    }
-    _tile_loadd(1, weights.data() + l, padded * 2);
-    WeightedValues<DC>(&values[0][0][0][0]);
+    const uint16_t* chunk = run.vi ? run.vi + l * D : values;
+    if (!run.vi) InterleaveValues<DC>(V, kv_base, BS, table, l, last, values);
+    if (l / 32 % 2 == 0)
+      WeightedValues<DC, 4>(weight + l, padded * 2, chunk);
+    else
+      WeightedValues<DC, 5>(weight + l, padded * 2, chunk);
   }
   alignas(64) float o[DC][kQueryTile * 16];
-  _tile_stored(3, o[0], 64);
-  _tile_stored(4, o[1], 64);
+  _tile_stored(0, o[0], 64);
+  _tile_stored(1, o[1], 64);
   if (DC == 4) {
-    _tile_stored(5, o[2], 64);
-    _tile_stored(6, o[3], 64);
+    _tile_stored(2, o[2], 64);
+    _tile_stored(3, o[3], 64);
   }
   for (int64_t n = 0; n < N; ++n) {
     float* out = O + (n / G) * row_stride + (n % G) * D;
@@ -877,6 +974,79 @@ static void AttendTask(const float* qg, int64_t G, int64_t D, const float* K, co
 #endif
 }
 
+#if defined(FDCORE_ATTENTION_TILES)
+// AttendRows where the tiles take it (TilesTake). A unit: up to 16 / G consecutive rows of one sequence (Pairable,
+// chained), its tiles' query rows their heads; a run: a sequence's consecutive rows (a prompt's), whose keys and
+// values are laid out once for all its units where it has more than one (RunLayout). The same bits either way.
+static void AttendRowsInTiles(const float* Q, int64_t B, int64_t H, int64_t D, const uint16_t* K, const uint16_t* V,
+                              int64_t KVH, int64_t NB, int64_t BS, const int64_t* T, int64_t W, const int64_t* LEN,
+                              int64_t window, bool parallel, float* O) {
+  const int64_t G = H / KVH;
+  std::vector<int64_t> units, unit_run;  // each unit's first row (then B), and its run's place in laid_out (or -1)
+  struct Run {
+    int64_t last_row, keys, offset;  // offset: of its layouts in `layout` (a KV head's: keys, then values, padded D words each)
+  };
+  std::vector<Run> laid_out;
+  int64_t words = 0;
+  for (int64_t b = 0; b < B;) {
+    int64_t end = b + 1;
+    while (end < B && Pairable(end - 1, BS, T, W, LEN, window)) ++end;
+    const int64_t per_unit = kQueryTile / G, run_units = (end - b + per_unit - 1) / per_unit;
+    const int64_t padded = (LEN[end - 1] + 31) / 32 * 32;  // the run's last row sees the most keys
+    for (int64_t u = 0; u < run_units; ++u) {
+      units.push_back(b + u * per_unit);
+      unit_run.push_back(run_units > 1 ? static_cast<int64_t>(laid_out.size()) : -1);
+    }
+    if (run_units > 1) {
+      laid_out.push_back({end - 1, LEN[end - 1], words});
+      words += KVH * 2 * padded * D;
+    }
+    b = end;
+  }
+  units.push_back(B);
+  thread_local std::vector<uint16_t> memory;  // (the calling thread's: grown, never shrunk, across layers)
+  memory.resize(words + 32);
+  uint16_t* const layout = reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(memory.data()) + 63) & ~uintptr_t{63});
+  std::vector<int64_t> chunks{0};  // laying out: 32-key chunks of each run's KV heads, prefix sums
+  for (const Run& r : laid_out) chunks.push_back(chunks.back() + KVH * ((r.keys + 31) / 32));
+  const int64_t unit_tasks = static_cast<int64_t>(units.size() - 1) * KVH;
+  const auto attend = D == 64 ? AttendRowsTiles<4> : AttendRowsTiles<2>;
+  const auto keys_of = D == 64 ? TransposeKeys<4> : TransposeKeys<2>;
+  const auto values_of = D == 64 ? InterleaveValues<4> : InterleaveValues<2>;
+#pragma omp parallel if (parallel)
+  {
+    ConfigureAttentionTiles();  // each thread's own
+#pragma omp for schedule(static)
+    for (int64_t chunk = 0; chunk < chunks.back(); ++chunk) {
+      const int64_t r = std::upper_bound(chunks.begin(), chunks.end(), chunk) - chunks.begin() - 1;
+      const Run& run = laid_out[r];
+      const int64_t per_head = (run.keys + 31) / 32, kvh = (chunk - chunks[r]) / per_head;
+      const int64_t l = (chunk - chunks[r]) % per_head * 32, padded = per_head * 32;
+      uint16_t* kt = layout + run.offset + kvh * 2 * padded * D;
+      const int64_t* table = T + run.last_row * W;
+      keys_of(K, kvh * NB * BS, BS, table, l, run.keys, kt + l * D);
+      keys_of(K, kvh * NB * BS, BS, table, l + 16, run.keys, kt + (l + 16) * D);
+      values_of(V, kvh * NB * BS, BS, table, l, run.keys, kt + padded * D + l * D);
+    }
+#pragma omp for schedule(static, 1)  // interleaved, as below
+    for (int64_t task = 0; task < unit_tasks; ++task) {
+      const int64_t u = task / KVH, kvh = task % KVH, head = kvh * G, b = units[u], R = units[u + 1] - b;
+      RunLayout run{nullptr, nullptr};
+      if (unit_run[u] >= 0) {
+        const Run& r = laid_out[unit_run[u]];
+        const int64_t padded = (r.keys + 31) / 32 * 32;
+        run.kt = layout + r.offset + kvh * 2 * padded * D;
+        run.vi = run.kt + padded * D;
+      }
+      // the last row's table: every row's blocks are its (Pairable)
+      attend(Q + (b * H + head) * D, G, R, K, V, head / G * NB * BS, BS, T + (b + R - 1) * W, LEN[b],
+             O + (b * H + head) * D, H * D, run);
+    }
+    _tile_release();
+  }
+}
+#endif
+
 // The attention of B rows over their own prefixes in the paged cache (the shared core of the ops).
 // window > 0: a row at position p sees only keys p - window + 1 .. p (sliding-window attention).
 // Rows and KV heads are shared out over OpenMP's threads; each (row, KV head) is computed whole by
@@ -933,27 +1103,8 @@ static void AttendRows(const float* Q, int64_t B, int64_t H, int64_t D, const vo
 #endif
 #if defined(FDCORE_ATTENTION_TILES)
   if (bf16 && TilesTake(G, D, BS, window)) {
-    // a unit: up to 16 / G consecutive rows of one sequence (Pairable, chained), its tiles' query rows their heads
-    std::vector<int64_t> units;  // each unit's first row, then B
-    for (int64_t b = 0, r; b < B; b += r) {
-      units.push_back(b);
-      for (r = 1; r < kQueryTile / G && b + r < B && Pairable(b + r - 1, BS, T, W, LEN, window);) ++r;
-    }
-    units.push_back(B);
-    const int64_t unit_tasks = static_cast<int64_t>(units.size() - 1) * KVH;
-    const auto attend = D == 64 ? AttendRowsTiles<4> : AttendRowsTiles<2>;
-#pragma omp parallel if (parallel)
-    {
-      ConfigureAttentionTiles();  // each thread's own
-#pragma omp for schedule(static, 1)  // interleaved, as below
-      for (int64_t task = 0; task < unit_tasks; ++task) {
-        const int64_t u = task / KVH, head = task % KVH * G, b = units[u], R = units[u + 1] - b;
-        // the last row's table: every row's blocks are its (Pairable)
-        attend(Q + (b * H + head) * D, G, R, static_cast<const uint16_t*>(K), static_cast<const uint16_t*>(V),
-               head / G * NB * BS, BS, T + (b + R - 1) * W, LEN[b], O + (b * H + head) * D, H * D);
-      }
-      _tile_release();
-    }
+    AttendRowsInTiles(Q, B, H, D, static_cast<const uint16_t*>(K), static_cast<const uint16_t*>(V), KVH, NB, BS, T, W,
+                      LEN, window, parallel, O);
     return;
   }
 #endif
