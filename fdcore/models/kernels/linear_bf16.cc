@@ -86,6 +86,9 @@ __attribute__((visibility("hidden"))) void ConfigureTileRows(const uint8_t* rows
     config.bytes_per_row[t] = 64;
     config.rows[t] = rows[t];
   }
+  // GCC's _tile_loadconfig names only the config's first 8 bytes as its operand: without this barrier the other
+  // 56 may be left unwritten as dead stores (a constant-count copy of this function died of SIGSEGV at -O2)
+  asm volatile("" : : "r"(&config) : "memory");
   _tile_loadconfig(&config);
 }
 #endif
