@@ -369,6 +369,7 @@ static void AttendPair(const float* qg0, const float* qg1, int64_t G, int64_t D,
 // its own, in key order, whatever HB and the row's neighbours: a row's bits are its q's, keys' and values'
 // alone, as on the float32 path. A 512-token prefill's attention in 0.82x the float32 path's time (SmolLM2's
 // shapes, one thread of a Zen 4 EPYC; 0.58x before both kept their sums of values in registers).
+
 // e^x for 16 floats x <= 0 to the precision of the bfloat16 weights they become (within 7.5e-5 relative, where
 // bfloat16 keeps 8 bits: 2^-9 = 2e-3): 2^(x log2 e) as 2^n 2^f, f in [-0.5, 0.5] and 2^f a degree-3 polynomial
 // (least-relative-error fit) where Exp16 takes a Cody-Waite reduction and degree 6: 8 instructions instead of 14,
@@ -511,42 +512,33 @@ static bool TilesTake(int64_t G, int64_t D, int64_t BS, int64_t window) {
 // linear_bf16.cc: this thread's tiles 0 .. count - 1 configured as rows[t] rows of 64 bytes
 __attribute__((visibility("hidden"))) void ConfigureTileRows(const uint8_t* rows, int count);
 
-// Eight tiles of 16 rows x 64 bytes, their roles by phase. Scores: 0, 1 the scores of two 16-key chunks (16 query
-// rows x 16 keys, or 16 keys x 16 query rows), 2, 3 the query rows' dims 0-31 and 32-63 (loaded once a unit), 4-7
-// the keys (two chunks' two 32-dim halves). Weighted values: 0-3 o (16 query rows x 16 dims each), 4, 5 the weights
-// of two 32-key chunks (16 query rows x 32 keys), 6, 7 values (16 pairs of keys x 16 dims). A tile's next load or
-// product waits for the last one using it: the chunks take turns so that products overlap (tdpbf16ps's latency is
-// several times its issue interval).
+// Eight tiles of 16 rows x 64 bytes, their roles by phase. Scores: 0, 1 the scores of a 32-key step's two 16-key
+// chunks (16 query rows x 16 keys where the keys are laid out; else 0 alone, 16 keys x 16 query rows), 2, 3 the
+// query rows' dims 0-31 and 32-63 (loaded once a unit), 4-7 the keys (each chunk's two 32-dim halves). Weighted
+// values: 0-3 o (16 query rows x 16 dims each), 4 the weights of 32 keys (16 query rows x 32 keys), 6, 7 values
+// (16 pairs of keys x 16 dims).
 static void ConfigureAttentionTiles() {
   const uint8_t shape[8] = {16, 16, 16, 16, 16, 16, 16, 16};
   ConfigureTileRows(shape, 8);
 }
 
-// o's tiles 0 .. DC - 1 += the weights' tile W (32 keys from `weights`, rows `stride` bytes apart) times the values'
-// tiles (6, 7 in turn), one 16-dim chunk each. (A macro: GCC's tile intrinsics take their tile numbers as tokens.)
-#define FDCORE_WEIGHTED_VALUES(W)                  \
-  _tile_loadd(W, weights, stride);                  \
-  _tile_loadd(6, values, 64);                       \
-  _tile_dpbf16ps(0, W, 6);                          \
-  _tile_loadd(7, values + 512, 64);                 \
-  _tile_dpbf16ps(1, W, 7);                          \
-  if (DC == 4) {                                    \
-    _tile_loadd(6, values + 1024, 64);              \
-    _tile_dpbf16ps(2, W, 6);                        \
-    _tile_loadd(7, values + 1536, 64);              \
-    _tile_dpbf16ps(3, W, 7);                        \
-  }
-template <int DC, int W>
+// o's tiles 0 .. DC - 1 += the weights' tile (4: 32 keys from `weights`, rows `stride` bytes apart) times the
+// values' tiles (6, 7 in turn), one 16-dim chunk each.
+template <int DC>
 __attribute__((target("amx-tile,amx-bf16"))) static inline void WeightedValues(const uint16_t* weights, int64_t stride,
                                                                               const uint16_t* values) {
-  static_assert(W == 4 || W == 5, "the weights' tiles are 4 and 5");
-  if (W == 4) {
-    FDCORE_WEIGHTED_VALUES(4)
-  } else {
-    FDCORE_WEIGHTED_VALUES(5)
+  _tile_loadd(4, weights, stride);
+  _tile_loadd(6, values, 64);
+  _tile_dpbf16ps(0, 4, 6);
+  _tile_loadd(7, values + 512, 64);
+  _tile_dpbf16ps(1, 4, 7);
+  if (DC == 4) {
+    _tile_loadd(6, values + 1024, 64);
+    _tile_dpbf16ps(2, 4, 6);
+    _tile_loadd(7, values + 1536, 64);
+    _tile_dpbf16ps(3, 4, 7);
   }
 }
-#undef FDCORE_WEIGHTED_VALUES
 
 // The values of keys l .. l + 31 as o's B tiles: per 16-dim chunk c, 16 pairs of keys x 16 dims x 2, at
 // out + c * 512 (vpermt2w interleaves two keys' 16 values: word 2 i from the first, 2 i + 1 from the second);
@@ -694,10 +686,7 @@ __attribute__((target("amx-tile,amx-bf16"))) static void AttendRowsTiles(
   for (int64_t l = 0; l < last; l += 32) {
     const uint16_t* chunk = run.vi ? run.vi + l * D : values;
     if (!run.vi) InterleaveValues<DC>(V, kv_base, BS, table, l, last, values);
-    if (l / 32 % 2 == 0)
-      WeightedValues<DC, 4>(weight + l, padded * 2, chunk);
-    else
-      WeightedValues<DC, 5>(weight + l, padded * 2, chunk);
+    WeightedValues<DC>(weight + l, padded * 2, chunk);
   }
   alignas(64) float o[DC][kQueryTile * 16];
   _tile_stored(0, o[0], 64);
@@ -984,31 +973,36 @@ static void AttendRowsInTiles(const float* Q, int64_t B, int64_t H, int64_t D, c
   const int64_t G = H / KVH;
   std::vector<int64_t> units, unit_run;  // each unit's first row (then B), and its run's place in laid_out (or -1)
   struct Run {
-    int64_t last_row, keys, offset;  // offset: of its layouts in `layout` (a KV head's: keys, then values, padded D words each)
+    // offset: of its layouts in `layout` (a KV head's: keys, then values, padded_keys(keys) D words each)
+    int64_t last_row, keys, offset;
   };
   std::vector<Run> laid_out;
+  const auto padded_keys = [](int64_t keys) { return (keys + 31) / 32 * 32; };  // whole 32-key chunks
   int64_t words = 0;
   for (int64_t b = 0; b < B;) {
     int64_t end = b + 1;
     while (end < B && Pairable(end - 1, BS, T, W, LEN, window)) ++end;
     const int64_t per_unit = kQueryTile / G, run_units = (end - b + per_unit - 1) / per_unit;
-    const int64_t padded = (LEN[end - 1] + 31) / 32 * 32;  // the run's last row sees the most keys
     for (int64_t u = 0; u < run_units; ++u) {
       units.push_back(b + u * per_unit);
       unit_run.push_back(run_units > 1 ? static_cast<int64_t>(laid_out.size()) : -1);
     }
     if (run_units > 1) {
       laid_out.push_back({end - 1, LEN[end - 1], words});
-      words += KVH * 2 * padded * D;
+      words += KVH * 2 * padded_keys(LEN[end - 1]) * D;  // (the run's last row sees the most keys)
     }
     b = end;
   }
   units.push_back(B);
   thread_local std::vector<uint16_t> memory;  // (the calling thread's: grown, never shrunk, across layers)
   memory.resize(words + 32);
-  uint16_t* const layout = reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(memory.data()) + 63) & ~uintptr_t{63});
+  uint16_t* const layout =  // 64-byte aligned, as the laying out stores
+      reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(memory.data()) + 63) & ~uintptr_t{63});
+  const auto keys_laid_out = [&](const Run& r, int64_t kvh) {  // (its values follow, padded_keys(r.keys) D words on)
+    return layout + r.offset + kvh * 2 * padded_keys(r.keys) * D;
+  };
   std::vector<int64_t> chunks{0};  // laying out: 32-key chunks of each run's KV heads, prefix sums
-  for (const Run& r : laid_out) chunks.push_back(chunks.back() + KVH * ((r.keys + 31) / 32));
+  for (const Run& r : laid_out) chunks.push_back(chunks.back() + KVH * padded_keys(r.keys) / 32);
   const int64_t unit_tasks = static_cast<int64_t>(units.size() - 1) * KVH;
   const auto attend = D == 64 ? AttendRowsTiles<4> : AttendRowsTiles<2>;
   const auto keys_of = D == 64 ? TransposeKeys<4> : TransposeKeys<2>;
@@ -1020,9 +1014,9 @@ static void AttendRowsInTiles(const float* Q, int64_t B, int64_t H, int64_t D, c
     for (int64_t chunk = 0; chunk < chunks.back(); ++chunk) {
       const int64_t r = std::upper_bound(chunks.begin(), chunks.end(), chunk) - chunks.begin() - 1;
       const Run& run = laid_out[r];
-      const int64_t per_head = (run.keys + 31) / 32, kvh = (chunk - chunks[r]) / per_head;
-      const int64_t l = (chunk - chunks[r]) % per_head * 32, padded = per_head * 32;
-      uint16_t* kt = layout + run.offset + kvh * 2 * padded * D;
+      const int64_t padded = padded_keys(run.keys), kvh = (chunk - chunks[r]) / (padded / 32);
+      const int64_t l = (chunk - chunks[r]) % (padded / 32) * 32;
+      uint16_t* kt = keys_laid_out(run, kvh);
       const int64_t* table = T + run.last_row * W;
       keys_of(K, kvh * NB * BS, BS, table, l, run.keys, kt + l * D);
       keys_of(K, kvh * NB * BS, BS, table, l + 16, run.keys, kt + (l + 16) * D);
@@ -1034,9 +1028,8 @@ static void AttendRowsInTiles(const float* Q, int64_t B, int64_t H, int64_t D, c
       RunLayout run{nullptr, nullptr};
       if (unit_run[u] >= 0) {
         const Run& r = laid_out[unit_run[u]];
-        const int64_t padded = (r.keys + 31) / 32 * 32;
-        run.kt = layout + r.offset + kvh * 2 * padded * D;
-        run.vi = run.kt + padded * D;
+        run.kt = keys_laid_out(r, kvh);
+        run.vi = run.kt + padded_keys(r.keys) * D;
       }
       // the last row's table: every row's blocks are its (Pairable)
       attend(Q + (b * H + head) * D, G, R, K, V, head / G * NB * BS, BS, T + (b + R - 1) * W, LEN[b],
