@@ -48,6 +48,71 @@ def test_the_kernel_equals_a_float64_reference(bf16_path, m, k, n):
         np.testing.assert_array_equal(got[i], alone[0])
 
 
+@pytest.mark.parametrize("m, k, inner, bias", [(1, 576, 1536, False), (1, 64, 24, True), (5, 33, 16, False),
+                                              (17, 96, 40, True), (40, 64, 8, False), (70, 128, 50, True)])
+def test_the_gated_kernel_is_silu_of_the_gate_times_up(bf16_path, m, k, inner, bias):
+    """A gated matrix (gate and up packed 16 rows each by turns) gives silu(x gate^T + its bias) (x up^T + its
+    bias) straight from the product: against float64 on the bfloat16 values within the exponential's 1e-4 (the
+    products to float32's rounding), an intermediate size that is not a multiple of 16, with a bias and without,
+    tiles of fewer than 16 rows and pairs of them (AMX) or passes of 8, 4 and 1 (AVX512-BF16); the plain product
+    of the same matrix is its gate and up columns by turns (what a GEMM floor times); each row's bits its own."""
+    import paddle
+
+    from fdcore.models.kernels import linear_bf16_swiglu
+    from fdcore.models.llama import Bf16Matrix
+
+    rng = np.random.default_rng(m * 1000 + k + inner)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    gate, up = (rng.standard_normal((inner, k)).astype(np.float32) / np.sqrt(k) * 4 for _ in range(2))
+    b = rng.standard_normal(2 * inner).astype(np.float32) if bias else None
+    matrix = Bf16Matrix.pack_gated(gate, up)
+    assert matrix.gated and matrix.rows == 2 * inner
+    none = paddle.to_tensor(b) if bias else paddle.empty([0], dtype="float32")
+    got = linear_bf16_swiglu()(paddle.to_tensor(x), matrix.packed, none, matrix.rows).numpy()
+    xr = _bf16(x).astype(np.float64)
+    gate_product, up_product = xr @ _bf16(gate).T.astype(np.float64), xr @ _bf16(up).T.astype(np.float64)
+    g, u = (gate_product + b[:inner], up_product + b[inner:]) if bias else (gate_product, up_product)
+    expected = g / (1 + np.exp(-g)) * u
+    assert got.shape == (m, inner)
+    # the exponential's relative 7.5e-5 (and the reciprocal's 2^-27) of the result, plus the float32 products'
+    # rounding (as the plain kernel's: 1e-4 sqrt(k)) carried through silu(g) u
+    product_error = 1e-4 * np.sqrt(k) * (np.abs(u) + np.abs(g / (1 + np.exp(-g))) + 1e-3)
+    assert (np.abs(got - expected) <= 1e-4 * np.abs(expected) + product_error).all()
+    product = linear_bf16()(paddle.to_tensor(x), matrix.packed, matrix.rows).numpy()
+    blocks = -(-inner // 16)
+    by_turns = np.zeros((m, blocks * 32), dtype=np.float32)
+    by_turns[:, :2 * inner] = product
+    turns = by_turns.reshape(m, blocks, 2, 16)
+    np.testing.assert_allclose(turns[:, :, 0].reshape(m, -1)[:, :inner], gate_product, rtol=1e-5,
+                               atol=1e-4 * np.sqrt(k))
+    np.testing.assert_allclose(turns[:, :-1, 1].reshape(m, -1), up_product[:, :16 * (blocks - 1)], rtol=1e-5,
+                               atol=1e-4 * np.sqrt(k))  # (the last group's up outputs past 2 I are not kept)
+    for i in range(m):
+        alone = linear_bf16_swiglu()(paddle.to_tensor(x[i:i + 1]), matrix.packed, none, matrix.rows).numpy()
+        np.testing.assert_array_equal(got[i], alone[0])
+
+
+def test_the_gated_kernel_keeps_far_negative_gates_finite(bf16_path):
+    """silu(g) for g far below zero is ~0 (0 past g = -69.3, where g e^g < 7e-29), neither NaN (1 / (1 + e^-g) with
+    e^-g past float32's range) nor g times a capped e^g; a NaN gate stays NaN."""
+    import paddle
+
+    from fdcore.models.kernels import linear_bf16_swiglu
+    from fdcore.models.llama import Bf16Matrix
+
+    gates = np.array([-1e30, -1e4, -200.0, -88.0, -69.0, 0.0, 5.0, 100.0, np.nan], dtype=np.float32)
+    inner = len(gates)
+    x = np.ones((1, 2), dtype=np.float32)
+    gate = np.zeros((inner, 2), dtype=np.float32)  # x gate^T = 0: the bias is the gate
+    up = np.ones((inner, 2), dtype=np.float32) * 0.5  # x up^T = 1
+    bias = np.concatenate([gates, np.zeros(inner, dtype=np.float32)])
+    matrix = Bf16Matrix.pack_gated(gate, up)
+    got = linear_bf16_swiglu()(paddle.to_tensor(x), matrix.packed, paddle.to_tensor(bias), matrix.rows).numpy()[0]
+    assert np.isnan(got[-1]) and np.isfinite(got[:-1]).all()
+    np.testing.assert_allclose(got[:-1], [0, 0, 0, -88 / (1 + np.exp(88.0)), -69 / (1 + np.exp(69.0)), 0,
+                                          5 / (1 + np.exp(-5.0)), 100], rtol=1e-4, atol=1e-25)
+
+
 def test_amx_cpus_multiply_bfloat16_on_tiles():
     """Where the CPU has AMX-BF16, the bfloat16 kernel uses it (the OS granted the tile state): without it a
     bfloat16 batch or prefill runs 2-4x slower, which nothing else would notice."""

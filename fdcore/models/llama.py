@@ -242,6 +242,8 @@ class LlamaModel:
         kinds = {type(layer[name]) for layer in self.layers for name in _PROJECTIONS}
         if op is None or len(kinds) != 1 or next(iter(kinds)) not in _KIND_CODES:
             return None
+        if kinds == {Bf16Matrix} and not all(layer["gate_up"].gated for layer in self.layers):
+            raise RuntimeError("decoder_layers takes a bfloat16 model's gate_up gated (Bf16Matrix.pack_gated)")
         none = self.no_tensor
         weights, meta = [], []
         for layer in self.layers:  # decoder.cc's Slot order
@@ -314,10 +316,17 @@ class LlamaModel:
             array = arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
             return self._matrix(array, blocks=_blocks_of(file_blocks, *(p + name for name in names)))
 
+        def gate_up():  # bfloat16: gated, SwiGLU in the product's epilogue (Bf16Matrix.pack_gated)
+            names = ("mlp.gate_proj.weight", "mlp.up_proj.weight")
+            if self.matrix_dtype != "bfloat16":
+                return stacked(*names)
+            _blocks_of(file_blocks, *(p + name for name in names))  # (taken: bfloat16 holds no file's blocks)
+            return Bf16Matrix.pack_gated(*(take(name) for name in names))
+
         layer = {
             "qkv": stacked(*(f"self_attn.{n}_proj.weight" for n in "qkv")),
             "o": stacked("self_attn.o_proj.weight"),
-            "gate_up": stacked("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+            "gate_up": gate_up(),
             "down": stacked("mlp.down_proj.weight"),
             "in_norm": _float32(take("input_layernorm.weight")),
             "post_norm": _float32(take("post_attention_layernorm.weight")),
@@ -403,8 +412,8 @@ class LlamaModel:
                                    layer.get("k_norm_t", none), a.num_heads, self.scale, layer["window"], eps)
             hidden, x = add_rms_norm(hidden, self._row_parallel(attn, layer["o"], layer.get("o_bias")),
                                      layer["post_norm_t"], eps)
-            gate_up = linear(x, layer["gate_up"], layer.get("gate_up_bias"))
-            delta = self._row_parallel(silu_mul(gate_up), layer["down"], layer.get("down_bias"))
+            activations = swiglu(x, layer["gate_up"], layer.get("gate_up_bias"), silu_mul)
+            delta = self._row_parallel(activations, layer["down"], layer.get("down_bias"))
         return add_rms_norm(hidden, delta, self.norm_t, eps)[1], None
 
     def _layer_forward(self, hidden, layer, index, cos, sin, plan, cache):
@@ -424,8 +433,8 @@ class LlamaModel:
         attn = as_paddle(self._attention(q, index, cache, plan, layer["window"]))
         hidden = hidden + self._row_parallel(attn, layer["o"], layer.get("o_bias"))
         x = _rms_norm(hidden, layer["post_norm"], a.rms_norm_eps)
-        gate, up = paddle.split(linear(x, layer["gate_up"], layer.get("gate_up_bias")), 2, axis=-1)
-        return hidden + self._row_parallel(paddle.nn.functional.silu(gate) * up, layer["down"], layer.get("down_bias"))
+        activations = swiglu(x, layer["gate_up"], layer.get("gate_up_bias"), _silu_mul)
+        return hidden + self._row_parallel(activations, layer["down"], layer.get("down_bias"))
 
     def _attention(self, q: np.ndarray, layer: int, cache: PagedKVCache, plan, window: int) -> np.ndarray:
         """Attention output [tokens, heads * head_dim] for scaled queries ``q`` [tokens, heads, dim]
@@ -619,12 +628,28 @@ class F32Matrix:
 
 class Bf16Matrix:
     """A weight ``[out, in]`` in bfloat16, packed for fdcore's kernel (linear_bf16.cc): groups of 32
-    output rows, each ``[in / 2, 2, 16, 2]`` (16 rows x 2 inputs per 64-byte load), zero-padded."""
+    output rows, each ``[in / 2, 2, 16, 2]`` (16 rows x 2 inputs per 64-byte load), zero-padded.
+    ``gated``: an MLP's gate and up projections for the kernel's SwiGLU (pack_gated, swiglu)."""
 
-    __slots__ = ("packed", "rows")
+    __slots__ = ("packed", "rows", "gated")
 
-    def __init__(self, packed: paddle.Tensor, rows: int):
-        self.packed, self.rows = packed, rows
+    def __init__(self, packed: paddle.Tensor, rows: int, gated: bool = False):
+        self.packed, self.rows, self.gated = packed, rows, gated
+
+    @classmethod
+    def pack_gated(cls, gate: np.ndarray, up: np.ndarray) -> "Bf16Matrix":
+        """The gate and up projections (``[I, in]`` each) with group g holding the gate's rows 16 g .. 16 g + 15,
+        then the up projection's same rows (zeros past I): a group's two 16-output blocks are then one block's
+        gate and up, and the kernel stores silu(gate) up from its registers (linear_bf16.cc, SwiGluOut) where the
+        [rows, 2 I] product used to go through memory and a SwiGLU pass. ``rows``: 2 I, as a stacked gate_up's."""
+        inner, cols = gate.shape
+        blocks = -(-inner // 16)
+        interleaved = np.zeros((blocks, 2, 16, cols), dtype=np.float32)
+        for half, weight in enumerate((gate, up)):
+            padded = np.zeros((blocks * 16, cols), dtype=np.float32)
+            padded[:inner] = weight
+            interleaved[:, half] = padded.reshape(blocks, 16, cols)
+        return cls(cls.pack(interleaved.reshape(blocks * 32, cols)).packed, 2 * inner, gated=True)
 
     @classmethod
     def pack(cls, weight: np.ndarray) -> "Bf16Matrix":
@@ -828,7 +853,9 @@ def _float16_toward(values: np.ndarray, direction: float) -> np.ndarray:
 def linear(x: paddle.Tensor, weight, bias: paddle.Tensor | None = None) -> paddle.Tensor:
     """``x @ weight.T (+ bias)`` for a weight stored ``[out, in]``: a plain tensor through Paddle's (MKL's)
     matmul, the packed kinds through fdcore's kernels (Paddle's CPU build has no bfloat16 matmul, and
-    its float32 one is slower than F32Matrix's kernel at every batch size measured: F32Matrix)."""
+    its float32 one is slower than F32Matrix's kernel at every batch size measured: F32Matrix). A gated
+    Bf16Matrix's product comes out in its packed order (16 gate and 16 up outputs by turns): the same
+    product, which is what a GEMM floor times; the model takes its SwiGLU (swiglu)."""
     if isinstance(weight, F32Matrix):
         out = _F32_LINEAR[0](x, weight.packed, weight.rows)
     elif isinstance(weight, Bf16Matrix):
@@ -842,8 +869,24 @@ def linear(x: paddle.Tensor, weight, bias: paddle.Tensor | None = None) -> paddl
     return out if bias is None else out + bias
 
 
+def swiglu(x: paddle.Tensor, gate_up, bias: paddle.Tensor | None, silu_mul) -> paddle.Tensor:
+    """The MLP's activations silu(gate) * up of x's gate and up products ([rows, I]): a gated Bf16Matrix's in its
+    product's epilogue (Bf16Matrix.pack_gated), any other's product then ``silu_mul`` ([rows, 2 I] -> [rows, I])."""
+    if isinstance(gate_up, Bf16Matrix) and gate_up.gated:
+        none = paddle.empty([0], dtype="float32") if bias is None else bias
+        return _BF16_SWIGLU[0](x, gate_up.packed, none, gate_up.rows)
+    return silu_mul(linear(x, gate_up, bias))
+
+
+def _silu_mul(gate_up: paddle.Tensor) -> paddle.Tensor:
+    """SwiGLU of a [rows, 2 I] product with Paddle's ops (the Python path's)."""
+    gate, up = paddle.split(gate_up, 2, axis=-1)
+    return paddle.nn.functional.silu(gate) * up
+
+
 _F32_LINEAR: list = [None]  # the compiled kernels, loaded by the first model that needs them
 _BF16_LINEAR: list = [None]
+_BF16_SWIGLU: list = [None]
 _INT8_LINEAR: list = [None]
 _INT4_LINEAR: list = [None]
 _PACKED = {"bfloat16": Bf16Matrix, "wint8": Int8Matrix, "wint4": Int4Matrix}  # a matrix kind's packed form
@@ -859,7 +902,7 @@ def _matrix_kind(dtype: str, quantization: str) -> str:
     """How the projections' weights are kept: float32; bfloat16 where the CPU multiplies it natively
     (AVX512-BF16); wint8 or wint4 where it has AVX512-VNNI or AVX2 (with either dtype: the weights are int8 or
     4-bit then). The kernel must have been built."""
-    from fdcore.models.kernels import linear_bf16, linear_int4, linear_int8, missing_cpu_feature
+    from fdcore.models.kernels import linear_bf16, linear_bf16_swiglu, linear_int4, linear_int8, missing_cpu_feature
 
     if quantization not in ("none", "wint8", "wint4"):
         raise ValueError(f"quantization {quantization!r}: none, wint8 or wint4")
@@ -876,6 +919,8 @@ def _matrix_kind(dtype: str, quantization: str) -> str:
     table[0] = build()
     if kind == "wint4":
         _INT8_LINEAR[0] = linear_int8()  # for the LM head (see LlamaModel.__init__); the same library
+    if kind == "bfloat16":
+        _BF16_SWIGLU[0] = linear_bf16_swiglu()  # (gated gate_up: swiglu)
     if table[0] is None:
         raise ValueError(f"{kind} needs fdcore's C++ operators, which could not be built here")
     return kind

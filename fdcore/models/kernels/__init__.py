@@ -22,7 +22,8 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SOURCES = [os.path.join(HERE, name) for name in ("paged_attention.cc", "linear_bf16.cc", "linear_int8.cc",
-                                                  "linear_int4.cc", "linear_f32.cc", "decoder.cc")]
+                                                  "linear_int4.cc", "linear_f32.cc", "decoder.cc",
+                                                  "exp2_bf16.h")]  # (headers: in the snapshot, not compiled)
 _loaded: dict[str, object] = {}
 
 
@@ -114,6 +115,14 @@ def linear_bf16():
     None when not built here."""
     ops = _ops()
     return ops and ops[4]
+
+
+def linear_bf16_swiglu():
+    """``swiglu(x, packed, bias, rows)``: silu(x gate^T + gate bias) * (x up^T + up bias), float32 out [M, rows / 2],
+    for a gated bfloat16 weight (fdcore.models.llama.Bf16Matrix.pack_gated: its gate and up, rows together); bias
+    [rows] (the gate's, then up's) or an empty tensor. AVX512-BF16 CPUs only. None when not built here."""
+    ops = _ops()
+    return ops and ops[9]
 
 
 def linear_int8():
@@ -234,13 +243,15 @@ def _ops():
 
 
 def _snapshot(sources: dict[str, bytes], directory: str) -> list[str]:
-    """Write the sources read for the directory's name into it; their paths, to compile."""
+    """Write the sources read for the directory's name into it; the paths of those to compile (not the headers)."""
     os.makedirs(os.path.join(directory, "src"), exist_ok=True)
     paths = []
     for name, text in sources.items():
-        paths.append(os.path.join(directory, "src", name))
-        with open(paths[-1], "wb") as f:
+        path = os.path.join(directory, "src", name)
+        with open(path, "wb") as f:
             f.write(text)
+        if name.endswith(".cc"):
+            paths.append(path)
     return paths
 
 
@@ -309,6 +320,9 @@ def _build():
         def linear(x, packed, rows):
             return _C_ops._run_custom_op("fdcore_linear_bf16", x, packed, int(rows))[0]
 
+        def linear_swiglu(x, packed, bias, rows):
+            return _C_ops._run_custom_op("fdcore_linear_bf16_swiglu", x, packed, bias, int(rows))[0]
+
         def linear_q8(x, packed, scales, rows):
             return _C_ops._run_custom_op("fdcore_linear_int8", x, packed, scales, int(rows))[0]
 
@@ -337,7 +351,7 @@ def _build():
 
         _loaded["library"] = library
         return (gumbel, add_rms_norm, silu_mul, attention_block, linear, linear_q8, linear_q4, linear_f32,
-                decoder)
+                decoder, linear_swiglu)
     except Exception as exc:  # a missing compiler must not stop serving
         sys.stderr.write(f"fdcore: C++ operators unavailable ({type(exc).__name__}: {exc}); "
                          "using the slower Python path\n")

@@ -1,6 +1,6 @@
 // Every decoder layer of one step in a single operator call: the same functions the per-layer path
-// calls from Python (AddRmsNorm, the packed linear kernels, AttentionBlock, SiluMul: their ...Into
-// forms), in the same order on the same values, so the logits are the same to the bit; what goes is the
+// calls from Python (AddRmsNorm, the packed linear kernels, AttentionBlock, SiluMul or the bfloat16
+// SwiGLU: their ...Into forms), in the same order on the same values, so the logits are the same to the bit; what goes is the
 // Python loop and ~8 Paddle custom-op dispatches per layer (~10 us each: ~2.4 ms a step on a 30-layer
 // model, a quarter of a 4-bit batch-1 decode step), and their ~10 output tensors a layer: every
 // intermediate row lives in one Workspace per call.
@@ -26,6 +26,8 @@
 
 void LinearF32Into(const float* X, int64_t M, int64_t K, const paddle::Tensor& w, int64_t rows, float* Y);
 void LinearBf16Into(const float* X, int64_t M, int64_t K, const paddle::Tensor& w, int64_t rows, float* Y);
+void LinearBf16SwiGluInto(const float* X, int64_t M, int64_t K, const paddle::Tensor& w, int64_t rows,
+                          const float* bias, float* Y);
 void LinearInt8Into(const float* X, int64_t M, int64_t K, const paddle::Tensor& w, const paddle::Tensor& scales,
                     int64_t rows, float* Y);
 void LinearInt4Into(const float* X, int64_t M, int64_t K, const paddle::Tensor& w, int64_t rows, float* Y);
@@ -64,6 +66,22 @@ void Project(int64_t kind, const float* X, int64_t M, int64_t K, const paddle::T
     for (int64_t m = 0; m < M; ++m)
       for (int64_t n = 0; n < rows; ++n) Y[m * rows + n] += B[n];
   }
+}
+
+// The MLP's activations O [M, rows / 2] = silu(gate) up of X's gate and up products (rows: both together, with
+// their bias): a bfloat16 model's gate_up is gated (fdcore.models.llama.Bf16Matrix.pack_gated: SwiGLU in the
+// product's epilogue, never the [M, rows] product in memory); every other kind's product goes through SiluMul.
+// `product` [M, rows]: room for that product.
+void GatedActivations(int64_t kind, const float* X, int64_t M, int64_t K, const paddle::Tensor* w, int64_t rows,
+                      float* product, float* O) {
+  if (kind == kBfloat16) {
+    const paddle::Tensor& bias = w[kGateUpBias];
+    PD_CHECK(bias.numel() == 0 || bias.numel() == rows, "decoder_layers: bias width != rows");
+    LinearBf16SwiGluInto(X, M, K, w[kGateUp], rows, bias.numel() ? bias.data<float>() : nullptr, O);
+    return;
+  }
+  Project(kind, X, M, K, w, kGateUp, rows, product);
+  SiluMulInto(product, M, rows / 2, O);
 }
 
 // The step's intermediate rows, carved out of one allocation (~10 Paddle tensors a layer cost ~25 us of
@@ -180,7 +198,8 @@ std::vector<paddle::Tensor> DecoderLayers(const paddle::Tensor& hidden, const pa
     gate_up_width = std::max(gate_up_width, m[2]);
   }
   enum Buffer { kSumA, kSumB, kNormed, kQkvOut, kQuery, kAttn, kOut, kGateUpOut, kAct, kLast };
-  Workspace ws(T, {E, E, E, qkv_width, attn_width, attn_width, E, gate_up_width, gate_up_width / 2, E});
+  const int64_t product_width = kind == kBfloat16 ? 0 : gate_up_width;  // (GatedActivations: none for bfloat16)
+  Workspace ws(T, {E, E, E, qkv_width, attn_width, attn_width, E, product_width, gate_up_width / 2, E});
   const float* h = hidden.data<float>();
   const float* delta = nullptr;
   float* x = ws[kNormed];
@@ -198,8 +217,7 @@ std::vector<paddle::Tensor> DecoderLayers(const paddle::Tensor& hidden, const pa
     if (comm.active()) comm.AllReduce(o, T * m[1]);
     AddRmsNormInto(h, o, w[kPostNorm].data<float>(), T, E, eps, ws[kSumB], x);
     h = ws[kSumB];
-    Project(kind, x, T, E, w, kGateUp, m[2], ws[kGateUpOut]);
-    SiluMulInto(ws[kGateUpOut], T, m[2] / 2, ws[kAct]);
+    GatedActivations(kind, x, T, E, w, m[2], ws[kGateUpOut], ws[kAct]);
     Project(kind, ws[kAct], T, m[2] / 2, w, kDown, m[3], o);  // o is spent: the down product reuses it
     if (comm.active()) comm.AllReduce(o, T * m[3]);
     delta = o;

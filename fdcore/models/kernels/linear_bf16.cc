@@ -21,6 +21,11 @@
 // is faster: SmolLM2's bf16 forward at batch 1, steps alternating in one process, 1 chain 0.85-0.95x
 // the time of 4, 2 chains 0.91x, 8 chains 1.07x (session 9 chose 4 on an Intel Xeon, unmeasured since).
 //
+// An MLP's gate and up projections are packed gated (fdcore.models.llama.Bf16Matrix.pack_gated: a group's two
+// 16-row blocks are the gate's and the up projection's same 16 rows) and multiplied with their SwiGLU as the
+// product's epilogue (SwiGluOut): a 512-token SmolLM2 bfloat16 prefill, step / GEMM floor 1.26-1.39x -> 1.22-1.28x
+// (1 thread, alternating processes, 3 rounds each), where the [M, 2 I] product went through L3 and a pass of its own.
+//
 // The caller checks the CPU's flags (/proc/cpuinfo) before using this; the function carries its own
 // target attribute, so the library builds on any x86-64 compiler and CPU.
 #include <immintrin.h>
@@ -33,9 +38,10 @@
 #include <cstring>
 #include <vector>
 
+#include "exp2_bf16.h"
 #include "paddle/extension.h"
 
-#define FDCORE_BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512bf16")))
+#define FDCORE_BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512dq,avx512bf16")))
 
 // n float32 values -> bfloat16 bits, rounded to nearest even as every bfloat16 conversion does (a NaN stays a
 // NaN, quieted), 16 lanes at a time in integer steps: bits + 0x7fff + (bit 16), the upper half. Unlike
@@ -107,10 +113,54 @@ FDCORE_BF16_TARGET inline void StoreBlock(float* y, int64_t first, int64_t N, __
   }
 }
 
+// silu(g) u = g u / (1 + 2^(-g log2 e)) for 16 lanes: the exponential to bfloat16's precision (Exp2ForBf16: these
+// outputs are rounded to bfloat16 as the down projection's input), 1 / (1 + e) by vrcp14ps and a Newton step (within
+// 2^-27 relative; vdivps has a tenth of the throughput). Past -g log2 e = 100 (g < -69.3, where g e^g is below 7e-29)
+// the result is 0: e is capped there, as an infinite e would make the Newton step 0 x infinity. A NaN gate stays NaN.
+FDCORE_BF16_TARGET inline __m512 SiluTimes(__m512 g, __m512 u) {
+  const __m512 exponent = _mm512_mul_ps(g, _mm512_set1_ps(-kLog2E));
+  const __mmask16 kept = _mm512_cmp_ps_mask(exponent, _mm512_set1_ps(100.f), _CMP_NGE_UQ);  // (NaN: kept)
+  const __m512 d = _mm512_add_ps(_mm512_set1_ps(1.f), Exp2ForBf16(_mm512_min_ps(exponent, _mm512_set1_ps(100.f))));
+  __m512 r = _mm512_rcp14_ps(d);
+  r = _mm512_mul_ps(r, _mm512_fnmadd_ps(d, r, _mm512_set1_ps(2.f)));
+  return _mm512_maskz_mul_ps(kept, _mm512_mul_ps(g, r), u);
+}
+
+// What becomes of a group's two 16-output blocks of one row of X: `out(m, g, first, second)`.
+// Plain: both stored as they are, Y [M, N] (N: the real output rows, fewer than the groups hold past the last).
+struct PlainOut {
+  float* Y;
+  int64_t N;
+  FDCORE_BF16_TARGET void operator()(int64_t m, int64_t g, __m512 first, __m512 second) const {
+    StoreBlock(Y + m * N, g * kGroup, N, first);
+    StoreBlock(Y + m * N, g * kGroup + 16, N, second);
+  }
+};
+
+// SwiGLU: a gated matrix's group g holds the gate's rows 16 g .. 16 g + 15, then the up projection's same rows
+// (fdcore.models.llama.Bf16Matrix.pack_gated); one block silu(gate + its bias) (up + its bias) is stored, Y [M, I].
+// bias: [2 I] (the gate's, then the up projection's), or null. The SwiGLU's own pass over a [M, 2 I] product (its
+// ~6 MB a layer of a 512-token SmolLM2 prompt through L3 and back) goes: the outputs are in registers here.
+struct SwiGluOut {
+  float* Y;
+  int64_t I;
+  const float* bias;
+  FDCORE_BF16_TARGET void operator()(int64_t m, int64_t g, __m512 gate, __m512 up) const {
+    const int64_t first = g * 16;
+    if (bias) {  // as Paddle's broadcast add: one float add an element
+      const __mmask16 lanes = first + 16 <= I ? static_cast<__mmask16>(0xffff)
+                                              : static_cast<__mmask16>((1u << (I - first)) - 1);
+      gate = _mm512_add_ps(gate, _mm512_maskz_loadu_ps(lanes, bias + first));
+      up = _mm512_add_ps(up, _mm512_maskz_loadu_ps(lanes, bias + I + first));
+    }
+    StoreBlock(Y + m * I, first, I, SiluTimes(gate, up));
+  }
+};
+
 // MB rows of X against one group of 32 output rows.
-template <int MB>
-FDCORE_BF16_TARGET void GroupRows(const uint32_t* Xp, int64_t KP, const uint16_t* Wg, int64_t N, int64_t g,
-                                  int64_t m0, float* Y) {
+template <int MB, typename Out>
+FDCORE_BF16_TARGET void GroupRows(const uint32_t* Xp, int64_t KP, const uint16_t* Wg, int64_t g, int64_t m0,
+                                  const Out& out) {
   __m512 acc[MB][kBlocks];
   for (int j = 0; j < MB; ++j)
     for (int b = 0; b < kBlocks; ++b) acc[j][b] = _mm512_setzero_ps();
@@ -123,8 +173,7 @@ FDCORE_BF16_TARGET void GroupRows(const uint32_t* Xp, int64_t KP, const uint16_t
       for (int b = 0; b < kBlocks; ++b) acc[j][b] = _mm512_dpbf16_ps(acc[j][b], wb[b], x);
     }
   }
-  for (int j = 0; j < MB; ++j)
-    for (int b = 0; b < kBlocks; ++b) StoreBlock(Y + (m0 + j) * N, g * kGroup + b * 16, N, acc[j][b]);
+  for (int j = 0; j < MB; ++j) out(m0 + j, g, acc[j][0], acc[j][1]);
 }
 
 // X's rows as bfloat16 (RoundToBf16), each padded to 2 KP values (an odd K leaves a zero in the last pair),
@@ -164,17 +213,19 @@ void ConfigureTiles(int rows) {
   ConfigureTileRows(shape, 8);
 }
 
-// Stores a C tile's `rows` x 16 outputs into Y's rows m0.. at outputs first.. (masked past N).
-FDCORE_BF16_TARGET void StoreTile(const float* tile, int rows, int64_t m0, int64_t M, int64_t first, int64_t N,
-                                  float* Y) {
-  for (int r = 0; r < rows && m0 + r < M; ++r) StoreBlock(Y + (m0 + r) * N, first, N, _mm512_loadu_ps(tile + r * 16));
+// Hands a row block's two C tiles (16-output blocks first and second of group g, stored in `first`, `second`) to
+// `out`, row by row: X's rows m0 .. (fewer past M).
+template <typename Out>
+FDCORE_BF16_TARGET void OutTiles(const float* first, const float* second, int rows, int64_t m0, int64_t M, int64_t g,
+                                 const Out& out) {
+  for (int r = 0; r < rows && m0 + r < M; ++r)
+    out(m0 + r, g, _mm512_load_ps(first + r * 16), _mm512_load_ps(second + r * 16));
 }
 
 // One group of 32 outputs against two row blocks of X (m0 and m0 + rows; kBoth false: the first only).
-template <bool kBoth>
+template <bool kBoth, typename Out>
 FDCORE_BF16_TARGET __attribute__((target("amx-tile,amx-bf16"))) void GroupTiles(
-    const uint16_t* Xr, int64_t KP, const uint16_t* Wg, int rows, int64_t m0, int64_t M, int64_t g, int64_t N,
-    float* Y) {
+    const uint16_t* Xr, int64_t KP, const uint16_t* Wg, int rows, int64_t m0, int64_t M, int64_t g, const Out& out) {
   _tile_zero(0);
   _tile_zero(1);
   if (kBoth) {
@@ -197,22 +248,21 @@ FDCORE_BF16_TARGET __attribute__((target("amx-tile,amx-bf16"))) void GroupTiles(
       _tile_dpbf16ps(3, 5, 7);
     }
   }
-  alignas(64) float tile[kTileRows * 16];
-  _tile_stored(0, tile, 64);
-  StoreTile(tile, rows, m0, M, g * kGroup, N, Y);
-  _tile_stored(1, tile, 64);
-  StoreTile(tile, rows, m0, M, g * kGroup + 16, N, Y);
+  alignas(64) float first[kTileRows * 16], second[kTileRows * 16];
+  _tile_stored(0, first, 64);
+  _tile_stored(1, second, 64);
+  OutTiles(first, second, rows, m0, M, g, out);
   if (kBoth) {
-    _tile_stored(2, tile, 64);
-    StoreTile(tile, rows, m0 + rows, M, g * kGroup, N, Y);
-    _tile_stored(3, tile, 64);
-    StoreTile(tile, rows, m0 + rows, M, g * kGroup + 16, N, Y);
+    _tile_stored(2, first, 64);
+    _tile_stored(3, second, 64);
+    OutTiles(first, second, rows, m0 + rows, M, g, out);
   }
 }
 
 // Xr: X's rows rounded (RoundRows), padded with zero rows to a whole number of tiles.
+template <typename Out>
 FDCORE_BF16_TARGET __attribute__((target("amx-tile,amx-bf16"))) void LinearTiles(
-    const uint16_t* Xr, int64_t M, int64_t KP, const uint16_t* Wp, int64_t G, int64_t N, float* Y, bool parallel) {
+    const uint16_t* Xr, int64_t M, int64_t KP, const uint16_t* Wp, int64_t G, const Out& out, bool parallel) {
   const int rows = static_cast<int>(std::min<int64_t>(M, kTileRows));
   const int64_t group_size = KP * kGroup * 2;
 #pragma omp parallel if (parallel)
@@ -222,20 +272,22 @@ FDCORE_BF16_TARGET __attribute__((target("amx-tile,amx-bf16"))) void LinearTiles
     for (int64_t g = 0; g < G; ++g) {
       const uint16_t* Wg = Wp + g * group_size;
       int64_t m0 = 0;
-      for (; m0 + 2 * rows < M + rows; m0 += 2 * rows) GroupTiles<true>(Xr, KP, Wg, rows, m0, M, g, N, Y);
-      if (m0 < M) GroupTiles<false>(Xr, KP, Wg, rows, m0, M, g, N, Y);
+      for (; m0 + 2 * rows < M + rows; m0 += 2 * rows) GroupTiles<true>(Xr, KP, Wg, rows, m0, M, g, out);
+      if (m0 < M) GroupTiles<false>(Xr, KP, Wg, rows, m0, M, g, out);
     }
     _tile_release();  // a thread that leaves its tiles configured costs every context switch 8 KB more to save
   }
 }
 #endif
 
+// X [M, K] times the packed W's G groups, each group's outputs to `out` (PlainOut, SwiGluOut).
+template <typename Out>
 FDCORE_BF16_TARGET void Linear(const float* X, int64_t M, int64_t K, const uint16_t* Wp, int64_t G, int64_t KP,
-                               int64_t N, float* Y) {
+                               const Out& out) {
   thread_local std::vector<uint16_t> rounded;
   // Groups of output rows are split across the OpenMP threads (OMP_NUM_THREADS): each streams its
   // own share of W, which is what lets one sequence's decoding use more than one core's bandwidth.
-  const bool parallel = G > 1 && M * N * K >= (1 << 18);
+  const bool parallel = G > 1 && M * G * kGroup * K >= (1 << 18);
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
   if (UseAmx(KP)) {
     // whole tiles of rows: the padding rows are zeros (their outputs are computed and dropped)
@@ -243,7 +295,7 @@ FDCORE_BF16_TARGET void Linear(const float* X, int64_t M, int64_t K, const uint1
     rounded.resize(padded * KP * 2);
     RoundRows(X, M, K, KP, rounded.data());
     std::memset(rounded.data() + M * KP * 2, 0, (padded - M) * KP * 2 * sizeof(uint16_t));
-    LinearTiles(rounded.data(), M, KP, Wp, G, N, Y, parallel);
+    LinearTiles(rounded.data(), M, KP, Wp, G, out, parallel);
     return;
   }
 #endif
@@ -255,9 +307,9 @@ FDCORE_BF16_TARGET void Linear(const float* X, int64_t M, int64_t K, const uint1
   for (int64_t g = 0; g < G; ++g) {
     const uint16_t* Wg = Wp + g * group_size;
     int64_t m0 = 0;
-    for (; m0 + 8 <= M; m0 += 8) GroupRows<8>(Xp, KP, Wg, N, g, m0, Y);
-    for (; m0 + 4 <= M; m0 += 4) GroupRows<4>(Xp, KP, Wg, N, g, m0, Y);
-    for (; m0 < M; ++m0) GroupRows<1>(Xp, KP, Wg, N, g, m0, Y);
+    for (; m0 + 8 <= M; m0 += 8) GroupRows<8>(Xp, KP, Wg, g, m0, out);
+    for (; m0 + 4 <= M; m0 += 4) GroupRows<4>(Xp, KP, Wg, g, m0, out);
+    for (; m0 < M; ++m0) GroupRows<1>(Xp, KP, Wg, g, m0, out);
   }
 }
 
@@ -274,16 +326,30 @@ extern "C" int fdcore_bf16_tiles() {
 #endif
 }
 
-// x [M, K] float32; w [G, KP, 2, 16, 2] bfloat16 (the packed weight); rows = N, the real output count.
-// Y [M, rows] = X [M, K] . W^T into the caller's memory (decoder_layers' workspace, or the op's output).
-void LinearBf16Into(const float* X, int64_t M, int64_t K, const paddle::Tensor& w, int64_t rows, float* Y) {
+// w [G, KP, 2, 16, 2] bfloat16, the packed weight of an inner dimension K: its groups G (checked).
+static int64_t PackedGroups(const paddle::Tensor& w, int64_t K) {
   const auto& ws = w.shape();
   PD_CHECK(w.dtype() == paddle::DataType::BFLOAT16, "linear_bf16: w must be bfloat16");
   PD_CHECK(ws.size() == 5 && ws[2] == kBlocks && ws[3] == 16 && ws[4] == 2, "linear_bf16: w is not packed");
-  const int64_t G = ws[0], KP = ws[1];
-  PD_CHECK(KP == (K + 1) / 2, "linear_bf16: x and w disagree on the inner dimension");
+  PD_CHECK(ws[1] == (K + 1) / 2, "linear_bf16: x and w disagree on the inner dimension");
+  return ws[0];
+}
+
+// x [M, K] float32; w the packed weight (PackedGroups); rows = N, the real output count.
+// Y [M, rows] = X [M, K] . W^T into the caller's memory (decoder_layers' workspace, or the op's output).
+void LinearBf16Into(const float* X, int64_t M, int64_t K, const paddle::Tensor& w, int64_t rows, float* Y) {
+  const int64_t G = PackedGroups(w, K);
   PD_CHECK(rows > G * kGroup - kGroup && rows <= G * kGroup, "linear_bf16: rows does not fit the packed groups");
-  Linear(X, M, K, static_cast<const uint16_t*>(w.data()), G, KP, rows, Y);
+  Linear(X, M, K, static_cast<const uint16_t*>(w.data()), G, w.shape()[1], PlainOut{Y, rows});
+}
+
+// The SwiGLU of a gated matrix (SwiGluOut): Y [M, rows / 2] = silu(X gate^T + gate bias) (X up^T + up bias), rows
+// the gate's and the up projection's together (2 I); bias [2 I] or null.
+void LinearBf16SwiGluInto(const float* X, int64_t M, int64_t K, const paddle::Tensor& w, int64_t rows,
+                          const float* bias, float* Y) {
+  const int64_t G = PackedGroups(w, K), I = rows / 2;
+  PD_CHECK(rows % 2 == 0 && I > G * 16 - 16 && I <= G * 16, "linear_bf16_swiglu: rows does not fit the packed groups");
+  Linear(X, M, K, static_cast<const uint16_t*>(w.data()), G, w.shape()[1], SwiGluOut{Y, I, bias});
 }
 
 std::vector<paddle::Tensor> LinearBf16(const paddle::Tensor& x, const paddle::Tensor& w, int64_t rows) {
@@ -299,3 +365,21 @@ PD_BUILD_OP(fdcore_linear_bf16)
     .Outputs({"Y"})
     .Attrs({"rows: int64_t"})
     .SetKernelFn(PD_KERNEL(LinearBf16));
+
+// bias: [rows] (the gate's, then the up projection's), or an empty tensor for none.
+std::vector<paddle::Tensor> LinearBf16SwiGlu(const paddle::Tensor& x, const paddle::Tensor& w,
+                                             const paddle::Tensor& bias, int64_t rows) {
+  PD_CHECK(x.dtype() == paddle::DataType::FLOAT32, "linear_bf16_swiglu: x must be float32");
+  PD_CHECK(bias.numel() == 0 || bias.numel() == rows, "linear_bf16_swiglu: bias width != rows");
+  const int64_t M = x.shape()[0];
+  auto y = paddle::empty({M, rows / 2}, paddle::DataType::FLOAT32, paddle::CPUPlace());
+  LinearBf16SwiGluInto(x.data<float>(), M, x.shape()[1], w, rows, bias.numel() ? bias.data<float>() : nullptr,
+                       y.data<float>());
+  return {y};
+}
+
+PD_BUILD_OP(fdcore_linear_bf16_swiglu)
+    .Inputs({"X", "W", "Bias"})
+    .Outputs({"Y"})
+    .Attrs({"rows: int64_t"})
+    .SetKernelFn(PD_KERNEL(LinearBf16SwiGlu));

@@ -359,6 +359,7 @@ static void AttendPair(const float* qg0, const float* qg1, int64_t G, int64_t D,
 #define FDCORE_ATTENTION_PAIRS 1
 
 #if defined(__AVX512BF16__)
+#include "exp2_bf16.h"
 #define FDCORE_ATTENTION_BF16 1
 // A bfloat16 cache (the default of a bfloat16 model: fdcore.models.llama.PagedKVCache): half the bytes a key
 // or value, and the products in `vdpbf16ps`, two to a float32 lane. HB heads against a row's keys as
@@ -370,26 +371,17 @@ static void AttendPair(const float* qg0, const float* qg1, int64_t G, int64_t D,
 // alone, as on the float32 path. A 512-token prefill's attention in 0.82x the float32 path's time (SmolLM2's
 // shapes, one thread of a Zen 4 EPYC; 0.58x before both kept their sums of values in registers).
 
-// e^(s - most) for 16 floats s <= most to the precision of the bfloat16 weights they become (within 7.5e-5 relative,
-// where bfloat16 keeps 8 bits: 2^-9 = 2e-3), given most_log2e = most log2 e: t = (s - most) log2 e in one FMA,
-// 2^t = 2^floor(t) 2^f with f = t - floor(t) in [0, 1) in one vreduceps, 2^f a degree-3 polynomial (least-relative-
-// error fit), and 2^floor(t) by vscalefps, which floors t itself: 7 instructions where Exp16 takes 14 (a Cody-Waite
-// reduction and degree 6), in the softmax of a bfloat16 cache's attention where the exponentials were most of the
-// time. 0 below 2^-125.5 (e^-87), as Exp16. Per lane, as Exp16.
+// e^(s - most) for 16 floats s <= most, given most_log2e = most log2 e: (s - most) log2 e in one FMA, then
+// Exp2ForBf16 (to the precision of the bfloat16 weights these become).
 static inline __m512 ExpDiffForBf16(__m512 s, __m512 most_log2e) {
-  const __m512 t = _mm512_fmsub_ps(s, _mm512_set1_ps(1.44269504088896341f), most_log2e);
-  const __m512 f = _mm512_reduce_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);  // t - floor(t)
-  __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(7.802403e-02f), f, _mm512_set1_ps(2.2606707e-01f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9583400e-01f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.9992514e-01f));
-  return _mm512_maskz_scalef_ps(_mm512_cmp_ps_mask(t, _mm512_set1_ps(-125.5f), _CMP_GE_OQ), p, t);
+  return Exp2ForBf16(_mm512_fmsub_ps(s, _mm512_set1_ps(kLog2E), most_log2e));
 }
 
 // A row's softmax weights as bfloat16: e^(score - the row's maximum) for its L scores, 0 after them, into p's first
 // `width` values (width >= L; whole 16-lane chunks past L are written only up to width), and 1 / the sum of e (in
 // float32, 16 lanes a chunk, in key order). Shared by the per-row and the tile paths.
 static inline __m512 Bf16Weights(const float* row, int64_t L, int64_t width, uint16_t* p) {
-  const __m512 most_log2e = _mm512_mul_ps(RowMax(row, L), _mm512_set1_ps(1.44269504088896341f));
+  const __m512 most_log2e = _mm512_mul_ps(RowMax(row, L), _mm512_set1_ps(kLog2E));
   __m512 total = _mm512_setzero_ps();
   for (int64_t l = 0; l < L; l += 16) {
     const __mmask16 m = Tail(L - l);
