@@ -138,12 +138,17 @@ static inline void StoreScores(__m512 (&dots)[HB][16], int64_t first, int64_t co
   }
 }
 
-// The largest of a row's L scores, in every lane.
+// The largest of a row's L scores, in every lane: whole chunks unmasked, in two chains (a maximum is exact in any
+// order), then the masked tail.
 static inline __m512 RowMax(const float* row, int64_t L) {
-  __m512 top = _mm512_set1_ps(-INFINITY);
-  for (int64_t l = 0; l < L; l += 16)
-    top = _mm512_mask_max_ps(top, Tail(L - l), top, _mm512_maskz_loadu_ps(Tail(L - l), row + l));
-  return _mm512_set1_ps(_mm512_reduce_max_ps(top));
+  __m512 top = _mm512_set1_ps(-INFINITY), other = top;
+  int64_t l = 0;
+  for (; l + 32 <= L; l += 32) {
+    top = _mm512_max_ps(top, _mm512_loadu_ps(row + l));
+    other = _mm512_max_ps(other, _mm512_loadu_ps(row + l + 16));
+  }
+  for (; l < L; l += 16) top = _mm512_mask_max_ps(top, Tail(L - l), top, _mm512_maskz_loadu_ps(Tail(L - l), row + l));
+  return _mm512_set1_ps(_mm512_reduce_max_ps(_mm512_max_ps(top, other)));
 }
 
 // Each of HB rows of L scores (scores [HB][L]) -> e^(score - the row's maximum), in place, and 1 / their sum.
@@ -383,7 +388,13 @@ static inline __m512 ExpDiffForBf16(__m512 s, __m512 most_log2e) {
 static inline __m512 Bf16Weights(const float* row, int64_t L, int64_t width, uint16_t* p) {
   const __m512 most_log2e = _mm512_mul_ps(RowMax(row, L), _mm512_set1_ps(kLog2E));
   __m512 total = _mm512_setzero_ps();
-  for (int64_t l = 0; l < L; l += 16) {
+  int64_t l = 0;
+  for (; l + 16 <= L; l += 16) {  // whole chunks: no masks (the tail's below, the same arithmetic)
+    const __m512 e = ExpDiffForBf16(_mm512_loadu_ps(row + l), most_log2e);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + l), (__m256i)_mm512_cvtneps_pbh(e));
+    total = _mm512_add_ps(total, e);
+  }
+  if (l < L) {
     const __mmask16 m = Tail(L - l);
     const __m512 e = _mm512_maskz_mov_ps(m, ExpDiffForBf16(_mm512_maskz_loadu_ps(m, row + l), most_log2e));
     _mm256_mask_storeu_epi16(p + l, Tail(width - l), (__m256i)_mm512_cvtneps_pbh(e));
