@@ -110,22 +110,26 @@ static inline __mmask16 Tail(int64_t left) {
   return left >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << left) - 1);
 }
 
-// The sums of 16 vectors, as one vector (lane i: the sum of v[i]): a tree of shuffles and adds, ~3
-// instructions a vector where a reduction of each alone takes ~10 and leaves its result in one lane.
-static inline __m512 Sum16(const __m512* v) {
+// The reductions of 16 vectors by `op` (_mm512_add_ps, _mm512_max_ps), as one vector (lane i: v[i]'s): a tree of
+// shuffles and ops, ~3 instructions a vector where a reduction of each alone takes ~10 and leaves its result in one
+// lane. Each vector's lanes meet in the same tree whatever the other 15 hold.
+template <typename Op>
+static inline __m512 Reduce16(const __m512* v, Op op) {
   __m512 t[8], r[4];
   for (int i = 0; i < 8; ++i)  // blocks [a0 + a2, a1 + a3, b0 + b2, b1 + b3] (a block: 4 lanes)
-    t[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
-                         _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+    t[i] = op(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44), _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
   for (int j = 0; j < 4; ++j)  // block k: vector 4 j + k's 4 partial sums
-    r[j] = _mm512_add_ps(_mm512_shuffle_f32x4(t[2 * j], t[2 * j + 1], 0x88),
-                         _mm512_shuffle_f32x4(t[2 * j], t[2 * j + 1], 0xDD));
-  const __m512 h0 = _mm512_add_ps(_mm512_unpacklo_ps(r[0], r[1]), _mm512_unpackhi_ps(r[0], r[1]));
-  const __m512 h1 = _mm512_add_ps(_mm512_unpacklo_ps(r[2], r[3]), _mm512_unpackhi_ps(r[2], r[3]));
+    r[j] = op(_mm512_shuffle_f32x4(t[2 * j], t[2 * j + 1], 0x88), _mm512_shuffle_f32x4(t[2 * j], t[2 * j + 1], 0xDD));
+  const __m512 h0 = op(_mm512_unpacklo_ps(r[0], r[1]), _mm512_unpackhi_ps(r[0], r[1]));
+  const __m512 h1 = op(_mm512_unpacklo_ps(r[2], r[3]), _mm512_unpackhi_ps(r[2], r[3]));
   const __m512d a = _mm512_castps_pd(h0), b = _mm512_castps_pd(h1);
   // lane 4 k + m holds vector 4 m + k's sum
-  const __m512 z = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  const __m512 z = op(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
   return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), z);
+}
+
+static inline __m512 Sum16(const __m512* v) {
+  return Reduce16(v, [](__m512 a, __m512 b) { return _mm512_add_ps(a, b); });
 }
 
 // Each head's scores of keys first .. first + count - 1 (count <= 16; the rest of dots are zeroed) from its 16
@@ -138,9 +142,9 @@ static inline void StoreScores(__m512 (&dots)[HB][16], int64_t first, int64_t co
   }
 }
 
-// The largest of a row's L scores, in every lane: whole chunks unmasked, in two chains (a maximum is exact in any
-// order), then the masked tail.
-static inline __m512 RowMax(const float* row, int64_t L) {
+// Lane i: the largest of a row's scores i, i + 16, ... (of its L): whole chunks unmasked, in two chains (a maximum
+// is exact in any order), then the masked tail.
+static inline __m512 LaneMax(const float* row, int64_t L) {
   __m512 top = _mm512_set1_ps(-INFINITY), other = top;
   int64_t l = 0;
   for (; l + 32 <= L; l += 32) {
@@ -148,8 +152,11 @@ static inline __m512 RowMax(const float* row, int64_t L) {
     other = _mm512_max_ps(other, _mm512_loadu_ps(row + l + 16));
   }
   for (; l < L; l += 16) top = _mm512_mask_max_ps(top, Tail(L - l), top, _mm512_maskz_loadu_ps(Tail(L - l), row + l));
-  return _mm512_set1_ps(_mm512_reduce_max_ps(_mm512_max_ps(top, other)));
+  return _mm512_max_ps(top, other);
 }
+
+// The largest of a row's L scores, in every lane.
+static inline __m512 RowMax(const float* row, int64_t L) { return _mm512_set1_ps(_mm512_reduce_max_ps(LaneMax(row, L))); }
 
 // Each of HB rows of L scores (scores [HB][L]) -> e^(score - the row's maximum), in place, and 1 / their sum.
 template <int HB>
@@ -382,11 +389,10 @@ static inline __m512 ExpDiffForBf16(__m512 s, __m512 most_log2e) {
   return Exp2ForBf16(_mm512_fmsub_ps(s, _mm512_set1_ps(kLog2E), most_log2e));
 }
 
-// A row's softmax weights as bfloat16: e^(score - the row's maximum) for its L scores, 0 after them, into p's first
-// `width` values (width >= L; whole 16-lane chunks past L are written only up to width), and 1 / the sum of e (in
-// float32, 16 lanes a chunk, in key order). Shared by the per-row and the tile paths.
-static inline __m512 Bf16Weights(const float* row, int64_t L, int64_t width, uint16_t* p) {
-  const __m512 most_log2e = _mm512_mul_ps(RowMax(row, L), _mm512_set1_ps(kLog2E));
+// A row's softmax weights as bfloat16: e^(score - the row's maximum) for its L scores (most_log2e: that maximum
+// times log2 e), 0 after them, into p's first `width` values (width >= L; whole 16-lane chunks past L are written only
+// up to width); returns the sums of e by lane (in float32, 16 lanes a chunk, in key order).
+static inline __m512 Bf16RowWeights(const float* row, int64_t L, int64_t width, uint16_t* p, __m512 most_log2e) {
   __m512 total = _mm512_setzero_ps();
   int64_t l = 0;
   for (; l + 16 <= L; l += 16) {  // whole chunks: no masks (the tail's below, the same arithmetic)
@@ -400,7 +406,27 @@ static inline __m512 Bf16Weights(const float* row, int64_t L, int64_t width, uin
     _mm256_mask_storeu_epi16(p + l, Tail(width - l), (__m256i)_mm512_cvtneps_pbh(e));
     total = _mm512_add_ps(total, e);
   }
-  return _mm512_set1_ps(1.f / _mm512_reduce_add_ps(total));
+  return total;
+}
+
+// Up to 16 rows' softmax weights as bfloat16 (row n: L[n] scores at scores + n stride, weights at p + n p_stride,
+// Bf16RowWeights) and 1 / each row's sum of e, in every lane of inverse[n]. The rows' maxima and sums are reduced all
+// at once (Reduce16: a row's lanes in the same tree however many rows come along) and the reciprocals are one
+// division: one row alone reduced its maximum and its sum by itself, ~40-60 cycles of latency each. Shared by the
+// per-row and the tile paths, so a row's weights have the same bits in a decode step as in a prompt's tiles.
+static inline void Bf16Weights(int rows, const float* scores, int64_t stride, const int64_t* L, int64_t width,
+                               uint16_t* p, int64_t p_stride, __m512* inverse) {
+  __m512 v[16];
+  for (int n = 0; n < 16; ++n) v[n] = n < rows ? LaneMax(scores + n * stride, L[n]) : _mm512_setzero_ps();
+  alignas(64) float most_log2e[16];
+  _mm512_store_ps(most_log2e, _mm512_mul_ps(Reduce16(v, [](__m512 a, __m512 b) { return _mm512_max_ps(a, b); }),
+                                            _mm512_set1_ps(kLog2E)));
+  for (int n = 0; n < rows; ++n)
+    v[n] = Bf16RowWeights(scores + n * stride, L[n], width, p + n * p_stride, _mm512_set1_ps(most_log2e[n]));
+  for (int n = rows; n < 16; ++n) v[n] = _mm512_set1_ps(1.f);  // (no row: a sum that divides cleanly)
+  alignas(64) float reciprocal[16];
+  _mm512_store_ps(reciprocal, _mm512_div_ps(_mm512_set1_ps(1.f), Sum16(v)));
+  for (int n = 0; n < rows; ++n) inverse[n] = _mm512_set1_ps(reciprocal[n]);
 }
 
 template <int C2, int HB>
@@ -426,7 +452,9 @@ static void AttendHeadsBf16(const float* qg, int64_t D, const uint16_t* K, const
   if (L % 16) StoreScores<HB>(dots, L - L % 16, L % 16, L, scores);
   const int64_t L2 = L + (L & 1);  // the weights in pairs (a zero after an odd count)
   __m512 inverse[HB];
-  for (int h = 0; h < HB; ++h) inverse[h] = Bf16Weights(scores + h * L, L, L2, weights + h * L2);
+  int64_t lengths[HB];
+  std::fill(lengths, lengths + HB, L);
+  Bf16Weights(HB, scores, L, lengths, L2, weights, L2, inverse);
   __m512 o[HB][2 * C2];
   for (int h = 0; h < HB; ++h)
     for (int c = 0; c < 2 * C2; ++c) o[h][c] = _mm512_setzero_ps();
@@ -673,12 +701,11 @@ __attribute__((target("amx-tile,amx-bf16"))) static void AttendRowsTiles(
     }
   }
   __m512 inverse[kQueryTile];
-  for (int64_t n = 0; n < N; ++n) {
-    const int64_t L = L0 + n / G;
-    uint16_t* p = weight + n * padded;
-    inverse[n] = Bf16Weights(score + n * padded, L, padded, p);
-    std::fill(p + (L + 15) / 16 * 16, p + padded, uint16_t{0});  // weights of exactly 0 for the keys it does not see
-  }
+  int64_t lengths[kQueryTile];
+  for (int64_t n = 0; n < N; ++n) lengths[n] = L0 + n / G;
+  Bf16Weights(static_cast<int>(N), score, padded, lengths, padded, weight, padded, inverse);
+  for (int64_t n = 0; n < N; ++n)  // weights of exactly 0 for the keys it does not see
+    std::fill(weight + n * padded + (lengths[n] + 15) / 16 * 16, weight + (n + 1) * padded, uint16_t{0});
   _tile_zero(0);  // (tile numbers are immediates: no loop)
   _tile_zero(1);
   if (DC == 4) {
