@@ -1,9 +1,9 @@
 // Every decoder layer of one step in a single operator call: the same functions the per-layer path
 // calls from Python (AddRmsNorm, the packed linear kernels, AttentionBlock, SiluMul or the bfloat16
-// SwiGLU: their ...Into forms), in the same order on the same values, so the logits are the same to the bit; what goes is the
-// Python loop and ~8 Paddle custom-op dispatches per layer (~10 us each: ~2.4 ms a step on a 30-layer
-// model, a quarter of a 4-bit batch-1 decode step), and their ~10 output tensors a layer: every
-// intermediate row lives in one Workspace per call.
+// SwiGLU: their ...Into forms), in the same order on the same values, so the logits are the same to the
+// bit; what goes is the Python loop and ~8 Paddle custom-op dispatches per layer (~10 us each: ~2.4 ms a
+// step on a 30-layer model, a quarter of a 4-bit batch-1 decode step), and their ~10 output tensors a
+// layer: every intermediate row lives in one Workspace per call.
 //
 // weights: kSlots tensors per layer (see Slot; an empty tensor where a layer has none of that kind),
 // meta: per layer the output rows of qkv, o, gate_up and down, then its sliding window (0: none);
@@ -27,7 +27,7 @@
 void LinearF32Into(const float* X, int64_t M, int64_t K, const paddle::Tensor& w, int64_t rows, float* Y);
 void LinearBf16Into(const float* X, int64_t M, int64_t K, const paddle::Tensor& w, int64_t rows, float* Y);
 void LinearBf16SwiGluInto(const float* X, int64_t M, int64_t K, const paddle::Tensor& w, int64_t rows,
-                          const float* bias, float* Y);
+                          const paddle::Tensor& bias, float* Y);
 void LinearInt8Into(const float* X, int64_t M, int64_t K, const paddle::Tensor& w, const paddle::Tensor& scales,
                     int64_t rows, float* Y);
 void LinearInt4Into(const float* X, int64_t M, int64_t K, const paddle::Tensor& w, int64_t rows, float* Y);
@@ -75,9 +75,7 @@ void Project(int64_t kind, const float* X, int64_t M, int64_t K, const paddle::T
 void GatedActivations(int64_t kind, const float* X, int64_t M, int64_t K, const paddle::Tensor* w, int64_t rows,
                       float* product, float* O) {
   if (kind == kBfloat16) {
-    const paddle::Tensor& bias = w[kGateUpBias];
-    PD_CHECK(bias.numel() == 0 || bias.numel() == rows, "decoder_layers: bias width != rows");
-    LinearBf16SwiGluInto(X, M, K, w[kGateUp], rows, bias.numel() ? bias.data<float>() : nullptr, O);
+    LinearBf16SwiGluInto(X, M, K, w[kGateUp], rows, w[kGateUpBias], O);
     return;
   }
   Project(kind, X, M, K, w, kGateUp, rows, product);

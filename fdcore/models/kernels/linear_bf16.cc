@@ -43,13 +43,18 @@
 
 #define FDCORE_BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512dq,avx512bf16")))
 
+// The lanes of a 16-lane chunk from `first` that are before `end` (first < end).
+static inline __mmask16 LanesBefore(int64_t first, int64_t end) {
+  return first + 16 <= end ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << (end - first)) - 1);
+}
+
 // n float32 values -> bfloat16 bits, rounded to nearest even as every bfloat16 conversion does (a NaN stays a
 // NaN, quieted), 16 lanes at a time in integer steps: bits + 0x7fff + (bit 16), the upper half. Unlike
 // vcvtneps2bf16 it keeps denormals. Shared with paged_attention.cc, whose bfloat16 KV cache is written with it
 // (hidden: a direct call within the library); like every function here, run only where the CPU has AVX512-BF16.
 __attribute__((visibility("hidden"))) FDCORE_BF16_TARGET void RoundToBf16(const float* x, int64_t n, uint16_t* r) {
   for (int64_t k = 0; k < n; k += 16) {
-    const __mmask16 lanes = k + 16 <= n ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << (n - k)) - 1);
+    const __mmask16 lanes = LanesBefore(k, n);
     const __m512i bits = _mm512_maskz_loadu_epi32(lanes, x + k);
     const __m512i high = _mm512_srli_epi32(bits, 16);
     const __m512i bias = _mm512_add_epi32(_mm512_and_si512(high, _mm512_set1_epi32(1)), _mm512_set1_epi32(0x7fff));
@@ -109,7 +114,7 @@ FDCORE_BF16_TARGET inline void StoreBlock(float* y, int64_t first, int64_t N, __
   if (first + 16 <= N) {
     _mm512_storeu_ps(y + first, value);
   } else if (first < N) {
-    _mm512_mask_storeu_ps(y + first, static_cast<__mmask16>((1u << (N - first)) - 1), value);
+    _mm512_mask_storeu_ps(y + first, LanesBefore(first, N), value);
   }
 }
 
@@ -148,8 +153,7 @@ struct SwiGluOut {
   FDCORE_BF16_TARGET void operator()(int64_t m, int64_t g, __m512 gate, __m512 up) const {
     const int64_t first = g * 16;
     if (bias) {  // as Paddle's broadcast add: one float add an element
-      const __mmask16 lanes = first + 16 <= I ? static_cast<__mmask16>(0xffff)
-                                              : static_cast<__mmask16>((1u << (I - first)) - 1);
+      const __mmask16 lanes = LanesBefore(first, I);
       gate = _mm512_add_ps(gate, _mm512_maskz_loadu_ps(lanes, bias + first));
       up = _mm512_add_ps(up, _mm512_maskz_loadu_ps(lanes, bias + I + first));
     }
@@ -344,12 +348,15 @@ void LinearBf16Into(const float* X, int64_t M, int64_t K, const paddle::Tensor& 
 }
 
 // The SwiGLU of a gated matrix (SwiGluOut): Y [M, rows / 2] = silu(X gate^T + gate bias) (X up^T + up bias), rows
-// the gate's and the up projection's together (2 I); bias [2 I] or null.
+// the gate's and the up projection's together (2 I); bias [2 I] (the gate's, then the up projection's), or an empty
+// tensor for none.
 void LinearBf16SwiGluInto(const float* X, int64_t M, int64_t K, const paddle::Tensor& w, int64_t rows,
-                          const float* bias, float* Y) {
+                          const paddle::Tensor& bias, float* Y) {
   const int64_t G = PackedGroups(w, K), I = rows / 2;
   PD_CHECK(rows % 2 == 0 && I > G * 16 - 16 && I <= G * 16, "linear_bf16_swiglu: rows does not fit the packed groups");
-  Linear(X, M, K, static_cast<const uint16_t*>(w.data()), G, w.shape()[1], SwiGluOut{Y, I, bias});
+  PD_CHECK(bias.numel() == 0 || bias.numel() == rows, "linear_bf16_swiglu: bias width != rows");
+  const float* b = bias.numel() > 0 ? bias.data<float>() : nullptr;
+  Linear(X, M, K, static_cast<const uint16_t*>(w.data()), G, w.shape()[1], SwiGluOut{Y, I, b});
 }
 
 std::vector<paddle::Tensor> LinearBf16(const paddle::Tensor& x, const paddle::Tensor& w, int64_t rows) {
@@ -366,15 +373,12 @@ PD_BUILD_OP(fdcore_linear_bf16)
     .Attrs({"rows: int64_t"})
     .SetKernelFn(PD_KERNEL(LinearBf16));
 
-// bias: [rows] (the gate's, then the up projection's), or an empty tensor for none.
 std::vector<paddle::Tensor> LinearBf16SwiGlu(const paddle::Tensor& x, const paddle::Tensor& w,
                                              const paddle::Tensor& bias, int64_t rows) {
   PD_CHECK(x.dtype() == paddle::DataType::FLOAT32, "linear_bf16_swiglu: x must be float32");
-  PD_CHECK(bias.numel() == 0 || bias.numel() == rows, "linear_bf16_swiglu: bias width != rows");
   const int64_t M = x.shape()[0];
   auto y = paddle::empty({M, rows / 2}, paddle::DataType::FLOAT32, paddle::CPUPlace());
-  LinearBf16SwiGluInto(x.data<float>(), M, x.shape()[1], w, rows, bias.numel() ? bias.data<float>() : nullptr,
-                       y.data<float>());
+  LinearBf16SwiGluInto(x.data<float>(), M, x.shape()[1], w, rows, bias, y.data<float>());
   return {y};
 }
 

@@ -156,7 +156,9 @@ static inline __m512 LaneMax(const float* row, int64_t L) {
 }
 
 // The largest of a row's L scores, in every lane.
-static inline __m512 RowMax(const float* row, int64_t L) { return _mm512_set1_ps(_mm512_reduce_max_ps(LaneMax(row, L))); }
+static inline __m512 RowMax(const float* row, int64_t L) {
+  return _mm512_set1_ps(_mm512_reduce_max_ps(LaneMax(row, L)));
+}
 
 // Each of HB rows of L scores (scores [HB][L]) -> e^(score - the row's maximum), in place, and 1 / their sum.
 template <int HB>
