@@ -11,6 +11,11 @@ Two measures, every setting the CPU accepts (float32, bfloat16, wint8, wint4), o
   (``tests/data/gguf_reference.json``): how many of the first ``--tokens`` tokens equal float32's,
   per prompt (the issue's bar: every prompt's first 16).
 
+A last row, **float32 on bfloat16-rounded weights** (every matrix of the checkpoint rounded to bfloat16, the
+embedding too: SmolLM2 ties it to the LM head; compute and KV cache float32), separates what bfloat16 weights cost
+by themselves from what the bfloat16 kernels, activations and cache add: a greedy difference there is one no
+bfloat16-weight model can avoid (``--no-rounded-weights`` leaves it out).
+
 Each setting runs with the KV cache the worker gives it (``--cache-dtype auto``: bfloat16 for the bfloat16
 model, float32 for the rest; see fdcore.models.llama.LlamaModel.new_cache), shown in the table.
 
@@ -33,6 +38,7 @@ sys.path.insert(0, os.path.join(HERE, ".."))
 TEXT = os.path.join(HERE, "data", "quality_text.txt")
 GOLDEN = os.path.join(HERE, "..", "tests", "data", "gguf_reference.json")
 SETTINGS = [("float32", "none"), ("bfloat16", "none"), ("float32", "wint8"), ("float32", "wint4")]
+ROUNDED = ("float32", "bfloat16 weights")  # the diagnostic row (round_weights_to_bfloat16)
 BLOCK = 16
 
 
@@ -45,6 +51,16 @@ def usable(dtype: str, quantization: str) -> str | None:
     except (ConfigError, ValueError) as exc:
         return str(exc).splitlines()[0]
     return None
+
+
+def round_weights_to_bfloat16(checkpoint) -> None:
+    """Every matrix of ``checkpoint`` (its 2-D tensors) rounded to the nearest bfloat16 (ties to even, as Paddle's
+    cast that packs fdcore's bfloat16 weights), kept as float32; vectors (norms, biases) left as they are."""
+    import paddle
+
+    for name, array in checkpoint.tensors.items():
+        if array.ndim == 2:
+            checkpoint.tensors[name] = paddle.to_tensor(array).astype("bfloat16").astype("float32").numpy()
 
 
 def perplexity(model, chunks: list[list[int]], cache_dtype: str = "auto") -> float:
@@ -89,6 +105,8 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=16, help="greedy tokens compared per golden prompt")
     parser.add_argument("--cache-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                         help="every setting's KV cache (cache.dtype; float32's reference keeps a float32 one)")
+    parser.add_argument("--no-rounded-weights", action="store_true",
+                        help="leave out the float32 row on bfloat16-rounded weights")
     args = parser.parse_args()
 
     from fdcore.core.tokenizer import ModelTokenizer
@@ -101,14 +119,19 @@ def main() -> int:
     chunks = [ids[i:i + args.chunk] for i in range(0, len(ids) - args.chunk + 1, args.chunk)]
     prompts = [chat["prompt"] for chat in json.load(open(GOLDEN))["chats"]]
     rows, reference = [], None
-    for dtype, quantization in SETTINGS:
-        name = dtype if quantization == "none" else quantization
-        why = usable(dtype, quantization)
+    settings = SETTINGS + ([] if args.no_rounded_weights else [ROUNDED])
+    for dtype, quantization in settings:
+        rounded = (dtype, quantization) == ROUNDED
+        name = "f32, bf16 weights" if rounded else dtype if quantization == "none" else quantization
+        why = None if rounded else usable(dtype, quantization)
         if why:
             rows.append((name, None, None, why))
             continue
-        model = LlamaModel(load_checkpoint(path, progress=lambda *_: None), dtype, quantization)
-        cache_dtype = "float32" if reference is None else args.cache_dtype
+        checkpoint = load_checkpoint(path, progress=lambda *_: None)
+        if rounded:
+            round_weights_to_bfloat16(checkpoint)
+        model = LlamaModel(checkpoint, dtype, "none" if rounded else quantization)
+        cache_dtype = "float32" if reference is None or rounded else args.cache_dtype
         ppl = perplexity(model, chunks, cache_dtype)
         outputs = [greedy(model, p, args.tokens, cache_dtype) for p in prompts]
         reference = reference or outputs
@@ -121,16 +144,16 @@ def main() -> int:
     base = rows[0][1]
     print(f"\nSmolLM2-135M-Instruct (Q4_1 GGUF weights), {len(chunks)} x {args.chunk} tokens of "
           f"{os.path.relpath(TEXT)}; greedy: first {args.tokens} tokens of {len(prompts)} golden chat prompts")
-    print(f"{'setting':10s} {'KV cache':>9s} {'perplexity':>11s} {'vs float32':>11s}  greedy tokens equal to "
+    print(f"{'setting':17s} {'KV cache':>9s} {'perplexity':>11s} {'vs float32':>11s}  greedy tokens equal to "
           "float32's, per prompt")
     for name, ppl, agree, cache in rows:
         if ppl is None:
-            print(f"{name:10s} {'-':>9s} {'-':>11s} {'-':>11s}  not run: {cache}")
+            print(f"{name:17s} {'-':>9s} {'-':>11s} {'-':>11s}  not run: {cache}")
             continue
         full = sum(a == args.tokens for a, _ in agree)
         where = ", ".join(f"prompt {i} token {a} (float32's top-two gap {gap:.3f})"
                           for i, (a, gap) in enumerate(agree) if gap is not None)
-        print(f"{name:10s} {cache:>9s} {ppl:11.4f} {100 * (ppl / base - 1):+10.2f}%  {full}/{len(agree)} prompts all "
+        print(f"{name:17s} {cache:>9s} {ppl:11.4f} {100 * (ppl / base - 1):+10.2f}%  {full}/{len(agree)} prompts all "
               f"{args.tokens}"
               + (f"; first differences: {where}" if where else ""))
     return 0
