@@ -3,7 +3,7 @@
 For each decode batch size, B sequences with a 128-token context each decode
 one token per step; the step's time (median of several, alternating with the floor) is shown next to the
 time of the step's matrix products run alone on contiguous inputs of the same
-shapes: per layer qkv, o, gate_up, down and the two attention products
+shapes and dtypes (gemm_floor): per layer qkv, o, gate_up, down and the two attention products
 (scores, weighted values), then the LM head. Prefill is measured in tokens/s
 for one 512-token prompt, beside its GEMM floor too (the LM head on its last
 token only, as the model computes it; the prompt's attention is not in this
@@ -34,7 +34,7 @@ import paddle  # noqa: E402
 
 from fdcore.core.batch import BatchInput  # noqa: E402
 from fdcore.models import tiny  # noqa: E402
-from fdcore.models.llama import LlamaModel, linear  # noqa: E402
+from fdcore.models.llama import Bf16Matrix, LlamaModel, linear, swiglu  # noqa: E402
 from fdcore.models.loader import load_checkpoint  # noqa: E402
 
 BLOCK = 16
@@ -57,22 +57,34 @@ def timed_pair(fn, floor, repeat: int) -> tuple[float, float]:
 def gemm_floor(model: LlamaModel, rows: int, decode_context: int = 0):
     """One step's matrix products alone, on contiguous inputs of the same shapes: the weight
     GEMMs of ``rows`` tokens and, for a decode step, the attention products (scores and
-    weighted values) over ``decode_context`` tokens. Returns the function that runs them."""
+    weighted values) over ``decode_context`` tokens. Returns the function that runs them.
+
+    Each product is the kernel call the step makes, on inputs of the step's dtype: a bfloat16 model's norms
+    and SwiGLU hand the qkv, gate_up and down products their rows already rounded to bfloat16
+    (kernels/decoder.cc), so here those three take bfloat16 inputs, and its gate_up is the gated product with
+    its SwiGLU epilogue, bfloat16 activations out (what the down product takes); o rounds its float32 input
+    (the attention's output) as in the step."""
     a = model.args
     x_h = paddle.randn([rows, a.hidden_size])
     x_q = paddle.randn([rows, a.num_heads * a.head_dim])
     x_i = paddle.randn([rows, a.intermediate_size])
+    gated = isinstance(model.layers[0]["gate_up"], Bf16Matrix) and model.layers[0]["gate_up"].gated
+    if gated:
+        x_h, x_i = x_h.astype("bfloat16"), x_i.astype("bfloat16")
     groups = a.num_heads // a.num_kv_heads
     q = paddle.randn([a.num_kv_heads, rows, groups, a.head_dim])
     kv = paddle.randn([a.num_kv_heads, rows, decode_context, a.head_dim])
     probs = paddle.randn([a.num_kv_heads, rows, groups, decode_context])
-    head_rows = x_h if decode_context else x_h[-1:]
+    head_rows = paddle.randn([rows if decode_context else 1, a.hidden_size])  # (the final norm's: float32)
 
     def step():
         for layer in model.layers:
             linear(x_h, layer["qkv"])
             linear(x_q, layer["o"])
-            linear(x_h, layer["gate_up"])
+            if gated:
+                swiglu(x_h, layer["gate_up"], None, None)
+            else:
+                linear(x_h, layer["gate_up"])
             linear(x_i, layer["down"])
             if decode_context:
                 paddle.matmul(q, kv, transpose_y=True)

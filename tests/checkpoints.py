@@ -109,10 +109,11 @@ def weights(config: dict, seed: int) -> dict[str, np.ndarray]:
     return t
 
 
-def make_checkpoint(path: str, variant: str, seed: int = 7) -> str:
-    """Write ``variant`` to ``path`` (replacing it) and return the path."""
+def make_checkpoint(path: str, variant: str, seed: int = 7, changes: dict | None = None) -> str:
+    """Write ``variant`` to ``path`` (replacing it) and return the path; ``changes``: config keys set on top of the
+    variant's (a shape no reference covers, for tests that compare fdcore with itself)."""
     _, dtype, shards = VARIANTS[variant]
-    config = config_of(variant)
+    config = {**config_of(variant), **(changes or {})}
     if os.path.isdir(path):
         shutil.rmtree(path)
     os.makedirs(path)

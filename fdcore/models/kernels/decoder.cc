@@ -28,11 +28,17 @@ void LinearF32Into(const float* X, int64_t M, int64_t K, const paddle::Tensor& w
 void LinearBf16Into(const float* X, int64_t M, int64_t K, const paddle::Tensor& w, int64_t rows, float* Y);
 void LinearBf16SwiGluInto(const float* X, int64_t M, int64_t K, const paddle::Tensor& w, int64_t rows,
                           const paddle::Tensor& bias, float* Y);
+void LinearBf16RoundedInto(const uint16_t* Xr, int64_t M, int64_t K, const paddle::Tensor& w, int64_t rows, float* Y);
+void LinearBf16SwiGluRoundedInto(const uint16_t* Xr, int64_t M, int64_t K, const paddle::Tensor& w, int64_t rows,
+                                 const paddle::Tensor& bias, int64_t stride, uint16_t* Yr);
+int64_t Bf16RowsPadded(int64_t M);
 void LinearInt8Into(const float* X, int64_t M, int64_t K, const paddle::Tensor& w, const paddle::Tensor& scales,
                     int64_t rows, float* Y);
 void LinearInt4Into(const float* X, int64_t M, int64_t K, const paddle::Tensor& w, int64_t rows, float* Y);
 void AddRmsNormInto(const float* H, const float* DL, const float* W, int64_t T, int64_t E, float eps, float* S,
                     float* N);
+void AddRmsNormBf16Into(const float* H, const float* DL, const float* W, int64_t T, int64_t E, float eps, float* S,
+                        uint16_t* R);
 void SiluMulInto(const float* G, int64_t T, int64_t I, float* O);
 void AttentionBlockInto(const float* X, int64_t Tn, int64_t width, const paddle::Tensor& cos, const paddle::Tensor& sin,
                         const paddle::Tensor& slots, const paddle::Tensor& k_cache, const paddle::Tensor& v_cache,
@@ -49,7 +55,17 @@ enum Slot : int {
 };
 constexpr int kMeta = 5;  // qkv, o, gate_up, down rows; window
 
-// Y [M, rows] = X [M, K] . W^T (+ bias, added as Paddle's broadcast add does: one float add per element).
+// Y [M, rows] += the slot's bias, where it has one (as Paddle's broadcast add does: one float add per element).
+void AddBias(const paddle::Tensor* w, int slot, int64_t M, int64_t rows, float* Y) {
+  const paddle::Tensor& bias = w[slot + 2];
+  if (bias.numel() == 0) return;
+  PD_CHECK(bias.numel() == rows, "decoder_layers: bias width != rows");
+  const float* B = bias.data<float>();
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t n = 0; n < rows; ++n) Y[m * rows + n] += B[n];
+}
+
+// Y [M, rows] = X [M, K] . W^T (+ bias).
 void Project(int64_t kind, const float* X, int64_t M, int64_t K, const paddle::Tensor* w, int slot, int64_t rows,
              float* Y) {
   switch (kind) {
@@ -59,39 +75,67 @@ void Project(int64_t kind, const float* X, int64_t M, int64_t K, const paddle::T
     case kInt4: LinearInt4Into(X, M, K, w[slot], rows, Y); break;
     default: PD_CHECK(false, "decoder_layers: unknown matrix kind");
   }
-  const paddle::Tensor& bias = w[slot + 2];
-  if (bias.numel() > 0) {
-    PD_CHECK(bias.numel() == rows, "decoder_layers: bias width != rows");
-    const float* B = bias.data<float>();
-    for (int64_t m = 0; m < M; ++m)
-      for (int64_t n = 0; n < rows; ++n) Y[m * rows + n] += B[n];
+  AddBias(w, slot, M, rows, Y);
+}
+
+// A layer's rows on their way into a product: float32 (x), or for a bfloat16 model already rounded as its
+// products take them (xr: linear_bf16.cc's rounded rows, Bf16RowsPadded(M) of them, the padding rows zeros) by the
+// norm or the SwiGLU that made them. The rounding is the one the product would make (RoundToBf16's bits), so the
+// logits keep the per-layer path's bits; what goes is a float32 write, a read and a rounding pass a product.
+struct Rows {
+  float* x;
+  uint16_t* xr;
+};
+
+// The residual add and norm into `to` (AddRmsNormInto, or AddRmsNormBf16Into for rounded rows).
+void Norm(const Rows& to, const float* h, const float* delta, const paddle::Tensor& weight, int64_t T, int64_t E,
+          float eps, float* sum) {
+  if (to.xr) {
+    AddRmsNormBf16Into(h, delta, weight.data<float>(), T, E, eps, sum, to.xr);
+  } else {
+    AddRmsNormInto(h, delta, weight.data<float>(), T, E, eps, sum, to.x);
   }
 }
 
-// The MLP's activations O [M, rows / 2] = silu(gate) up of X's gate and up products (rows: both together, with
-// their bias): a bfloat16 model's gate_up is gated (fdcore.models.llama.Bf16Matrix.pack_gated: SwiGLU in the
-// product's epilogue, never the [M, rows] product in memory); every other kind's product goes through SiluMul.
-// `product` [M, rows]: room for that product.
-void GatedActivations(int64_t kind, const float* X, int64_t M, int64_t K, const paddle::Tensor* w, int64_t rows,
-                      float* product, float* O) {
-  if (kind == kBfloat16) {
-    LinearBf16SwiGluInto(X, M, K, w[kGateUp], rows, w[kGateUpBias], O);
+// Project of `from`'s rows.
+void ProjectRows(int64_t kind, const Rows& from, int64_t M, int64_t K, const paddle::Tensor* w, int slot, int64_t rows,
+                 float* Y) {
+  if (!from.xr) {
+    Project(kind, from.x, M, K, w, slot, rows, Y);
     return;
   }
-  Project(kind, X, M, K, w, kGateUp, rows, product);
-  SiluMulInto(product, M, rows / 2, O);
+  LinearBf16RoundedInto(from.xr, M, K, w[slot], rows, Y);
+  AddBias(w, slot, M, rows, Y);
+}
+
+// The MLP's activations, into `to` [M, rows / 2]: silu(gate) up of `from`'s gate and up products (rows: both
+// together, with their bias): a bfloat16 model's gate_up is gated (fdcore.models.llama.Bf16Matrix.pack_gated: SwiGLU
+// in the product's epilogue, never the [M, rows] product in memory), its activations rounded there for the down
+// product where `to` takes rounded rows; every other kind's product goes through SiluMul. `product` [M, rows]: room
+// for that product.
+void GatedActivations(int64_t kind, const Rows& from, int64_t M, int64_t K, const paddle::Tensor* w, int64_t rows,
+                      float* product, const Rows& to) {
+  if (kind == kBfloat16 && to.xr) {
+    PD_CHECK(from.xr, "decoder_layers: rounded activations from float32 rows");
+    LinearBf16SwiGluRoundedInto(from.xr, M, K, w[kGateUp], rows, w[kGateUpBias], (rows / 2 + 1) / 2 * 2, to.xr);
+  } else if (kind == kBfloat16) {
+    LinearBf16SwiGluInto(from.x, M, K, w[kGateUp], rows, w[kGateUpBias], to.x);
+  } else {
+    ProjectRows(kind, from, M, K, w, kGateUp, rows, product);
+    SiluMulInto(product, M, rows / 2, to.x);
+  }
 }
 
 // The step's intermediate rows, carved out of one allocation (~10 Paddle tensors a layer cost ~25 us of
 // a ~300 us SmolLM2 batch-1 layer, all of it on one thread while the others waited).
 class Workspace {
  public:
-  // widths: of each buffer, per row.
-  Workspace(int64_t rows, const std::vector<int64_t>& widths) {
+  // sizes: of each buffer, in floats.
+  explicit Workspace(const std::vector<int64_t>& sizes) {
     int64_t total = 0;
-    for (int64_t width : widths) {
+    for (int64_t size : sizes) {
       offsets_.push_back(total);
-      total += (rows * width + kAlign - 1) / kAlign * kAlign;
+      total += (size + kAlign - 1) / kAlign * kAlign;
     }
     memory_ = paddle::empty({std::max<int64_t>(total, 1)}, paddle::DataType::FLOAT32, paddle::CPUPlace());
   }
@@ -188,35 +232,48 @@ std::vector<paddle::Tensor> DecoderLayers(const paddle::Tensor& hidden, const pa
   const Group comm(group_segment, group[0], group[1], group[2], group_timeout);
   const int64_t T = hidden.shape()[0], E = hidden.shape()[1];
   const int64_t attn_width = num_heads * (layers > 0 ? v_caches[0].shape()[3] : 0);  // (V: [KVH, NB, BS, D])
-  int64_t qkv_width = 0, gate_up_width = 0;
+  int64_t qkv_width = 0, gate_up_width = 0, narrowest_gate_up = 0;
   for (size_t i = 0; i < layers; ++i) {
     const int64_t* m = meta.data() + i * kMeta;
     PD_CHECK(m[1] == E && m[3] == E, "decoder_layers: o and down must give back the hidden width");
     qkv_width = std::max(qkv_width, m[0]);
     gate_up_width = std::max(gate_up_width, m[2]);
+    narrowest_gate_up = i == 0 ? m[2] : std::min(narrowest_gate_up, m[2]);
   }
   enum Buffer { kSumA, kSumB, kNormed, kQkvOut, kQuery, kAttn, kOut, kGateUpOut, kAct, kLast };
-  const int64_t product_width = kind == kBfloat16 ? 0 : gate_up_width;  // (GatedActivations: none for bfloat16)
-  Workspace ws(T, {E, E, E, qkv_width, attn_width, attn_width, E, product_width, gate_up_width / 2, E});
+  // a bfloat16 model's normed rows and activations are its products' rounded rows (Rows): bfloat16 bits, two a
+  // float, whole tiles of rows (the padding rows zeroed here, once: from where the narrowest layer's start, as
+  // a layer's activations are rows of its own width); no [T, gate_up] product (GatedActivations)
+  const bool rounded = kind == kBfloat16;
+  const int64_t TP = rounded ? Bf16RowsPadded(T) : T, E2 = (E + 1) / 2, I2 = (gate_up_width / 2 + 1) / 2;
+  Workspace ws({T * E, T * E, rounded ? TP * E2 : T * E, T * qkv_width, T * attn_width, T * attn_width, T * E,
+                rounded ? 0 : T * gate_up_width, rounded ? TP * I2 : T * gate_up_width / 2, T * E});
+  Rows normed_rows{ws[kNormed], nullptr}, activations{ws[kAct], nullptr};
+  if (rounded) {
+    normed_rows = {nullptr, reinterpret_cast<uint16_t*>(ws[kNormed])};
+    activations = {nullptr, reinterpret_cast<uint16_t*>(ws[kAct])};
+    std::memset(ws[kNormed] + T * E2, 0, (TP - T) * E2 * sizeof(float));
+    const int64_t narrowest = (narrowest_gate_up / 2 + 1) / 2;
+    std::memset(ws[kAct] + T * narrowest, 0, (TP * I2 - T * narrowest) * sizeof(float));
+  }
   const float* h = hidden.data<float>();
   const float* delta = nullptr;
-  float* x = ws[kNormed];
   for (size_t i = 0; i < layers; ++i) {
     const paddle::Tensor* w = weights.data() + i * kSlots;
     const int64_t* m = meta.data() + i * kMeta;
-    // The residual stream alternates between two rows: AddRmsNormInto's outputs overlap none of its inputs.
-    AddRmsNormInto(h, delta, w[kInNorm].data<float>(), T, E, eps, ws[kSumA], x);
+    // The residual stream alternates between two rows: the norm's outputs overlap none of its inputs.
+    Norm(normed_rows, h, delta, w[kInNorm], T, E, eps, ws[kSumA]);
     h = ws[kSumA];
-    Project(kind, x, T, E, w, kQkv, m[0], ws[kQkvOut]);
+    ProjectRows(kind, normed_rows, T, E, w, kQkv, m[0], ws[kQkvOut]);
     AttentionBlockInto(ws[kQkvOut], T, m[0], cos, sin, slots, k_caches[i], v_caches[i], tables, lengths, w[kQNorm],
                        w[kKNorm], num_heads, scale, m[4], eps, ws[kQuery], ws[kAttn]);
     float* o = ws[kOut];
     Project(kind, ws[kAttn], T, attn_width, w, kO, m[1], o);
     if (comm.active()) comm.AllReduce(o, T * m[1]);
-    AddRmsNormInto(h, o, w[kPostNorm].data<float>(), T, E, eps, ws[kSumB], x);
+    Norm(normed_rows, h, o, w[kPostNorm], T, E, eps, ws[kSumB]);
     h = ws[kSumB];
-    GatedActivations(kind, x, T, E, w, m[2], ws[kGateUpOut], ws[kAct]);
-    Project(kind, ws[kAct], T, m[2] / 2, w, kDown, m[3], o);  // o is spent: the down product reuses it
+    GatedActivations(kind, normed_rows, T, E, w, m[2], ws[kGateUpOut], activations);
+    ProjectRows(kind, activations, T, m[2] / 2, w, kDown, m[3], o);  // o is spent: the down product reuses it
     if (comm.active()) comm.AllReduce(o, T * m[3]);
     delta = o;
   }

@@ -26,6 +26,12 @@
 // product's epilogue (SwiGluOut): a 512-token SmolLM2 bfloat16 prefill, step / GEMM floor 1.26-1.39x -> 1.22-1.28x
 // (1 thread, alternating processes, 3 rounds each), where the [M, 2 I] product went through L3 and a pass of its own.
 //
+// A bfloat16 model's norms and SwiGLU hand their products the rows already rounded (LinearBf16RoundedInto,
+// LinearBf16SwiGluRoundedInto, and paged_attention.cc's AddRmsNormBf16Into; kernels/decoder.cc): the float32 rows
+// never go to memory to be read back and rounded, the SwiGLU's activations are half the bytes, and the bits are
+// those of rounding here (the same RoundToBf16). A 512-token SmolLM2 prefill against the same float32-input product
+// floor (1 thread, alternating processes, 4 rounds): 1.12-1.41x -> 0.90-1.07x; 2 threads 1.09-1.13x -> 1.00-1.06x.
+//
 // The caller checks the CPU's flags (/proc/cpuinfo) before using this; the function carries its own
 // target attribute, so the library builds on any x86-64 compiler and CPU.
 #include <immintrin.h>
@@ -48,23 +54,33 @@ static inline __mmask16 LanesBefore(int64_t first, int64_t end) {
   return first + 16 <= end ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << (end - first)) - 1);
 }
 
-// n float32 values -> bfloat16 bits, rounded to nearest even as every bfloat16 conversion does (a NaN stays a
-// NaN, quieted), 16 lanes at a time in integer steps: bits + 0x7fff + (bit 16), the upper half. Unlike
-// vcvtneps2bf16 it keeps denormals. Shared with paged_attention.cc, whose bfloat16 KV cache is written with it
-// (hidden: a direct call within the library); like every function here, run only where the CPU has AVX512-BF16.
+// 16 float32 values -> bfloat16 bits (in each 32-bit lane's low half), rounded to nearest even as every bfloat16
+// conversion does (a NaN stays a NaN, quieted), in integer steps: bits + 0x7fff + (bit 16), the upper half. Unlike
+// vcvtneps2bf16 it keeps denormals. Every float32 -> bfloat16 rounding of activations and of the KV cache is this
+// one, so a value has the same bits whichever kernel rounds it.
+FDCORE_BF16_TARGET static inline __m512i Bf16Bits(__m512 x) {
+  const __m512i bits = _mm512_castps_si512(x);
+  const __m512i high = _mm512_srli_epi32(bits, 16);
+  const __m512i bias = _mm512_add_epi32(_mm512_and_si512(high, _mm512_set1_epi32(1)), _mm512_set1_epi32(0x7fff));
+  const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(bits, _mm512_set1_epi32(0x7fffffff)),
+                                                _mm512_set1_epi32(0x7f800000));
+  return _mm512_mask_or_epi32(_mm512_srli_epi32(_mm512_add_epi32(bits, bias), 16), nan, high,
+                              _mm512_set1_epi32(0x40));
+}
+
+// n float32 values -> bfloat16 bits (Bf16Bits). Shared with paged_attention.cc, whose bfloat16 KV cache and norms'
+// bfloat16 rows are written with it (hidden: a direct call within the library); like every function here, run only
+// where the CPU has AVX512-BF16.
 __attribute__((visibility("hidden"))) FDCORE_BF16_TARGET void RoundToBf16(const float* x, int64_t n, uint16_t* r) {
   for (int64_t k = 0; k < n; k += 16) {
     const __mmask16 lanes = LanesBefore(k, n);
-    const __m512i bits = _mm512_maskz_loadu_epi32(lanes, x + k);
-    const __m512i high = _mm512_srli_epi32(bits, 16);
-    const __m512i bias = _mm512_add_epi32(_mm512_and_si512(high, _mm512_set1_epi32(1)), _mm512_set1_epi32(0x7fff));
-    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(bits, _mm512_set1_epi32(0x7fffffff)),
-                                                  _mm512_set1_epi32(0x7f800000));
-    const __m512i rounded = _mm512_mask_or_epi32(_mm512_srli_epi32(_mm512_add_epi32(bits, bias), 16), nan, high,
-                                                 _mm512_set1_epi32(0x40));
-    _mm512_mask_cvtepi32_storeu_epi16(r + k, lanes, rounded);
+    _mm512_mask_cvtepi32_storeu_epi16(r + k, lanes, Bf16Bits(_mm512_maskz_loadu_ps(lanes, x + k)));
   }
 }
+
+// The rows a product's rounded X must have (Bf16Rows): M, or for more than a tile's rows, whole tiles of 16 (the AMX
+// path multiplies whole tiles; the padding rows must be zeros or at least finite, and their outputs are dropped).
+__attribute__((visibility("hidden"))) int64_t Bf16RowsPadded(int64_t M) { return M <= 16 ? M : (M + 15) / 16 * 16; }
 
 // Whether the bfloat16 kernel runs on AMX tiles where the CPU has them (default on): a setting for measuring
 // and testing one path against the other, read at each call.
@@ -143,12 +159,15 @@ struct PlainOut {
 };
 
 // SwiGLU: a gated matrix's group g holds the gate's rows 16 g .. 16 g + 15, then the up projection's same rows
-// (fdcore.models.llama.Bf16Matrix.pack_gated); one block silu(gate + its bias) (up + its bias) is stored, Y [M, I].
-// bias: [2 I] (the gate's, then the up projection's), or null. The SwiGLU's own pass over a [M, 2 I] product (its
-// ~6 MB a layer of a 512-token SmolLM2 prompt through L3 and back) goes: the outputs are in registers here.
+// (fdcore.models.llama.Bf16Matrix.pack_gated); one block silu(gate + its bias) (up + its bias) is stored, row m of Y
+// at Y + m stride: float32 [M, I] (stride I), or bfloat16 bits (Bf16Bits) for the down projection to take as they
+// are, rows of `stride` >= I values (its rounded rows: a zero past I). bias: [2 I] (the gate's, then the up
+// projection's), or null. The SwiGLU's own pass over a [M, 2 I] product (its ~6 MB a layer of a 512-token SmolLM2
+// prompt through L3 and back) goes: the outputs are in registers here.
+template <typename T>
 struct SwiGluOut {
-  float* Y;
-  int64_t I;
+  T* Y;
+  int64_t I, stride;
   const float* bias;
   FDCORE_BF16_TARGET void operator()(int64_t m, int64_t g, __m512 gate, __m512 up) const {
     const int64_t first = g * 16;
@@ -157,7 +176,12 @@ struct SwiGluOut {
       gate = _mm512_add_ps(gate, _mm512_maskz_loadu_ps(lanes, bias + first));
       up = _mm512_add_ps(up, _mm512_maskz_loadu_ps(lanes, bias + I + first));
     }
-    StoreBlock(Y + m * I, first, I, SiluTimes(gate, up));
+    if constexpr (sizeof(T) == sizeof(float)) {
+      StoreBlock(Y + m * stride, first, I, SiluTimes(gate, up));
+    } else if (first < stride) {
+      const __m512 value = _mm512_maskz_mov_ps(LanesBefore(first, I), SiluTimes(gate, up));
+      _mm512_mask_cvtepi32_storeu_epi16(Y + m * stride + first, LanesBefore(first, stride), Bf16Bits(value));
+    }
   }
 };
 
@@ -284,28 +308,21 @@ FDCORE_BF16_TARGET __attribute__((target("amx-tile,amx-bf16"))) void LinearTiles
 }
 #endif
 
-// X [M, K] times the packed W's G groups, each group's outputs to `out` (PlainOut, SwiGluOut).
+// X's rounded rows Xr [Bf16RowsPadded(M), 2 KP] (RoundRows' layout; the padding rows zeros) times the packed W's G
+// groups, each group's outputs to `out` (PlainOut, SwiGluOut).
 template <typename Out>
-FDCORE_BF16_TARGET void Linear(const float* X, int64_t M, int64_t K, const uint16_t* Wp, int64_t G, int64_t KP,
-                               const Out& out) {
-  thread_local std::vector<uint16_t> rounded;
+FDCORE_BF16_TARGET void LinearRounded(const uint16_t* Xr, int64_t M, int64_t KP, const uint16_t* Wp, int64_t G,
+                                      const Out& out) {
   // Groups of output rows are split across the OpenMP threads (OMP_NUM_THREADS): each streams its
   // own share of W, which is what lets one sequence's decoding use more than one core's bandwidth.
-  const bool parallel = G > 1 && M * G * kGroup * K >= (1 << 18);
+  const bool parallel = G > 1 && M * G * kGroup * KP * 2 >= (1 << 18);
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
   if (UseAmx(KP)) {
-    // whole tiles of rows: the padding rows are zeros (their outputs are computed and dropped)
-    const int64_t padded = M <= kTileRows ? M : (M + kTileRows - 1) / kTileRows * kTileRows;
-    rounded.resize(padded * KP * 2);
-    RoundRows(X, M, K, KP, rounded.data());
-    std::memset(rounded.data() + M * KP * 2, 0, (padded - M) * KP * 2 * sizeof(uint16_t));
-    LinearTiles(rounded.data(), M, KP, Wp, G, out, parallel);
+    LinearTiles(Xr, M, KP, Wp, G, out, parallel);
     return;
   }
 #endif
-  rounded.resize(M * KP * 2);  // every value is written (RoundRows): no clearing pass
-  RoundRows(X, M, K, KP, rounded.data());
-  const auto* Xp = reinterpret_cast<const uint32_t*>(rounded.data());
+  const auto* Xp = reinterpret_cast<const uint32_t*>(Xr);
   const int64_t group_size = KP * kGroup * 2;
 #pragma omp parallel for schedule(static) if (parallel)
   for (int64_t g = 0; g < G; ++g) {
@@ -315,6 +332,18 @@ FDCORE_BF16_TARGET void Linear(const float* X, int64_t M, int64_t K, const uint1
     for (; m0 + 4 <= M; m0 += 4) GroupRows<4>(Xp, KP, Wg, g, m0, out);
     for (; m0 < M; ++m0) GroupRows<1>(Xp, KP, Wg, g, m0, out);
   }
+}
+
+// X [M, K] float32 rounded (RoundRows, into a buffer of this thread's), then LinearRounded.
+template <typename Out>
+FDCORE_BF16_TARGET void Linear(const float* X, int64_t M, int64_t K, const uint16_t* Wp, int64_t G, int64_t KP,
+                               const Out& out) {
+  thread_local std::vector<uint16_t> rounded;
+  const int64_t padded = Bf16RowsPadded(M);
+  rounded.resize(padded * KP * 2);
+  RoundRows(X, M, K, KP, rounded.data());
+  std::memset(rounded.data() + M * KP * 2, 0, (padded - M) * KP * 2 * sizeof(uint16_t));
+  LinearRounded(rounded.data(), M, KP, Wp, G, out);
 }
 
 }  // namespace
@@ -347,38 +376,94 @@ void LinearBf16Into(const float* X, int64_t M, int64_t K, const paddle::Tensor& 
   Linear(X, M, K, static_cast<const uint16_t*>(w.data()), G, w.shape()[1], PlainOut{Y, rows});
 }
 
+// The SwiGLU's checks (rows: 2 I, the gate's and the up projection's; bias [2 I] or empty) and its bias, or null.
+static const float* SwiGluBias(const paddle::Tensor& w, int64_t G, int64_t rows, const paddle::Tensor& bias) {
+  const int64_t I = rows / 2;
+  PD_CHECK(rows % 2 == 0 && I > G * 16 - 16 && I <= G * 16, "linear_bf16_swiglu: rows does not fit the packed groups");
+  PD_CHECK(bias.numel() == 0 || bias.numel() == rows, "linear_bf16_swiglu: bias width != rows");
+  return bias.numel() > 0 ? bias.data<float>() : nullptr;
+}
+
 // The SwiGLU of a gated matrix (SwiGluOut): Y [M, rows / 2] = silu(X gate^T + gate bias) (X up^T + up bias), rows
 // the gate's and the up projection's together (2 I); bias [2 I] (the gate's, then the up projection's), or an empty
 // tensor for none.
 void LinearBf16SwiGluInto(const float* X, int64_t M, int64_t K, const paddle::Tensor& w, int64_t rows,
                           const paddle::Tensor& bias, float* Y) {
-  const int64_t G = PackedGroups(w, K), I = rows / 2;
-  PD_CHECK(rows % 2 == 0 && I > G * 16 - 16 && I <= G * 16, "linear_bf16_swiglu: rows does not fit the packed groups");
-  PD_CHECK(bias.numel() == 0 || bias.numel() == rows, "linear_bf16_swiglu: bias width != rows");
-  const float* b = bias.numel() > 0 ? bias.data<float>() : nullptr;
-  Linear(X, M, K, static_cast<const uint16_t*>(w.data()), G, w.shape()[1], SwiGluOut{Y, I, b});
+  const int64_t G = PackedGroups(w, K);
+  const float* b = SwiGluBias(w, G, rows, bias);
+  Linear(X, M, K, static_cast<const uint16_t*>(w.data()), G, w.shape()[1], SwiGluOut<float>{Y, rows / 2, rows / 2, b});
 }
 
+// The same two products of X already rounded: Xr [Bf16RowsPadded(M), 2 KP] bfloat16 bits (RoundRows' layout, the
+// padding rows zeros; KP = (K + 1) / 2), as a norm that rounds its own output gives them (AddRmsNormBf16Into).
+void LinearBf16RoundedInto(const uint16_t* Xr, int64_t M, int64_t K, const paddle::Tensor& w, int64_t rows, float* Y) {
+  const int64_t G = PackedGroups(w, K);
+  PD_CHECK(rows > G * kGroup - kGroup && rows <= G * kGroup, "linear_bf16: rows does not fit the packed groups");
+  LinearRounded(Xr, M, w.shape()[1], static_cast<const uint16_t*>(w.data()), G, PlainOut{Y, rows});
+}
+
+// ... and the SwiGLU's activations as bfloat16 bits, rows of `stride` >= rows / 2 values (a zero past rows / 2):
+// the down projection's rounded X as it is (stride 2 ((I + 1) / 2)). Rows M .. of Yr are left as they are.
+void LinearBf16SwiGluRoundedInto(const uint16_t* Xr, int64_t M, int64_t K, const paddle::Tensor& w, int64_t rows,
+                                 const paddle::Tensor& bias, int64_t stride, uint16_t* Yr) {
+  const int64_t G = PackedGroups(w, K);
+  const float* b = SwiGluBias(w, G, rows, bias);
+  PD_CHECK(stride >= rows / 2, "linear_bf16_swiglu: rows of ", stride, " values cannot hold ", rows / 2);
+  LinearRounded(Xr, M, w.shape()[1], static_cast<const uint16_t*>(w.data()), G,
+                SwiGluOut<uint16_t>{Yr, rows / 2, stride, b});
+}
+
+// x [M, K] bfloat16 as a product's rounded rows: x's own memory where it is laid out so (K even, M a whole number of
+// tiles or at most one), else a copy padded so in this thread's `copy`.
+static const uint16_t* RoundedRows(const paddle::Tensor& x, std::vector<uint16_t>& copy) {
+  const int64_t M = x.shape()[0], K = x.shape()[1], width = (K + 1) / 2 * 2, padded = Bf16RowsPadded(M);
+  const auto* bits = static_cast<const uint16_t*>(x.data());
+  if (width == K && padded == M) return bits;
+  copy.assign(padded * width, 0);
+  for (int64_t m = 0; m < M; ++m) std::memcpy(copy.data() + m * width, bits + m * K, K * sizeof(uint16_t));
+  return copy.data();
+}
+
+// x float32, or bfloat16 taken as it is (a caller's activations already rounded: LinearBf16RoundedInto).
 std::vector<paddle::Tensor> LinearBf16(const paddle::Tensor& x, const paddle::Tensor& w, int64_t rows) {
-  PD_CHECK(x.dtype() == paddle::DataType::FLOAT32, "linear_bf16: x must be float32");
-  const int64_t M = x.shape()[0];
+  const bool rounded = x.dtype() == paddle::DataType::BFLOAT16;
+  PD_CHECK(rounded || x.dtype() == paddle::DataType::FLOAT32, "linear_bf16: x must be float32 or bfloat16");
+  const int64_t M = x.shape()[0], K = x.shape()[1];
   auto y = paddle::empty({M, rows}, paddle::DataType::FLOAT32, paddle::CPUPlace());
-  LinearBf16Into(x.data<float>(), M, x.shape()[1], w, rows, y.data<float>());
+  if (rounded) {
+    thread_local std::vector<uint16_t> copy;
+    LinearBf16RoundedInto(RoundedRows(x, copy), M, K, w, rows, y.data<float>());
+  } else {
+    LinearBf16Into(x.data<float>(), M, K, w, rows, y.data<float>());
+  }
   return {y};
+}
+
+std::vector<paddle::DataType> Float32Out(const paddle::DataType&, const paddle::DataType&) {
+  return {paddle::DataType::FLOAT32};
 }
 
 PD_BUILD_OP(fdcore_linear_bf16)
     .Inputs({"X", "W"})
     .Outputs({"Y"})
     .Attrs({"rows: int64_t"})
-    .SetKernelFn(PD_KERNEL(LinearBf16));
+    .SetKernelFn(PD_KERNEL(LinearBf16))
+    .SetInferDtypeFn(PD_INFER_DTYPE(Float32Out));
 
+// x float32: float32 activations out; x bfloat16 (already rounded): bfloat16 activations out, as the down
+// projection takes them (LinearBf16SwiGluRoundedInto).
 std::vector<paddle::Tensor> LinearBf16SwiGlu(const paddle::Tensor& x, const paddle::Tensor& w,
                                              const paddle::Tensor& bias, int64_t rows) {
-  PD_CHECK(x.dtype() == paddle::DataType::FLOAT32, "linear_bf16_swiglu: x must be float32");
-  const int64_t M = x.shape()[0];
-  auto y = paddle::empty({M, rows / 2}, paddle::DataType::FLOAT32, paddle::CPUPlace());
-  LinearBf16SwiGluInto(x.data<float>(), M, x.shape()[1], w, rows, bias, y.data<float>());
+  const bool rounded = x.dtype() == paddle::DataType::BFLOAT16;
+  PD_CHECK(rounded || x.dtype() == paddle::DataType::FLOAT32, "linear_bf16_swiglu: x must be float32 or bfloat16");
+  const int64_t M = x.shape()[0], K = x.shape()[1], I = rows / 2;
+  auto y = paddle::empty({M, I}, x.dtype(), paddle::CPUPlace());
+  if (rounded) {
+    thread_local std::vector<uint16_t> copy;
+    LinearBf16SwiGluRoundedInto(RoundedRows(x, copy), M, K, w, rows, bias, I, static_cast<uint16_t*>(y.data()));
+  } else {
+    LinearBf16SwiGluInto(x.data<float>(), M, K, w, rows, bias, y.data<float>());
+  }
   return {y};
 }
 
