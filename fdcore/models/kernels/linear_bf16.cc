@@ -45,6 +45,7 @@
 #include <vector>
 
 #include "exp2_bf16.h"
+#include "line_buffer.h"
 #include "paddle/extension.h"
 
 #define FDCORE_BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512dq,avx512bf16")))
@@ -334,16 +335,17 @@ FDCORE_BF16_TARGET void LinearRounded(const uint16_t* Xr, int64_t M, int64_t KP,
   }
 }
 
-// X [M, K] float32 rounded (RoundRows, into a buffer of this thread's), then LinearRounded.
+// X [M, K] float32 rounded (RoundRows, into a buffer of this thread's, on lines: the tiles load its rows), then
+// LinearRounded.
 template <typename Out>
 FDCORE_BF16_TARGET void Linear(const float* X, int64_t M, int64_t K, const uint16_t* Wp, int64_t G, int64_t KP,
                                const Out& out) {
-  thread_local std::vector<uint16_t> rounded;
+  thread_local LineBuffer<uint16_t> buffer;
   const int64_t padded = Bf16RowsPadded(M);
-  rounded.resize(padded * KP * 2);
-  RoundRows(X, M, K, KP, rounded.data());
-  std::memset(rounded.data() + M * KP * 2, 0, (padded - M) * KP * 2 * sizeof(uint16_t));
-  LinearRounded(rounded.data(), M, KP, Wp, G, out);
+  uint16_t* const rounded = buffer.Get(padded * KP * 2);
+  RoundRows(X, M, K, KP, rounded);
+  std::memset(rounded + M * KP * 2, 0, (padded - M) * KP * 2 * sizeof(uint16_t));
+  LinearRounded(rounded, M, KP, Wp, G, out);
 }
 
 }  // namespace
@@ -415,13 +417,14 @@ void LinearBf16SwiGluRoundedInto(const uint16_t* Xr, int64_t M, int64_t K, const
 
 // x [M, K] bfloat16 as a product's rounded rows: x's own memory where it is laid out so (K even, M a whole number of
 // tiles or at most one), else a copy padded so in this thread's `copy`.
-static const uint16_t* RoundedRows(const paddle::Tensor& x, std::vector<uint16_t>& copy) {
+static const uint16_t* RoundedRows(const paddle::Tensor& x, LineBuffer<uint16_t>& copy) {
   const int64_t M = x.shape()[0], K = x.shape()[1], width = (K + 1) / 2 * 2, padded = Bf16RowsPadded(M);
   const auto* bits = static_cast<const uint16_t*>(x.data());
   if (width == K && padded == M) return bits;
-  copy.assign(padded * width, 0);
-  for (int64_t m = 0; m < M; ++m) std::memcpy(copy.data() + m * width, bits + m * K, K * sizeof(uint16_t));
-  return copy.data();
+  uint16_t* const rows = copy.Get(padded * width);
+  std::memset(rows, 0, padded * width * sizeof(uint16_t));
+  for (int64_t m = 0; m < M; ++m) std::memcpy(rows + m * width, bits + m * K, K * sizeof(uint16_t));
+  return rows;
 }
 
 // x float32, or bfloat16 taken as it is (a caller's activations already rounded: LinearBf16RoundedInto).
@@ -431,7 +434,7 @@ std::vector<paddle::Tensor> LinearBf16(const paddle::Tensor& x, const paddle::Te
   const int64_t M = x.shape()[0], K = x.shape()[1];
   auto y = paddle::empty({M, rows}, paddle::DataType::FLOAT32, paddle::CPUPlace());
   if (rounded) {
-    thread_local std::vector<uint16_t> copy;
+    thread_local LineBuffer<uint16_t> copy;
     LinearBf16RoundedInto(RoundedRows(x, copy), M, K, w, rows, y.data<float>());
   } else {
     LinearBf16Into(x.data<float>(), M, K, w, rows, y.data<float>());
@@ -459,7 +462,7 @@ std::vector<paddle::Tensor> LinearBf16SwiGlu(const paddle::Tensor& x, const padd
   const int64_t M = x.shape()[0], K = x.shape()[1], I = rows / 2;
   auto y = paddle::empty({M, I}, x.dtype(), paddle::CPUPlace());
   if (rounded) {
-    thread_local std::vector<uint16_t> copy;
+    thread_local LineBuffer<uint16_t> copy;
     LinearBf16SwiGluRoundedInto(RoundedRows(x, copy), M, K, w, rows, bias, I, static_cast<uint16_t*>(y.data()));
   } else {
     LinearBf16SwiGluInto(x.data<float>(), M, K, w, rows, bias, y.data<float>());

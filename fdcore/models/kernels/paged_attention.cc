@@ -17,6 +17,7 @@
 #include <utility>
 #include <vector>
 
+#include "line_buffer.h"
 #include "paddle/extension.h"
 
 // linear_int8.cc: whether a loop over independent rows is shared out over the threads
@@ -637,14 +638,12 @@ __attribute__((target("amx-tile,amx-bf16"))) static void AttendRowsTiles(
     const int64_t* table, int64_t L0, float* O, int64_t row_stride, RunLayout run) {
   constexpr int64_t D = DC * 16;
   const int64_t N = R * G, last = L0 + R - 1, padded = (last + 31) / 32 * 32;
-  thread_local std::vector<float> scores;
-  thread_local std::vector<uint16_t> weights;
+  thread_local LineBuffer<float> scores;  // (on lines: the tiles store and load rows of 64 bytes)
+  thread_local LineBuffer<uint16_t> weights;
   // rows past N in the tiles (query rows, weights) are left as they are: a tile row's results are its own, and
   // those rows' are never read
-  scores.resize(kQueryTile * padded);
-  weights.resize(kQueryTile * padded);
-  float* const score = scores.data();  // (thread_local: looked up once, not at every use)
-  uint16_t* const weight = weights.data();
+  float* const score = scores.Get(kQueryTile * padded);  // (thread_local: looked up once, not at every use)
+  uint16_t* const weight = weights.Get(kQueryTile * padded);
   // the query rows rounded to bfloat16 as AttendHeadsBf16's q: as A tiles ([D / 32][16 query rows][32 dims]) where
   // the keys are laid out, else as B tiles ([D / 32][16 pairs of dims][16 query rows][2])
   alignas(64) uint16_t queries[D / 32][16][kQueryTile][2];
@@ -1026,10 +1025,8 @@ static void AttendRowsInTiles(const float* Q, int64_t B, int64_t H, int64_t D, c
     b = end;
   }
   units.push_back(B);
-  thread_local std::vector<uint16_t> memory;  // (the calling thread's: grown, never shrunk, across layers)
-  memory.resize(words + 32);
-  uint16_t* const layout =  // 64-byte aligned, as the laying out stores
-      reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(memory.data()) + 63) & ~uintptr_t{63});
+  thread_local LineBuffer<uint16_t> memory;  // (the calling thread's, across layers; on lines, as the laying out stores)
+  uint16_t* const layout = memory.Get(words);
   const auto keys_laid_out = [&](const Run& r, int64_t kvh) {  // (its values follow, padded_keys(r.keys) D words on)
     return layout + r.offset + kvh * 2 * padded_keys(r.keys) * D;
   };
@@ -1112,15 +1109,15 @@ static void AttendRows(const float* Q, int64_t B, int64_t H, int64_t D, const vo
         const int64_t u = task / KVH, head = task % KVH * G, b = units[u], L = LEN[b] - FirstKey(LEN[b], window);
         const float* K0 = static_cast<const float*>(K);
         const float* V0 = static_cast<const float*>(V);
-        thread_local std::vector<float> scores;
-        scores.resize(2 * kMostHeads * (L + 1));
+        thread_local LineBuffer<float> scores;
+        float* const score = scores.Get(2 * kMostHeads * (L + 1));
         if (units[u + 1] - b == 1) {
           AttendTask(Q + (b * H + head) * D, G, D, K0, V0, head / G * NB * BS, BS, T + b * W, LEN[b] - L, L,
-                     scores.data(), O + (b * H + head) * D);
+                     score, O + (b * H + head) * D);
           continue;
         }
         AttendPair(Q + (b * H + head) * D, Q + ((b + 1) * H + head) * D, G, D, K0, V0, head / G * NB * BS, BS, T + b * W,
-                   L, scores.data(), scores.data() + kMostHeads * L, O + (b * H + head) * D, O + ((b + 1) * H + head) * D);
+                   L, score, score + kMostHeads * L, O + (b * H + head) * D, O + ((b + 1) * H + head) * D);
       }
       return;
     }
@@ -1137,20 +1134,19 @@ static void AttendRows(const float* Q, int64_t B, int64_t H, int64_t D, const vo
   for (int64_t task = 0; task < tasks; ++task) {
     const int64_t b = task * heads / H, head = task * heads % H, end = LEN[b];
     const int64_t first = FirstKey(end, window);
-    thread_local std::vector<float> scores;
-    scores.resize(std::max<int64_t>(heads, kMostHeads) * (end - first));
+    thread_local LineBuffer<float> scores;
+    float* const score = scores.Get(std::max<int64_t>(heads, kMostHeads) * (end - first));
 #if defined(FDCORE_ATTENTION_BF16)
     if (bf16) {
-      thread_local std::vector<uint16_t> weights;
-      weights.resize(std::max<int64_t>(heads, kMostHeads) * (end - first + 1));
+      thread_local LineBuffer<uint16_t> weights;
       AttendOneBf16(Q + (b * H + head) * D, heads, D, static_cast<const uint16_t*>(K), static_cast<const uint16_t*>(V),
-                    head / G * NB * BS, BS, T + b * W, first, end - first, scores.data(), weights.data(),
-                    O + (b * H + head) * D);
+                    head / G * NB * BS, BS, T + b * W, first, end - first, score,
+                    weights.Get(std::max<int64_t>(heads, kMostHeads) * (end - first + 1)), O + (b * H + head) * D);
       continue;
     }
 #endif
     AttendTask(Q + (b * H + head) * D, heads, D, static_cast<const float*>(K), static_cast<const float*>(V),
-               head / G * NB * BS, BS, T + b * W, first, end - first, scores.data(), O + (b * H + head) * D);
+               head / G * NB * BS, BS, T + b * W, first, end - first, score, O + (b * H + head) * D);
   }
 }
 
