@@ -628,40 +628,117 @@ struct RunLayout {
   const uint16_t* vi;
 };
 
+// The scores of two tiles of query rows (tiles 2, 3: the first's dims 0-31, 32-63; 4, 5: the second's) against keys
+// laid out (RunLayout) 16 at a time (tiles 6, 7: their two 32-dim halves; 0, 1: the two tiles' scores), as rows of
+// `score` (the second tile's from row 16), each key's chunk loaded once for both: the two tiles together load half
+// the keys from L2 that they did one after the other. The same tile products as one tile's (AttendRowsTiles).
+template <int DC>
+__attribute__((target("amx-tile,amx-bf16"))) static inline void PairScores(uint16_t (*query_rows)[2 * 16][32],
+                                                                          const uint16_t* kt, int64_t last,
+                                                                          int64_t padded, float* score) {
+  constexpr int64_t D = DC * 16;
+  _tile_loadd(2, query_rows[0][0], 64);
+  _tile_loadd(4, query_rows[0][16], 64);
+  if (D == 64) {
+    _tile_loadd(3, query_rows[1][0], 64);
+    _tile_loadd(5, query_rows[1][16], 64);
+  }
+  for (int64_t l = 0; l < last; l += 16) {
+    const uint16_t* keys = kt + l * D;
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_loadd(6, keys, 64);
+    _tile_dpbf16ps(0, 2, 6);
+    _tile_dpbf16ps(1, 4, 6);
+    if (D == 64) {
+      _tile_loadd(7, keys + 512, 64);
+      _tile_dpbf16ps(0, 3, 7);
+      _tile_dpbf16ps(1, 5, 7);
+    }
+    _tile_stored(0, score + l, padded * 4);
+    _tile_stored(1, score + 16 * padded + l, padded * 4);
+  }
+}
+
+// o [2][DC][16 rows x 16 dims] of two tiles of query rows: their weights (rows of `weight`, the second tile's from row
+// 16; tiles 4, 5) times the values laid out (tiles 6, 7), two 16-dim chunks a pass over the keys (tiles 0, 1: the
+// first tile's, 2, 3: the second's). Each o tile sums the same products in the same key order as one tile's
+// (WeightedValues), so the same bits; each chunk of values is loaded once for both tiles.
+template <int DC>
+__attribute__((target("amx-tile,amx-bf16"))) static inline void PairWeightedValues(const uint16_t* weight,
+                                                                                  int64_t padded, const uint16_t* vi,
+                                                                                  int64_t last, float (*o)[DC][256]) {
+  constexpr int64_t D = DC * 16;
+  for (int c = 0; c < DC; c += 2) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t l = 0; l < last; l += 32) {
+      const uint16_t* values = vi + l * D + c * 512;
+      _tile_loadd(4, weight + l, padded * 2);
+      _tile_loadd(5, weight + 16 * padded + l, padded * 2);
+      _tile_loadd(6, values, 64);
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_loadd(7, values + 512, 64);
+      _tile_dpbf16ps(1, 4, 7);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+    _tile_stored(0, o[0][c], 64);
+    _tile_stored(1, o[0][c + 1], 64);
+    _tile_stored(2, o[1][c], 64);
+    _tile_stored(3, o[1][c + 1], 64);
+  }
+}
+
 // Rows b .. b + R - 1 (consecutive positions of one sequence, each seeing one key more) of KV head kvh: its G query
-// heads each, n = r G + g. D / 16 = DC o tiles. `run`: the keys and values already laid out (RunLayout), or nulls:
-// laid out here as they are needed (scores: the keys straight from the cache as A tiles, the query rows' dims
-// in pairs as B tiles, and a gather a query row turns them to rows).
+// heads each, position r's head g in tile r / P at row (r % P) G + g, P = per_tile positions a tile (16 / G at
+// most); one tile, or two where the keys and values are laid out (PairScores, PairWeightedValues). D / 16 = DC o
+// tiles. `run`: the keys and values already laid out (RunLayout), or nulls: laid out here as they are needed
+// (scores: the keys straight from the cache as A tiles, the query rows' dims in pairs as B tiles, and a gather a
+// query row turns them to rows). A row's bits are the same in either tile, alone or paired. Two tiles at a time: a
+// 512-token SmolLM2 attention op (1 thread, one tile a task or two alternating call by call in one process) 0.89-0.94x
+// the time, the rest of a pair's work (scores, softmax) as before.
 template <int DC>
 __attribute__((target("amx-tile,amx-bf16"))) static void AttendRowsTiles(
-    const float* Q, int64_t G, int64_t R, const uint16_t* K, const uint16_t* V, int64_t kv_base, int64_t BS,
-    const int64_t* table, int64_t L0, float* O, int64_t row_stride, RunLayout run) {
+    const float* Q, int64_t G, int64_t R, int64_t per_tile, const uint16_t* K, const uint16_t* V, int64_t kv_base,
+    int64_t BS, const int64_t* table, int64_t L0, float* O, int64_t row_stride, RunLayout run) {
   constexpr int64_t D = DC * 16;
-  const int64_t N = R * G, last = L0 + R - 1, padded = (last + 31) / 32 * 32;
+  const int tiles = R > per_tile ? 2 : 1;
+  const int64_t last = L0 + R - 1, padded = (last + 31) / 32 * 32;
   thread_local LineBuffer<float> scores;  // (on lines: the tiles store and load rows of 64 bytes)
   thread_local LineBuffer<uint16_t> weights;
-  // rows past N in the tiles (query rows, weights) are left as they are: a tile row's results are its own, and
-  // those rows' are never read
-  float* const score = scores.Get(kQueryTile * padded);  // (thread_local: looked up once, not at every use)
-  uint16_t* const weight = weights.Get(kQueryTile * padded);
-  // the query rows rounded to bfloat16 as AttendHeadsBf16's q: as A tiles ([D / 32][16 query rows][32 dims]) where
+  // rows of a tile past its query rows (query rows, weights) are left as they are: a tile row's results are its
+  // own, and those rows' are never read
+  float* const score = scores.Get(tiles * kQueryTile * padded);  // (thread_local: looked up once, not at every use)
+  uint16_t* const weight = weights.Get(tiles * kQueryTile * padded);
+  int64_t rows_of[2] = {std::min(R, per_tile) * G, (R - std::min(R, per_tile)) * G};  // query rows in each tile
+  const auto source = [&](int t, int64_t i) {  // tile t's row i: its query's (and output's) place in Q (O)
+    return (t * per_tile + i / G) * row_stride + (i % G) * D;
+  };
+  // the query rows rounded to bfloat16 as AttendHeadsBf16's q: as A tiles ([D / 32][tile rows][32 dims]) where
   // the keys are laid out, else as B tiles ([D / 32][16 pairs of dims][16 query rows][2])
   alignas(64) uint16_t queries[D / 32][16][kQueryTile][2];
-  alignas(64) uint16_t query_rows[D / 32][kQueryTile][32] = {};
-  for (int64_t n = 0; n < N; ++n) {
-    const float* q = Q + (n / G) * row_stride + (n % G) * D;
-    for (int64_t c = 0; c < D / 32; ++c) {
-      const __m512bh pair = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(q + 32 * c + 16), _mm512_loadu_ps(q + 32 * c));
-      _mm512_store_si512(query_rows[c][n], (__m512i)pair);
-    }
-    if (run.kt) continue;
-    for (int64_t c = 0; c < D / 32; ++c)
-      for (int p = 0; p < 16; ++p) {
-        queries[c][p][n][0] = query_rows[c][n][2 * p];
-        queries[c][p][n][1] = query_rows[c][n][2 * p + 1];
+  alignas(64) uint16_t query_rows[D / 32][2 * kQueryTile][32] = {};
+  for (int t = 0; t < tiles; ++t)
+    for (int64_t i = 0; i < rows_of[t]; ++i) {
+      const float* q = Q + source(t, i);
+      for (int64_t c = 0; c < D / 32; ++c) {
+        const __m512bh pair = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(q + 32 * c + 16), _mm512_loadu_ps(q + 32 * c));
+        _mm512_store_si512(query_rows[c][t * kQueryTile + i], (__m512i)pair);
       }
-  }
-  if (run.kt) {
+    }
+  if (!run.kt)
+    for (int64_t c = 0; c < D / 32; ++c)
+      for (int p = 0; p < 16; ++p)
+        for (int64_t n = 0; n < rows_of[0]; ++n) {
+          queries[c][p][n][0] = query_rows[c][n][2 * p];
+          queries[c][p][n][1] = query_rows[c][n][2 * p + 1];
+        }
+  if (tiles == 2) {
+    PairScores<DC>(query_rows, run.kt, last, padded, score);
+  } else if (run.kt) {
     _tile_loadd(2, query_rows[0], 64);
     if (D == 64) _tile_loadd(3, query_rows[1], 64);
     for (int64_t l = 0; l < last; l += 32) {  // scores of 16 query rows x 16 keys, twice, stored as rows
@@ -697,39 +774,49 @@ __attribute__((target("amx-tile,amx-bf16"))) static void AttendRowsTiles(
         _tile_dpbf16ps(0, 5, 3);
       }
       _tile_stored(0, block, 64);
-      for (int64_t n = 0; n < N; ++n)
+      for (int64_t n = 0; n < rows_of[0]; ++n)
         _mm512_storeu_ps(score + n * padded + l, _mm512_i32gather_ps(across, block + n, 4));
     }
   }
-  __m512 inverse[kQueryTile];
-  int64_t lengths[kQueryTile];
-  for (int64_t n = 0; n < N; ++n) lengths[n] = L0 + n / G;
-  Bf16Weights(static_cast<int>(N), score, padded, lengths, padded, weight, padded, inverse);
-  for (int64_t n = 0; n < N; ++n)  // weights of exactly 0 for the keys it does not see
-    std::fill(weight + n * padded + (lengths[n] + 15) / 16 * 16, weight + (n + 1) * padded, uint16_t{0});
-  _tile_zero(0);  // (tile numbers are immediates: no loop)
-  _tile_zero(1);
-  if (DC == 4) {
-    _tile_zero(2);
-    _tile_zero(3);
+  __m512 inverse[2][kQueryTile];
+  for (int t = 0; t < tiles; ++t) {
+    int64_t lengths[kQueryTile];
+    for (int64_t i = 0; i < rows_of[t]; ++i) lengths[i] = L0 + t * per_tile + i / G;
+    float* const tile_score = score + t * kQueryTile * padded;
+    uint16_t* const tile_weight = weight + t * kQueryTile * padded;
+    Bf16Weights(static_cast<int>(rows_of[t]), tile_score, padded, lengths, padded, tile_weight, padded, inverse[t]);
+    for (int64_t i = 0; i < rows_of[t]; ++i)  // weights of exactly 0 for the keys it does not see
+      std::fill(tile_weight + i * padded + (lengths[i] + 15) / 16 * 16, tile_weight + (i + 1) * padded, uint16_t{0});
   }
-  alignas(64) uint16_t values[DC * 512];
-  for (int64_t l = 0; l < last; l += 32) {
-    const uint16_t* chunk = run.vi ? run.vi + l * D : values;
-    if (!run.vi) InterleaveValues<DC>(V, kv_base, BS, table, l, last, values);
-    WeightedValues<DC>(weight + l, padded * 2, chunk);
+  alignas(64) float o[2][DC][kQueryTile * 16];
+  if (tiles == 2) {
+    PairWeightedValues<DC>(weight, padded, run.vi, last, o);
+  } else {
+    _tile_zero(0);  // (tile numbers are immediates: no loop)
+    _tile_zero(1);
+    if (DC == 4) {
+      _tile_zero(2);
+      _tile_zero(3);
+    }
+    alignas(64) uint16_t values[DC * 512];
+    for (int64_t l = 0; l < last; l += 32) {
+      const uint16_t* chunk = run.vi ? run.vi + l * D : values;
+      if (!run.vi) InterleaveValues<DC>(V, kv_base, BS, table, l, last, values);
+      WeightedValues<DC>(weight + l, padded * 2, chunk);
+    }
+    _tile_stored(0, o[0][0], 64);
+    _tile_stored(1, o[0][1], 64);
+    if (DC == 4) {
+      _tile_stored(2, o[0][2], 64);
+      _tile_stored(3, o[0][3], 64);
+    }
   }
-  alignas(64) float o[DC][kQueryTile * 16];
-  _tile_stored(0, o[0], 64);
-  _tile_stored(1, o[1], 64);
-  if (DC == 4) {
-    _tile_stored(2, o[2], 64);
-    _tile_stored(3, o[3], 64);
-  }
-  for (int64_t n = 0; n < N; ++n) {
-    float* out = O + (n / G) * row_stride + (n % G) * D;
-    for (int c = 0; c < DC; ++c) _mm512_storeu_ps(out + 16 * c, _mm512_mul_ps(_mm512_loadu_ps(o[c] + n * 16), inverse[n]));
-  }
+  for (int t = 0; t < tiles; ++t)
+    for (int64_t i = 0; i < rows_of[t]; ++i) {
+      float* out = O + source(t, i);
+      for (int c = 0; c < DC; ++c)
+        _mm512_storeu_ps(out + 16 * c, _mm512_mul_ps(_mm512_loadu_ps(o[t][c] + i * 16), inverse[t][i]));
+    }
 }
 #endif
 #endif
@@ -1014,8 +1101,10 @@ static void AttendRowsInTiles(const float* Q, int64_t B, int64_t H, int64_t D, c
     int64_t end = b + 1;
     while (end < B && Pairable(end - 1, BS, T, W, LEN, window)) ++end;
     const int64_t per_unit = kQueryTile / G, run_units = (end - b + per_unit - 1) / per_unit;
-    for (int64_t u = 0; u < run_units; ++u) {
-      units.push_back(b + u * per_unit);
+    // a laid-out run's units go two tiles at a time (AttendRowsTiles: the keys and values loaded once for both)
+    const int64_t step = run_units > 1 ? 2 * per_unit : per_unit;
+    for (int64_t first = b; first < end; first += step) {
+      units.push_back(first);
       unit_run.push_back(run_units > 1 ? static_cast<int64_t>(laid_out.size()) : -1);
     }
     if (run_units > 1) {
@@ -1061,7 +1150,7 @@ static void AttendRowsInTiles(const float* Q, int64_t B, int64_t H, int64_t D, c
         run.vi = run.kt + padded_keys(r.keys) * D;
       }
       // the last row's table: every row's blocks are its (Pairable)
-      attend(Q + (b * H + head) * D, G, R, K, V, head / G * NB * BS, BS, T + (b + R - 1) * W, LEN[b],
+      attend(Q + (b * H + head) * D, G, R, kQueryTile / G, K, V, head / G * NB * BS, BS, T + (b + R - 1) * W, LEN[b],
              O + (b * H + head) * D, H * D, run);
     }
     _tile_release();
