@@ -92,6 +92,31 @@ def test_the_gated_kernel_is_silu_of_the_gate_times_up(bf16_path, m, k, inner, b
         np.testing.assert_array_equal(got[i], alone[0])
 
 
+@pytest.mark.parametrize("m, k, inner", [(1, 64, 24), (5, 33, 17), (16, 96, 40), (40, 64, 8), (70, 128, 50)])
+def test_rows_already_rounded_give_the_float32_rows_bits(bf16_path, m, k, inner):
+    """The products of x given as bfloat16 (rows already rounded, as the one-call decoder's norms and SwiGLU hand
+    them on) equal those of x given as float32 and rounded in the kernel, to the bit: x's own memory where its rows
+    are the kernel's layout (an even K, whole tiles of rows), a padded copy where not (an odd K, 5, 40 or 70 rows);
+    the gated product of bfloat16 rows gives its activations as bfloat16, the float32 ones rounded."""
+    import paddle
+
+    from fdcore.models.kernels import linear_bf16_swiglu
+    from fdcore.models.llama import Bf16Matrix
+
+    rng = np.random.default_rng(m * 1000 + k + inner)
+    x = paddle.to_tensor(rng.standard_normal((m, k)).astype(np.float32))
+    gate, up = (rng.standard_normal((inner, k)).astype(np.float32) / np.sqrt(k) * 4 for _ in range(2))
+    plain, gated = Bf16Matrix.pack(gate), Bf16Matrix.pack_gated(gate, up)
+    rounded = x.astype("bfloat16")  # (Paddle rounds to nearest even, as the kernels: test below)
+    np.testing.assert_array_equal(linear_bf16()(rounded, plain.packed, plain.rows).numpy(),
+                                  linear_bf16()(x, plain.packed, plain.rows).numpy())
+    none = paddle.empty([0], dtype="float32")
+    activations = linear_bf16_swiglu()(rounded, gated.packed, none, gated.rows)
+    assert activations.dtype == paddle.bfloat16 and activations.shape == [m, inner]
+    expected = _bf16(linear_bf16_swiglu()(x, gated.packed, none, gated.rows).numpy())
+    np.testing.assert_array_equal(activations.astype("float32").numpy(), expected)
+
+
 def test_the_gated_kernel_keeps_far_negative_gates_finite(bf16_path):
     """silu(g) for g far below zero is ~0 (0 past g = -69.3, where g e^g < 7e-29), neither NaN (1 / (1 + e^-g) with
     e^-g past float32's range) nor g times a capped e^g; a NaN gate stays NaN."""

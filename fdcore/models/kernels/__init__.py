@@ -110,7 +110,8 @@ def decoder_layers():
 
 
 def linear_bf16():
-    """``linear(x, packed, rows)``: x [M, K] float32 times a bfloat16 weight of ``rows`` outputs packed
+    """``linear(x, packed, rows)``: x [M, K] float32 (rounded to bfloat16 here) or bfloat16 (taken as it is: rows
+    already rounded, as the one-call decoder's norms give them) times a bfloat16 weight of ``rows`` outputs packed
     by fdcore.models.llama.Bf16Matrix, float32 out [M, rows]; AVX512-BF16 CPUs only (missing_cpu_feature).
     None when not built here."""
     ops = _ops()
@@ -118,9 +119,10 @@ def linear_bf16():
 
 
 def linear_bf16_swiglu():
-    """``swiglu(x, packed, bias, rows)``: silu(x gate^T + gate bias) * (x up^T + up bias), float32 out [M, rows / 2],
-    for a gated bfloat16 weight (fdcore.models.llama.Bf16Matrix.pack_gated: its gate and up, rows together); bias
-    [rows] (the gate's, then up's) or an empty tensor. AVX512-BF16 CPUs only. None when not built here."""
+    """``swiglu(x, packed, bias, rows)``: silu(x gate^T + gate bias) * (x up^T + up bias), [M, rows / 2] in x's dtype
+    (float32, or bfloat16: the activations rounded as the down product takes them), for a gated bfloat16 weight
+    (fdcore.models.llama.Bf16Matrix.pack_gated: its gate and up, rows together); bias [rows] (the gate's, then up's)
+    or an empty tensor. AVX512-BF16 CPUs only. None when not built here."""
     ops = _ops()
     return ops and ops[9]
 
