@@ -23,7 +23,8 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 SOURCES = [os.path.join(HERE, name) for name in ("paged_attention.cc", "linear_bf16.cc", "linear_int8.cc",
                                                   "linear_int4.cc", "linear_f32.cc", "decoder.cc",
-                                                  "exp2_bf16.h", "line_buffer.h")]  # (headers: in the snapshot, not compiled)
+                                                  "exp2_bf16.h", "line_buffer.h")]
+# (the headers: in the snapshot the build keys on, not compiled themselves)
 _loaded: dict[str, object] = {}
 
 

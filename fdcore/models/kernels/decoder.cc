@@ -32,6 +32,7 @@ void LinearBf16RoundedInto(const uint16_t* Xr, int64_t M, int64_t K, const paddl
 void LinearBf16SwiGluRoundedInto(const uint16_t* Xr, int64_t M, int64_t K, const paddle::Tensor& w, int64_t rows,
                                  const paddle::Tensor& bias, int64_t stride, uint16_t* Yr);
 int64_t Bf16RowsPadded(int64_t M);
+int64_t Bf16RowWidth(int64_t K);
 void LinearInt8Into(const float* X, int64_t M, int64_t K, const paddle::Tensor& w, const paddle::Tensor& scales,
                     int64_t rows, float* Y);
 void LinearInt4Into(const float* X, int64_t M, int64_t K, const paddle::Tensor& w, int64_t rows, float* Y);
@@ -117,7 +118,7 @@ void GatedActivations(int64_t kind, const Rows& from, int64_t M, int64_t K, cons
                       float* product, const Rows& to) {
   if (kind == kBfloat16 && to.xr) {
     PD_CHECK(from.xr, "decoder_layers: rounded activations from float32 rows");
-    LinearBf16SwiGluRoundedInto(from.xr, M, K, w[kGateUp], rows, w[kGateUpBias], (rows / 2 + 1) / 2 * 2, to.xr);
+    LinearBf16SwiGluRoundedInto(from.xr, M, K, w[kGateUp], rows, w[kGateUpBias], Bf16RowWidth(rows / 2), to.xr);
   } else if (kind == kBfloat16) {
     LinearBf16SwiGluInto(from.x, M, K, w[kGateUp], rows, w[kGateUpBias], to.x);
   } else {
@@ -245,7 +246,9 @@ std::vector<paddle::Tensor> DecoderLayers(const paddle::Tensor& hidden, const pa
   // float, whole tiles of rows (the padding rows zeroed here, once: from where the narrowest layer's start, as
   // a layer's activations are rows of its own width); no [T, gate_up] product (GatedActivations)
   const bool rounded = kind == kBfloat16;
-  const int64_t TP = rounded ? Bf16RowsPadded(T) : T, E2 = (E + 1) / 2, I2 = (gate_up_width / 2 + 1) / 2;
+  // (floats a rounded row takes: two values a float)
+  const int64_t TP = rounded ? Bf16RowsPadded(T) : T, E2 = Bf16RowWidth(E) / 2;
+  const int64_t I2 = Bf16RowWidth(gate_up_width / 2) / 2;
   Workspace ws({T * E, T * E, rounded ? TP * E2 : T * E, T * qkv_width, T * attn_width, T * attn_width, T * E,
                 rounded ? 0 : T * gate_up_width, rounded ? TP * I2 : T * gate_up_width / 2, T * E});
   Rows normed_rows{ws[kNormed], nullptr}, activations{ws[kAct], nullptr};
@@ -253,7 +256,7 @@ std::vector<paddle::Tensor> DecoderLayers(const paddle::Tensor& hidden, const pa
     normed_rows = {nullptr, reinterpret_cast<uint16_t*>(ws[kNormed])};
     activations = {nullptr, reinterpret_cast<uint16_t*>(ws[kAct])};
     std::memset(ws[kNormed] + T * E2, 0, (TP - T) * E2 * sizeof(float));
-    const int64_t narrowest = (narrowest_gate_up / 2 + 1) / 2;
+    const int64_t narrowest = Bf16RowWidth(narrowest_gate_up / 2) / 2;
     std::memset(ws[kAct] + T * narrowest, 0, (TP * I2 - T * narrowest) * sizeof(float));
   }
   const float* h = hidden.data<float>();

@@ -79,9 +79,19 @@ __attribute__((visibility("hidden"))) FDCORE_BF16_TARGET void RoundToBf16(const 
   }
 }
 
-// The rows a product's rounded X must have (Bf16Rows): M, or for more than a tile's rows, whole tiles of 16 (the AMX
-// path multiplies whole tiles; the padding rows must be zeros or at least finite, and their outputs are dropped).
+// A product's rounded X, the layout every producer of bfloat16 rows writes (RoundRows here, AddRmsNormBf16Into, the
+// SwiGLU's epilogue; decoder.cc sizes its buffers by it): Bf16RowsPadded(M) rows of Bf16RowWidth(K) values, K's
+// rounded (RoundRow), then a zero for an odd K (the pairs of K the kernels read whole). Rows: M, or for more than a
+// tile's rows, whole tiles of 16 (the AMX path multiplies whole tiles; the padding rows must be zeros or at least
+// finite, and their outputs are dropped).
 __attribute__((visibility("hidden"))) int64_t Bf16RowsPadded(int64_t M) { return M <= 16 ? M : (M + 15) / 16 * 16; }
+__attribute__((visibility("hidden"))) int64_t Bf16RowWidth(int64_t K) { return (K + 1) / 2 * 2; }
+
+// One row of K float32 values into its rounded row r (Bf16RowWidth(K) values).
+__attribute__((visibility("hidden"))) FDCORE_BF16_TARGET void RoundRow(const float* x, int64_t K, uint16_t* r) {
+  RoundToBf16(x, K, r);
+  if (K % 2) r[K] = 0;
+}
 
 // Whether the bfloat16 kernel runs on AMX tiles where the CPU has them (default on): a setting for measuring
 // and testing one path against the other, read at each call.
@@ -211,11 +221,7 @@ FDCORE_BF16_TARGET void GroupRows(const uint32_t* Xp, int64_t KP, const uint16_t
 // of a Zen 4 EPYC, alternating in one process), decoding unchanged.
 FDCORE_BF16_TARGET void RoundRows(const float* X, int64_t M, int64_t K, int64_t KP, uint16_t* R) {
 #pragma omp parallel for schedule(static) if (M >= 8 && M * K >= (1 << 16))
-  for (int64_t m = 0; m < M; ++m) {
-    uint16_t* r = R + m * KP * 2;
-    RoundToBf16(X + m * K, K, r);
-    if (K % 2) r[K] = 0;
-  }
+  for (int64_t m = 0; m < M; ++m) RoundRow(X + m * K, K, R + m * KP * 2);
 }
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
@@ -370,11 +376,17 @@ static int64_t PackedGroups(const paddle::Tensor& w, int64_t K) {
   return ws[0];
 }
 
+// PackedGroups, and that `rows` outputs fill its last group.
+static int64_t PlainGroups(const paddle::Tensor& w, int64_t K, int64_t rows) {
+  const int64_t G = PackedGroups(w, K);
+  PD_CHECK(rows > G * kGroup - kGroup && rows <= G * kGroup, "linear_bf16: rows does not fit the packed groups");
+  return G;
+}
+
 // x [M, K] float32; w the packed weight (PackedGroups); rows = N, the real output count.
 // Y [M, rows] = X [M, K] . W^T into the caller's memory (decoder_layers' workspace, or the op's output).
 void LinearBf16Into(const float* X, int64_t M, int64_t K, const paddle::Tensor& w, int64_t rows, float* Y) {
-  const int64_t G = PackedGroups(w, K);
-  PD_CHECK(rows > G * kGroup - kGroup && rows <= G * kGroup, "linear_bf16: rows does not fit the packed groups");
+  const int64_t G = PlainGroups(w, K, rows);
   Linear(X, M, K, static_cast<const uint16_t*>(w.data()), G, w.shape()[1], PlainOut{Y, rows});
 }
 
@@ -399,13 +411,12 @@ void LinearBf16SwiGluInto(const float* X, int64_t M, int64_t K, const paddle::Te
 // The same two products of X already rounded: Xr [Bf16RowsPadded(M), 2 KP] bfloat16 bits (RoundRows' layout, the
 // padding rows zeros; KP = (K + 1) / 2), as a norm that rounds its own output gives them (AddRmsNormBf16Into).
 void LinearBf16RoundedInto(const uint16_t* Xr, int64_t M, int64_t K, const paddle::Tensor& w, int64_t rows, float* Y) {
-  const int64_t G = PackedGroups(w, K);
-  PD_CHECK(rows > G * kGroup - kGroup && rows <= G * kGroup, "linear_bf16: rows does not fit the packed groups");
+  const int64_t G = PlainGroups(w, K, rows);
   LinearRounded(Xr, M, w.shape()[1], static_cast<const uint16_t*>(w.data()), G, PlainOut{Y, rows});
 }
 
 // ... and the SwiGLU's activations as bfloat16 bits, rows of `stride` >= rows / 2 values (a zero past rows / 2):
-// the down projection's rounded X as it is (stride 2 ((I + 1) / 2)). Rows M .. of Yr are left as they are.
+// the down projection's rounded X as it is (stride Bf16RowWidth(I)). Rows M .. of Yr are left as they are.
 void LinearBf16SwiGluRoundedInto(const uint16_t* Xr, int64_t M, int64_t K, const paddle::Tensor& w, int64_t rows,
                                  const paddle::Tensor& bias, int64_t stride, uint16_t* Yr) {
   const int64_t G = PackedGroups(w, K);
@@ -418,7 +429,7 @@ void LinearBf16SwiGluRoundedInto(const uint16_t* Xr, int64_t M, int64_t K, const
 // x [M, K] bfloat16 as a product's rounded rows: x's own memory where it is laid out so (K even, M a whole number of
 // tiles or at most one), else a copy padded so in this thread's `copy`.
 static const uint16_t* RoundedRows(const paddle::Tensor& x, LineBuffer<uint16_t>& copy) {
-  const int64_t M = x.shape()[0], K = x.shape()[1], width = (K + 1) / 2 * 2, padded = Bf16RowsPadded(M);
+  const int64_t M = x.shape()[0], K = x.shape()[1], width = Bf16RowWidth(K), padded = Bf16RowsPadded(M);
   const auto* bits = static_cast<const uint16_t*>(x.data());
   if (width == K && padded == M) return bits;
   uint16_t* const rows = copy.Get(padded * width);

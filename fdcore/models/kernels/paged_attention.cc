@@ -23,8 +23,11 @@
 // linear_int8.cc: whether a loop over independent rows is shared out over the threads
 __attribute__((visibility("hidden"))) bool RowsWorthSharing(int64_t rows, int64_t width);
 
-// n values to bfloat16 bits, to nearest even (linear_bf16.cc; AVX512-BF16 CPUs only).
+// n values to bfloat16 bits, to nearest even; one row into a bfloat16 product's rounded row of Bf16RowWidth(n)
+// values (linear_bf16.cc; AVX512-BF16 CPUs only).
 __attribute__((visibility("hidden"))) void RoundToBf16(const float* x, int64_t n, uint16_t* r);
+__attribute__((visibility("hidden"))) void RoundRow(const float* x, int64_t n, uint16_t* r);
+__attribute__((visibility("hidden"))) int64_t Bf16RowWidth(int64_t n);
 
 constexpr int kMostHeads = 4;     // query heads per pass over a row's keys (AVX-512: 1 past D = 128)
 constexpr int64_t kFewestTasks = 8;  // (row, KV head) pairs below which attention is shared out by query head
@@ -1114,7 +1117,8 @@ static void AttendRowsInTiles(const float* Q, int64_t B, int64_t H, int64_t D, c
     b = end;
   }
   units.push_back(B);
-  thread_local LineBuffer<uint16_t> memory;  // (the calling thread's, across layers; on lines, as the laying out stores)
+  // (the calling thread's, across layers; on lines, as the laying out stores)
+  thread_local LineBuffer<uint16_t> memory;
   uint16_t* const layout = memory.Get(words);
   const auto keys_laid_out = [&](const Run& r, int64_t kvh) {  // (its values follow, padded_keys(r.keys) D words on)
     return layout + r.offset + kvh * 2 * padded_keys(r.keys) * D;
@@ -1576,21 +1580,20 @@ void AddRmsNormInto(const float* __restrict__ H, const float* __restrict__ DL, c
   for (int64_t t = 0; t < T; ++t) AddRmsNormRow(H + t * E, DL ? DL + t * E : nullptr, W, E, eps, S + t * E, N + t * E);
 }
 
-// The same with the normed rows as a bfloat16 product's rounded X (linear_bf16.cc's RoundRows layout: R [T, 2 ((E +
-// 1) / 2)], RoundToBf16's bits, a zero after an odd E), where a bfloat16 model's next product wants them: the
+// The same with the normed rows as a bfloat16 product's rounded X (linear_bf16.cc's layout: R [T, Bf16RowWidth(E)],
+// RoundRow), where a bfloat16 model's next product wants them: the
 // float32 rows stay in this thread's L1 instead of going to memory and being read back and rounded there (a
 // 512-token SmolLM2 prompt: 1.2 MB written and read twice a layer). AVX512-BF16 CPUs only (RoundToBf16).
 void AddRmsNormBf16Into(const float* __restrict__ H, const float* __restrict__ DL, const float* __restrict__ W,
                         int64_t T, int64_t E, float eps, float* __restrict__ S, uint16_t* __restrict__ R) {
-  const int64_t width = (E + 1) / 2 * 2;
+  const int64_t width = Bf16RowWidth(E);
 #pragma omp parallel if (RowsWorthSharing(T, E))
   {
     std::vector<float> normed(E);  // (this thread's row)
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < T; ++t) {
       AddRmsNormRow(H + t * E, DL ? DL + t * E : nullptr, W, E, eps, S + t * E, normed.data());
-      RoundToBf16(normed.data(), E, R + t * width);
-      if (width > E) R[t * width + E] = 0;
+      RoundRow(normed.data(), E, R + t * width);
     }
   }
 }
