@@ -218,6 +218,43 @@ def test_the_kernel_rounds_x_to_nearest_even(on_threads, threads):
     assert np.array_equal(got, _bf16(x)[:, picked])
 
 
+_BF16_ON_THREADS = """
+import sys
+import numpy as np
+import paddle
+from fdcore.models.kernels import linear_bf16
+from fdcore.models.llama import Bf16Matrix
+given = np.load(sys.argv[1])
+matrix = Bf16Matrix.pack(given["w"])
+np.savez(sys.argv[2], y=linear_bf16()(paddle.to_tensor(given["x"]), matrix.packed, matrix.rows).numpy())
+"""
+
+
+@needs_bf16
+@pytest.mark.parametrize("m, n", [(200, 130), (150, 640)])
+def test_the_bfloat16_kernel_gives_the_same_bits_on_one_two_and_three_threads(on_threads, m, n):
+    """A prompt's rows against a matrix of not many more outputs are shared out by rows on tiles (200 rows, 130
+    outputs: 7 pairs of row tiles, the last a single tile with padding rows, split 3 + 4 on 2 threads, 2 + 2 + 3 on
+    3), else by groups of outputs (150 rows, 640 outputs): each output still computed whole by one thread, the same
+    way, so the same bits on any thread count, each row's its own (a row alone agrees), and the float64 reference's
+    values."""
+    import paddle
+
+    from fdcore.models.llama import Bf16Matrix
+
+    rng = np.random.default_rng(m + n)
+    x, w = rng.standard_normal((m, 576)).astype(np.float32), rng.standard_normal((n, 576)).astype(np.float32)
+    one = on_threads(_BF16_ON_THREADS, {"x": x, "w": w}, threads=1)["y"]
+    expected = _bf16(x).astype(np.float64) @ _bf16(w).T.astype(np.float64)
+    np.testing.assert_allclose(one, expected, rtol=1e-5, atol=1e-4 * np.sqrt(576))
+    for threads in (2, 3):
+        assert np.array_equal(one, on_threads(_BF16_ON_THREADS, {"x": x, "w": w}, threads=threads)["y"]), threads
+    matrix = Bf16Matrix.pack(w)
+    for row in (0, 100, m - 1):
+        alone = linear_bf16()(paddle.to_tensor(x[row:row + 1]), matrix.packed, matrix.rows).numpy()
+        np.testing.assert_array_equal(one[row], alone[0])
+
+
 def test_paddle_rounds_to_bfloat16_as_the_kernel_does():
     import paddle
 

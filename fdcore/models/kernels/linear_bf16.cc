@@ -36,6 +36,7 @@
 // target attribute, so the library builds on any x86-64 compiler and CPU.
 #include <immintrin.h>
 
+#include <omp.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -294,21 +295,42 @@ FDCORE_BF16_TARGET __attribute__((target("amx-tile,amx-bf16"))) void GroupTiles(
   }
 }
 
+// Group g against X's rows m0 .. end - 1 (m0 a multiple of 2 rows, end <= M), two tiles at a time.
+template <typename Out>
+FDCORE_BF16_TARGET __attribute__((target("amx-tile,amx-bf16"))) void GroupRowTiles(
+    const uint16_t* Xr, int64_t KP, const uint16_t* Wg, int rows, int64_t m0, int64_t end, int64_t M, int64_t g,
+    const Out& out) {
+  for (; m0 + rows < end; m0 += 2 * rows) GroupTiles<true>(Xr, KP, Wg, rows, m0, M, g, out);
+  if (m0 < end) GroupTiles<false>(Xr, KP, Wg, rows, m0, M, g, out);
+}
+
+// Whether a product's threads share out X's rows (each thread its rows, against every group of W) rather than W's
+// groups (each thread its groups, against every row of X): where X is about as big as W or bigger (a prompt's rows
+// against a matrix of as many outputs: SmolLM2's o and down), each thread then keeps half of X in its L2, and its
+// rows' outputs are in its own caches for what reads them next by rows (the residual add and norm). SmolLM2's
+// products at 2 threads, the two splits alternating call by call in one process (rows / groups): 512 rows: o 0.88x,
+// down 0.90x, qkv 1.05x, gate_up 1.12x; 1024 rows: o 0.80x, down 0.68x, qkv 1.04x; 256 rows: o 0.94x, down 1.08x.
+// Either way every output is the same tile chain over K: the same bits.
+inline bool SplitRows(int64_t M, int64_t G) { return M >= 8 * kTileRows && 5 * M >= 4 * G * kGroup; }
+
 // Xr: X's rows rounded (RoundRows), padded with zero rows to a whole number of tiles.
 template <typename Out>
 FDCORE_BF16_TARGET __attribute__((target("amx-tile,amx-bf16"))) void LinearTiles(
     const uint16_t* Xr, int64_t M, int64_t KP, const uint16_t* Wp, int64_t G, const Out& out, bool parallel) {
   const int rows = static_cast<int>(std::min<int64_t>(M, kTileRows));
   const int64_t group_size = KP * kGroup * 2;
+  const bool by_rows = parallel && SplitRows(M, G);
 #pragma omp parallel if (parallel)
   {
     ConfigureTiles(rows);  // the tile configuration is each thread's own
+    if (by_rows) {  // this thread's share of the pairs of row tiles, in one run
+      const int64_t pairs = (M + 2 * rows - 1) / (2 * rows), threads = omp_get_num_threads(), t = omp_get_thread_num();
+      const int64_t first = pairs * t / threads * 2 * rows, end = std::min(M, pairs * (t + 1) / threads * 2 * rows);
+      for (int64_t g = 0; g < G && first < end; ++g)
+        GroupRowTiles(Xr, KP, Wp + g * group_size, rows, first, end, M, g, out);
+    } else {
 #pragma omp for schedule(static)
-    for (int64_t g = 0; g < G; ++g) {
-      const uint16_t* Wg = Wp + g * group_size;
-      int64_t m0 = 0;
-      for (; m0 + 2 * rows < M + rows; m0 += 2 * rows) GroupTiles<true>(Xr, KP, Wg, rows, m0, M, g, out);
-      if (m0 < M) GroupTiles<false>(Xr, KP, Wg, rows, m0, M, g, out);
+      for (int64_t g = 0; g < G; ++g) GroupRowTiles(Xr, KP, Wp + g * group_size, rows, 0, M, M, g, out);
     }
     _tile_release();  // a thread that leaves its tiles configured costs every context switch 8 KB more to save
   }
