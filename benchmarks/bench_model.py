@@ -63,7 +63,9 @@ def gemm_floor(model: LlamaModel, rows: int, decode_context: int = 0):
     and SwiGLU hand the qkv, gate_up and down products their rows already rounded to bfloat16
     (kernels/decoder.cc), so here those three take bfloat16 inputs, and its gate_up is the gated product with
     its SwiGLU epilogue, bfloat16 activations out (what the down product takes); o rounds its float32 input
-    (the attention's output) as in the step."""
+    (the attention's output) as in the step. The step's o and down also add their rows to the residual stream
+    in their epilogue (kernels/decoder.cc's FoldsResidual); that add is not a product, so here they are plain
+    products and it counts against the step."""
     a = model.args
     x_h = paddle.randn([rows, a.hidden_size])
     x_q = paddle.randn([rows, a.num_heads * a.head_dim])

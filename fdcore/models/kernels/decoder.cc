@@ -3,7 +3,8 @@
 // SwiGLU: their ...Into forms), in the same order on the same values, so the logits are the same to the
 // bit; what goes is the Python loop and ~8 Paddle custom-op dispatches per layer (~10 us each: ~2.4 ms a
 // step on a 30-layer model, a quarter of a 4-bit batch-1 decode step), and their ~10 output tensors a
-// layer: every intermediate row lives in one Workspace per call.
+// layer: every intermediate row lives in one Workspace per call. (A bfloat16 model's o and down products add
+// their rows to the residual stream in their epilogue, the same sum the norm would make: FoldsResidual.)
 //
 // weights: kSlots tensors per layer (see Slot; an empty tensor where a layer has none of that kind),
 // meta: per layer the output rows of qkv, o, gate_up and down, then its sliding window (0: none);
@@ -25,10 +26,12 @@
 #include "paddle/extension.h"
 
 void LinearF32Into(const float* X, int64_t M, int64_t K, const paddle::Tensor& w, int64_t rows, float* Y);
-void LinearBf16Into(const float* X, int64_t M, int64_t K, const paddle::Tensor& w, int64_t rows, float* Y);
+void LinearBf16Into(const float* X, int64_t M, int64_t K, const paddle::Tensor& w, int64_t rows, float* Y,
+                    const float* R);
 void LinearBf16SwiGluInto(const float* X, int64_t M, int64_t K, const paddle::Tensor& w, int64_t rows,
                           const paddle::Tensor& bias, float* Y);
-void LinearBf16RoundedInto(const uint16_t* Xr, int64_t M, int64_t K, const paddle::Tensor& w, int64_t rows, float* Y);
+void LinearBf16RoundedInto(const uint16_t* Xr, int64_t M, int64_t K, const paddle::Tensor& w, int64_t rows, float* Y,
+                           const float* R);
 void LinearBf16SwiGluRoundedInto(const uint16_t* Xr, int64_t M, int64_t K, const paddle::Tensor& w, int64_t rows,
                                  const paddle::Tensor& bias, int64_t stride, uint16_t* Yr);
 int64_t Bf16RowsPadded(int64_t M);
@@ -66,12 +69,15 @@ void AddBias(const paddle::Tensor* w, int slot, int64_t M, int64_t rows, float* 
     for (int64_t n = 0; n < rows; ++n) Y[m * rows + n] += B[n];
 }
 
-// Y [M, rows] = X [M, K] . W^T (+ bias).
+// Y [M, rows] = X [M, K] . W^T (+ bias), or R + X W^T for residual rows R (FoldsResidual: a bfloat16 matrix
+// without a bias).
 void Project(int64_t kind, const float* X, int64_t M, int64_t K, const paddle::Tensor* w, int slot, int64_t rows,
-             float* Y) {
+             float* Y, const float* R = nullptr) {
+  PD_CHECK(!R || (kind == kBfloat16 && w[slot + 2].numel() == 0),
+           "decoder_layers: a residual only a bias-less bf16 product adds");
   switch (kind) {
     case kFloat32: LinearF32Into(X, M, K, w[slot], rows, Y); break;
-    case kBfloat16: LinearBf16Into(X, M, K, w[slot], rows, Y); break;
+    case kBfloat16: LinearBf16Into(X, M, K, w[slot], rows, Y, R); break;
     case kInt8: LinearInt8Into(X, M, K, w[slot], w[slot + 1], rows, Y); break;
     case kInt4: LinearInt4Into(X, M, K, w[slot], rows, Y); break;
     default: PD_CHECK(false, "decoder_layers: unknown matrix kind");
@@ -100,13 +106,26 @@ void Norm(const Rows& to, const float* h, const float* delta, const paddle::Tens
 
 // Project of `from`'s rows.
 void ProjectRows(int64_t kind, const Rows& from, int64_t M, int64_t K, const paddle::Tensor* w, int slot, int64_t rows,
-                 float* Y) {
+                 float* Y, const float* R = nullptr) {
   if (!from.xr) {
-    Project(kind, from.x, M, K, w, slot, rows, Y);
+    Project(kind, from.x, M, K, w, slot, rows, Y, R);
     return;
   }
-  LinearBf16RoundedInto(from.xr, M, K, w[slot], rows, Y);
+  PD_CHECK(!R || w[slot + 2].numel() == 0, "decoder_layers: a residual only a bias-less product adds");
+  LinearBf16RoundedInto(from.xr, M, K, w[slot], rows, Y, R);
   AddBias(w, slot, M, rows, Y);
+}
+
+// Whether the o and down products add their rows to the residual stream in their epilogue (PlainOut's R): a
+// bfloat16 model's, where no layer has an o or down bias (R + (product + bias) would be another sum than the norm's
+// h + delta) and no group must sum the products first. The norms then read one row a layer where they read two
+// (the stream's and the product's), and the products' rows never go to memory alone; the same sums, so the same
+// bits.
+bool FoldsResidual(int64_t kind, const std::vector<paddle::Tensor>& weights, bool grouped) {
+  if (kind != kBfloat16 || grouped) return false;
+  for (size_t i = 0; i < weights.size(); i += kSlots)
+    if (weights[i + kOBias].numel() > 0 || weights[i + kDownBias].numel() > 0) return false;
+  return true;
 }
 
 // The MLP's activations, into `to` [M, rows / 2]: silu(gate) up of `from`'s gate and up products (rows: both
@@ -261,27 +280,34 @@ std::vector<paddle::Tensor> DecoderLayers(const paddle::Tensor& hidden, const pa
   }
   const float* h = hidden.data<float>();
   const float* delta = nullptr;
+  const bool fold = FoldsResidual(kind, weights, comm.active());
   for (size_t i = 0; i < layers; ++i) {
     const paddle::Tensor* w = weights.data() + i * kSlots;
     const int64_t* m = meta.data() + i * kMeta;
-    // The residual stream alternates between two rows: the norm's outputs overlap none of its inputs.
-    Norm(normed_rows, h, delta, w[kInNorm], T, E, eps, ws[kSumA]);
-    h = ws[kSumA];
+    // The residual stream alternates between two rows: the norm's outputs overlap none of its inputs; where the
+    // products fold it (fold), they write it (o into kSumB, down into kSumA) and the norms only read it.
+    Norm(normed_rows, h, delta, w[kInNorm], T, E, eps, fold ? nullptr : ws[kSumA]);
+    if (!fold) h = ws[kSumA];
     ProjectRows(kind, normed_rows, T, E, w, kQkv, m[0], ws[kQkvOut]);
     AttentionBlockInto(ws[kQkvOut], T, m[0], cos, sin, slots, k_caches[i], v_caches[i], tables, lengths, w[kQNorm],
                        w[kKNorm], num_heads, scale, m[4], eps, ws[kQuery], ws[kAttn]);
-    float* o = ws[kOut];
-    Project(kind, ws[kAttn], T, attn_width, w, kO, m[1], o);
+    float* o = fold ? ws[kSumB] : ws[kOut];
+    Project(kind, ws[kAttn], T, attn_width, w, kO, m[1], o, fold ? h : nullptr);
     if (comm.active()) comm.AllReduce(o, T * m[1]);
-    Norm(normed_rows, h, o, w[kPostNorm], T, E, eps, ws[kSumB]);
+    Norm(normed_rows, fold ? o : h, fold ? nullptr : o, w[kPostNorm], T, E, eps, fold ? nullptr : ws[kSumB]);
     h = ws[kSumB];
     GatedActivations(kind, normed_rows, T, E, w, m[2], ws[kGateUpOut], activations);
-    ProjectRows(kind, activations, T, m[2] / 2, w, kDown, m[3], o);  // o is spent: the down product reuses it
+    o = fold ? ws[kSumA] : o;  // (unfolded: o is spent, the down product reuses it)
+    ProjectRows(kind, activations, T, m[2] / 2, w, kDown, m[3], o, fold ? h : nullptr);
     if (comm.active()) comm.AllReduce(o, T * m[3]);
-    delta = o;
+    if (fold) {
+      h = o;
+    } else {
+      delta = o;
+    }
   }
   auto normed = paddle::empty({T, E}, paddle::DataType::FLOAT32, paddle::CPUPlace());
-  AddRmsNormInto(h, delta, final_norm.data<float>(), T, E, eps, ws[kSumA], normed.data<float>());
+  AddRmsNormInto(h, delta, final_norm.data<float>(), T, E, eps, delta ? ws[kSumA] : nullptr, normed.data<float>());
   if (head_kind < 0) return {normed, paddle::empty({0}, paddle::DataType::FLOAT32, paddle::CPUPlace())};
   const int64_t R = last_rows.numel();
   PD_CHECK(R <= T, "decoder_layers: more last rows than rows");

@@ -146,6 +146,14 @@ FDCORE_BF16_TARGET inline void StoreBlock(float* y, int64_t first, int64_t N, __
   }
 }
 
+// ... added to the same block of r's row first (r + value: one float add an element, as AddRmsNorm's h + delta).
+FDCORE_BF16_TARGET inline void StoreSumBlock(float* y, const float* r, int64_t first, int64_t N, __m512 value) {
+  if (first < N) {
+    const __mmask16 lanes = LanesBefore(first, N);
+    _mm512_mask_storeu_ps(y + first, lanes, _mm512_add_ps(_mm512_maskz_loadu_ps(lanes, r + first), value));
+  }
+}
+
 // silu(g) u = g u / (1 + 2^(-g log2 e)) for 16 lanes: the exponential to bfloat16's precision (Exp2ForBf16: these
 // outputs are rounded to bfloat16 as the down projection's input), 1 / (1 + e) by vrcp14ps and a Newton step (within
 // 2^-27 relative; vdivps has a tenth of the throughput). Past -g log2 e = 100 (g < -69.3, where g e^g is below 7e-29)
@@ -160,11 +168,19 @@ FDCORE_BF16_TARGET inline __m512 SiluTimes(__m512 g, __m512 u) {
 }
 
 // What becomes of a group's two 16-output blocks of one row of X: `out(m, g, first, second)`.
-// Plain: both stored as they are, Y [M, N] (N: the real output rows, fewer than the groups hold past the last).
+// Plain: both stored as they are, Y [M, N] (N: the real output rows, fewer than the groups hold past the last), or
+// where there are residual rows R [M, N], R + the product (a decoder's residual stream and the o or down product
+// that adds to it, summed as the norm that reads them would: the product never goes to memory as a row of its own).
 struct PlainOut {
   float* Y;
   int64_t N;
+  const float* R;
   FDCORE_BF16_TARGET void operator()(int64_t m, int64_t g, __m512 first, __m512 second) const {
+    if (R) {
+      StoreSumBlock(Y + m * N, R + m * N, g * kGroup, N, first);
+      StoreSumBlock(Y + m * N, R + m * N, g * kGroup + 16, N, second);
+      return;
+    }
     StoreBlock(Y + m * N, g * kGroup, N, first);
     StoreBlock(Y + m * N, g * kGroup + 16, N, second);
   }
@@ -406,10 +422,12 @@ static int64_t PlainGroups(const paddle::Tensor& w, int64_t K, int64_t rows) {
 }
 
 // x [M, K] float32; w the packed weight (PackedGroups); rows = N, the real output count.
-// Y [M, rows] = X [M, K] . W^T into the caller's memory (decoder_layers' workspace, or the op's output).
-void LinearBf16Into(const float* X, int64_t M, int64_t K, const paddle::Tensor& w, int64_t rows, float* Y) {
+// Y [M, rows] = X [M, K] . W^T into the caller's memory (decoder_layers' workspace, or the op's output), or R + X W^T
+// for residual rows R [M, rows] (null: none; not Y).
+void LinearBf16Into(const float* X, int64_t M, int64_t K, const paddle::Tensor& w, int64_t rows, float* Y,
+                    const float* R) {
   const int64_t G = PlainGroups(w, K, rows);
-  Linear(X, M, K, static_cast<const uint16_t*>(w.data()), G, w.shape()[1], PlainOut{Y, rows});
+  Linear(X, M, K, static_cast<const uint16_t*>(w.data()), G, w.shape()[1], PlainOut{Y, rows, R});
 }
 
 // The SwiGLU's checks (rows: 2 I, the gate's and the up projection's; bias [2 I] or empty) and its bias, or null.
@@ -432,9 +450,10 @@ void LinearBf16SwiGluInto(const float* X, int64_t M, int64_t K, const paddle::Te
 
 // The same two products of X already rounded: Xr [Bf16RowsPadded(M), 2 KP] bfloat16 bits (RoundRows' layout, the
 // padding rows zeros; KP = (K + 1) / 2), as a norm that rounds its own output gives them (AddRmsNormBf16Into).
-void LinearBf16RoundedInto(const uint16_t* Xr, int64_t M, int64_t K, const paddle::Tensor& w, int64_t rows, float* Y) {
+void LinearBf16RoundedInto(const uint16_t* Xr, int64_t M, int64_t K, const paddle::Tensor& w, int64_t rows, float* Y,
+                           const float* R) {
   const int64_t G = PlainGroups(w, K, rows);
-  LinearRounded(Xr, M, w.shape()[1], static_cast<const uint16_t*>(w.data()), G, PlainOut{Y, rows});
+  LinearRounded(Xr, M, w.shape()[1], static_cast<const uint16_t*>(w.data()), G, PlainOut{Y, rows, R});
 }
 
 // ... and the SwiGLU's activations as bfloat16 bits, rows of `stride` >= rows / 2 values (a zero past rows / 2):
@@ -468,9 +487,9 @@ std::vector<paddle::Tensor> LinearBf16(const paddle::Tensor& x, const paddle::Te
   auto y = paddle::empty({M, rows}, paddle::DataType::FLOAT32, paddle::CPUPlace());
   if (rounded) {
     thread_local LineBuffer<uint16_t> copy;
-    LinearBf16RoundedInto(RoundedRows(x, copy), M, K, w, rows, y.data<float>());
+    LinearBf16RoundedInto(RoundedRows(x, copy), M, K, w, rows, y.data<float>(), nullptr);
   } else {
-    LinearBf16Into(x.data<float>(), M, K, w, rows, y.data<float>());
+    LinearBf16Into(x.data<float>(), M, K, w, rows, y.data<float>(), nullptr);
   }
   return {y};
 }

@@ -1553,31 +1553,38 @@ PD_BUILD_OP(fdcore_gumbel_sample)
 //   hidden_out = hidden + delta          (delta may be empty: then hidden_out = hidden)
 //   normed     = hidden_out * rsqrt(mean(hidden_out^2) + eps) * weight
 // hidden, delta [T, E] float32; weight [E] float32.
-// One row of it (h, d: null for no delta), compiled once: every caller's rows get the same instructions, so
-// the float32 and the bfloat16 outputs (AddRmsNormBf16Into) hold the same values.
+// One row of it (h, d: null for no delta; s: null where there is no delta and h is the sum already, as the
+// residual stream is where a product's epilogue adds to it: kernels/decoder.cc), compiled once: every caller's rows
+// get the same instructions, so the float32 and the bfloat16 outputs (AddRmsNormBf16Into) hold the same values.
 __attribute__((noinline)) static void AddRmsNormRow(const float* __restrict__ h, const float* __restrict__ d,
                                                    const float* __restrict__ W, int64_t E, float eps,
                                                    float* __restrict__ s, float* __restrict__ n) {
+  const float* sum = h;
   if (d) {
 #pragma omp simd
     for (int64_t e = 0; e < E; ++e) s[e] = h[e] + d[e];
-  } else {
+    sum = s;
+  } else if (s) {
 #pragma omp simd
     for (int64_t e = 0; e < E; ++e) s[e] = h[e];
+    sum = s;
   }
   float squares = 0.f;
 #pragma omp simd reduction(+ : squares)
-  for (int64_t e = 0; e < E; ++e) squares += s[e] * s[e];
+  for (int64_t e = 0; e < E; ++e) squares += sum[e] * sum[e];
   const float scale = 1.f / std::sqrt(squares / static_cast<float>(E) + eps);
 #pragma omp simd
-  for (int64_t e = 0; e < E; ++e) n[e] = s[e] * scale * W[e];
+  for (int64_t e = 0; e < E; ++e) n[e] = sum[e] * scale * W[e];
 }
 
-// Into the caller's memory (DL null: no delta): S and N, which overlap none of H, DL, W.
+// Into the caller's memory (DL null: no delta): S and N, which overlap none of H, DL, W (S null: no delta, H the sum
+// already).
 void AddRmsNormInto(const float* __restrict__ H, const float* __restrict__ DL, const float* __restrict__ W, int64_t T,
                     int64_t E, float eps, float* __restrict__ S, float* __restrict__ N) {
+  PD_CHECK(S || !DL, "add_rms_norm: a delta needs rows for the sum");
 #pragma omp parallel for schedule(static) if (RowsWorthSharing(T, E))  // rows alone: the same bits
-  for (int64_t t = 0; t < T; ++t) AddRmsNormRow(H + t * E, DL ? DL + t * E : nullptr, W, E, eps, S + t * E, N + t * E);
+  for (int64_t t = 0; t < T; ++t)
+    AddRmsNormRow(H + t * E, DL ? DL + t * E : nullptr, W, E, eps, S ? S + t * E : nullptr, N + t * E);
 }
 
 // The same with the normed rows as a bfloat16 product's rounded X (linear_bf16.cc's layout: R [T, Bf16RowWidth(E)],
@@ -1586,13 +1593,14 @@ void AddRmsNormInto(const float* __restrict__ H, const float* __restrict__ DL, c
 // 512-token SmolLM2 prompt: 1.2 MB written and read twice a layer). AVX512-BF16 CPUs only (RoundToBf16).
 void AddRmsNormBf16Into(const float* __restrict__ H, const float* __restrict__ DL, const float* __restrict__ W,
                         int64_t T, int64_t E, float eps, float* __restrict__ S, uint16_t* __restrict__ R) {
+  PD_CHECK(S || !DL, "add_rms_norm: a delta needs rows for the sum");
   const int64_t width = Bf16RowWidth(E);
 #pragma omp parallel if (RowsWorthSharing(T, E))
   {
     std::vector<float> normed(E);  // (this thread's row)
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < T; ++t) {
-      AddRmsNormRow(H + t * E, DL ? DL + t * E : nullptr, W, E, eps, S + t * E, normed.data());
+      AddRmsNormRow(H + t * E, DL ? DL + t * E : nullptr, W, E, eps, S ? S + t * E : nullptr, normed.data());
       RoundRow(normed.data(), E, R + t * width);
     }
   }
