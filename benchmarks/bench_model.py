@@ -33,7 +33,7 @@ from fdcore.models import cpu_env  # noqa: E402,F401  (math-library settings bef
 import paddle  # noqa: E402
 
 from fdcore.core.batch import BatchInput  # noqa: E402
-from fdcore.models import tiny  # noqa: E402
+from fdcore.models import kernels, tiny  # noqa: E402
 from fdcore.models.llama import Bf16Matrix, LlamaModel, linear, swiglu  # noqa: E402
 from fdcore.models.loader import load_checkpoint  # noqa: E402
 
@@ -63,9 +63,10 @@ def gemm_floor(model: LlamaModel, rows: int, decode_context: int = 0):
     and SwiGLU hand the qkv, gate_up and down products their rows already rounded to bfloat16
     (kernels/decoder.cc), so here those three take bfloat16 inputs, and its gate_up is the gated product with
     its SwiGLU epilogue, bfloat16 activations out (what the down product takes); o rounds its float32 input
-    (the attention's output) as in the step. The step's o and down also add their rows to the residual stream
-    in their epilogue (kernels/decoder.cc's FoldsResidual); that add is not a product, so here they are plain
-    products and it counts against the step."""
+    (the attention's output) as in the step, or takes it rounded where the step's attention hands it so
+    (``kernels.attention_rounds_rows``: on AMX tiles). The step's o and down also add their rows to the residual
+    stream in their epilogue (kernels/decoder.cc's FoldsResidual); that add is not a product, so here they are
+    plain products and it counts against the step."""
     a = model.args
     x_h = paddle.randn([rows, a.hidden_size])
     x_q = paddle.randn([rows, a.num_heads * a.head_dim])
@@ -73,6 +74,9 @@ def gemm_floor(model: LlamaModel, rows: int, decode_context: int = 0):
     gated = isinstance(model.layers[0]["gate_up"], Bf16Matrix) and model.layers[0]["gate_up"].gated
     if gated:
         x_h, x_i = x_h.astype("bfloat16"), x_i.astype("bfloat16")
+        groups = a.num_heads // a.num_kv_heads
+        if all(kernels.attention_rounds_rows(groups, a.head_dim, BLOCK, layer["window"]) for layer in model.layers):
+            x_q = x_q.astype("bfloat16")
     groups = a.num_heads // a.num_kv_heads
     q = paddle.randn([a.num_kv_heads, rows, groups, a.head_dim])
     kv = paddle.randn([a.num_kv_heads, rows, decode_context, a.head_dim])

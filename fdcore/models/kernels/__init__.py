@@ -23,7 +23,7 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 SOURCES = [os.path.join(HERE, name) for name in ("paged_attention.cc", "linear_bf16.cc", "linear_int8.cc",
                                                   "linear_int4.cc", "linear_f32.cc", "decoder.cc",
-                                                  "exp2_bf16.h", "line_buffer.h")]
+                                                  "exp2_bf16.h", "line_buffer.h", "bf16_bits.h")]
 # (the headers: in the snapshot the build keys on, not compiled themselves)
 _loaded: dict[str, object] = {}
 
@@ -206,6 +206,17 @@ def kernel_path(kind: str) -> str | None:
         if flags.issuperset(needed):
             return name
     return None
+
+
+def attention_rounds_rows(groups: int, head_dim: int, block_size: int, window: int) -> bool:
+    """Whether the one-call decoder's attention over a bfloat16 cache hands a bfloat16 o product its rows already
+    rounded (paged_attention.cc's tiles: ``groups`` query heads a KV head, ``block_size``-token blocks, ``window``
+    0 for none) in this process, as a measure of the step's products alone must know."""
+    import ctypes
+
+    library = _library()
+    return library is not None and bool(library.fdcore_attention_rounds_rows(
+        ctypes.c_int64(groups), ctypes.c_int64(head_dim), ctypes.c_int64(block_size), ctypes.c_int64(window)))
 
 
 def int8_group_rows() -> int:

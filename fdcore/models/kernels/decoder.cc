@@ -44,11 +44,11 @@ void AddRmsNormInto(const float* H, const float* DL, const float* W, int64_t T, 
 void AddRmsNormBf16Into(const float* H, const float* DL, const float* W, int64_t T, int64_t E, float eps, float* S,
                         uint16_t* R);
 void SiluMulInto(const float* G, int64_t T, int64_t I, float* O);
-void AttentionBlockInto(const float* X, int64_t Tn, int64_t width, const paddle::Tensor& cos, const paddle::Tensor& sin,
+bool AttentionBlockInto(const float* X, int64_t Tn, int64_t width, const paddle::Tensor& cos, const paddle::Tensor& sin,
                         const paddle::Tensor& slots, const paddle::Tensor& k_cache, const paddle::Tensor& v_cache,
                         const paddle::Tensor& tables, const paddle::Tensor& lengths, const paddle::Tensor& q_norm,
                         const paddle::Tensor& k_norm, int64_t num_heads, float scale, int64_t window, float norm_eps,
-                        float* Qo, float* O);
+                        float* Qo, float* O, uint16_t* Or);
 
 namespace {
 
@@ -260,21 +260,25 @@ std::vector<paddle::Tensor> DecoderLayers(const paddle::Tensor& hidden, const pa
     gate_up_width = std::max(gate_up_width, m[2]);
     narrowest_gate_up = i == 0 ? m[2] : std::min(narrowest_gate_up, m[2]);
   }
-  enum Buffer { kSumA, kSumB, kNormed, kQkvOut, kQuery, kAttn, kOut, kGateUpOut, kAct, kLast };
+  enum Buffer { kSumA, kSumB, kNormed, kQkvOut, kQuery, kAttn, kAttnRounded, kOut, kGateUpOut, kAct, kLast };
   // a bfloat16 model's normed rows and activations are its products' rounded rows (Rows): bfloat16 bits, two a
   // float, whole tiles of rows (the padding rows zeroed here, once: from where the narrowest layer's start, as
   // a layer's activations are rows of its own width); no [T, gate_up] product (GatedActivations)
   const bool rounded = kind == kBfloat16;
   // (floats a rounded row takes: two values a float)
   const int64_t TP = rounded ? Bf16RowsPadded(T) : T, E2 = Bf16RowWidth(E) / 2;
-  const int64_t I2 = Bf16RowWidth(gate_up_width / 2) / 2;
-  Workspace ws({T * E, T * E, rounded ? TP * E2 : T * E, T * qkv_width, T * attn_width, T * attn_width, T * E,
-                rounded ? 0 : T * gate_up_width, rounded ? TP * I2 : T * gate_up_width / 2, T * E});
+  const int64_t I2 = Bf16RowWidth(gate_up_width / 2) / 2, A2 = Bf16RowWidth(attn_width) / 2;
+  Workspace ws({T * E, T * E, rounded ? TP * E2 : T * E, T * qkv_width, T * attn_width, T * attn_width,
+                rounded ? TP * A2 : 0, T * E, rounded ? 0 : T * gate_up_width,
+                rounded ? TP * I2 : T * gate_up_width / 2, T * E});
   Rows normed_rows{ws[kNormed], nullptr}, activations{ws[kAct], nullptr};
+  // the attention's rows rounded for the o product where the attention writes them so (AttentionBlockInto's Or)
+  uint16_t* const attention_rounded = rounded ? reinterpret_cast<uint16_t*>(ws[kAttnRounded]) : nullptr;
   if (rounded) {
     normed_rows = {nullptr, reinterpret_cast<uint16_t*>(ws[kNormed])};
     activations = {nullptr, reinterpret_cast<uint16_t*>(ws[kAct])};
     std::memset(ws[kNormed] + T * E2, 0, (TP - T) * E2 * sizeof(float));
+    std::memset(ws[kAttnRounded] + T * A2, 0, (TP - T) * A2 * sizeof(float));
     const int64_t narrowest = Bf16RowWidth(narrowest_gate_up / 2) / 2;
     std::memset(ws[kAct] + T * narrowest, 0, (TP * I2 - T * narrowest) * sizeof(float));
   }
@@ -289,10 +293,12 @@ std::vector<paddle::Tensor> DecoderLayers(const paddle::Tensor& hidden, const pa
     Norm(normed_rows, h, delta, w[kInNorm], T, E, eps, fold ? nullptr : ws[kSumA]);
     if (!fold) h = ws[kSumA];
     ProjectRows(kind, normed_rows, T, E, w, kQkv, m[0], ws[kQkvOut]);
-    AttentionBlockInto(ws[kQkvOut], T, m[0], cos, sin, slots, k_caches[i], v_caches[i], tables, lengths, w[kQNorm],
-                       w[kKNorm], num_heads, scale, m[4], eps, ws[kQuery], ws[kAttn]);
+    const bool attention_was_rounded =
+        AttentionBlockInto(ws[kQkvOut], T, m[0], cos, sin, slots, k_caches[i], v_caches[i], tables, lengths, w[kQNorm],
+                           w[kKNorm], num_heads, scale, m[4], eps, ws[kQuery], ws[kAttn], attention_rounded);
+    const Rows attention{ws[kAttn], attention_was_rounded ? attention_rounded : nullptr};
     float* o = fold ? ws[kSumB] : ws[kOut];
-    Project(kind, ws[kAttn], T, attn_width, w, kO, m[1], o, fold ? h : nullptr);
+    ProjectRows(kind, attention, T, attn_width, w, kO, m[1], o, fold ? h : nullptr);
     if (comm.active()) comm.AllReduce(o, T * m[1]);
     Norm(normed_rows, fold ? o : h, fold ? nullptr : o, w[kPostNorm], T, E, eps, fold ? nullptr : ws[kSumB]);
     h = ws[kSumB];

@@ -45,6 +45,7 @@
 #include <cstring>
 #include <vector>
 
+#include "bf16_bits.h"
 #include "exp2_bf16.h"
 #include "line_buffer.h"
 #include "paddle/extension.h"
@@ -54,20 +55,6 @@
 // The lanes of a 16-lane chunk from `first` that are before `end` (first < end).
 static inline __mmask16 LanesBefore(int64_t first, int64_t end) {
   return first + 16 <= end ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << (end - first)) - 1);
-}
-
-// 16 float32 values -> bfloat16 bits (in each 32-bit lane's low half), rounded to nearest even as every bfloat16
-// conversion does (a NaN stays a NaN, quieted), in integer steps: bits + 0x7fff + (bit 16), the upper half. Unlike
-// vcvtneps2bf16 it keeps denormals. Every float32 -> bfloat16 rounding of activations and of the KV cache is this
-// one, so a value has the same bits whichever kernel rounds it.
-FDCORE_BF16_TARGET static inline __m512i Bf16Bits(__m512 x) {
-  const __m512i bits = _mm512_castps_si512(x);
-  const __m512i high = _mm512_srli_epi32(bits, 16);
-  const __m512i bias = _mm512_add_epi32(_mm512_and_si512(high, _mm512_set1_epi32(1)), _mm512_set1_epi32(0x7fff));
-  const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(bits, _mm512_set1_epi32(0x7fffffff)),
-                                                _mm512_set1_epi32(0x7f800000));
-  return _mm512_mask_or_epi32(_mm512_srli_epi32(_mm512_add_epi32(bits, bias), 16), nan, high,
-                              _mm512_set1_epi32(0x40));
 }
 
 // n float32 values -> bfloat16 bits (Bf16Bits). Shared with paged_attention.cc, whose bfloat16 KV cache and norms'

@@ -17,6 +17,7 @@
 #include <utility>
 #include <vector>
 
+#include "bf16_bits.h"
 #include "line_buffer.h"
 #include "paddle/extension.h"
 
@@ -706,7 +707,7 @@ __attribute__((target("amx-tile,amx-bf16"))) static inline void PairWeightedValu
 template <int DC>
 __attribute__((target("amx-tile,amx-bf16"))) static void AttendRowsTiles(
     const float* Q, int64_t G, int64_t R, int64_t per_tile, const uint16_t* K, const uint16_t* V, int64_t kv_base,
-    int64_t BS, const int64_t* table, int64_t L0, float* O, int64_t row_stride, RunLayout run) {
+    int64_t BS, const int64_t* table, int64_t L0, float* O, uint16_t* Or, int64_t row_stride, RunLayout run) {
   constexpr int64_t D = DC * 16;
   const int tiles = R > per_tile ? 2 : 1;
   const int64_t last = L0 + R - 1, padded = (last + 31) / 32 * 32;
@@ -816,9 +817,15 @@ __attribute__((target("amx-tile,amx-bf16"))) static void AttendRowsTiles(
   }
   for (int t = 0; t < tiles; ++t)
     for (int64_t i = 0; i < rows_of[t]; ++i) {
-      float* out = O + source(t, i);
-      for (int c = 0; c < DC; ++c)
-        _mm512_storeu_ps(out + 16 * c, _mm512_mul_ps(_mm512_loadu_ps(o[t][c] + i * 16), inverse[t][i]));
+      const int64_t at = source(t, i);
+      for (int c = 0; c < DC; ++c) {
+        const __m512 value = _mm512_mul_ps(_mm512_loadu_ps(o[t][c] + i * 16), inverse[t][i]);
+        if (Or) {
+          _mm512_mask_cvtepi32_storeu_epi16(Or + at + 16 * c, 0xffff, Bf16Bits(value));
+        } else {
+          _mm512_storeu_ps(O + at + 16 * c, value);
+        }
+      }
     }
 }
 #endif
@@ -1090,7 +1097,7 @@ static void AttendTask(const float* qg, int64_t G, int64_t D, const float* K, co
 // values are laid out once for all its units where it has more than one (RunLayout). The same bits either way.
 static void AttendRowsInTiles(const float* Q, int64_t B, int64_t H, int64_t D, const uint16_t* K, const uint16_t* V,
                               int64_t KVH, int64_t NB, int64_t BS, const int64_t* T, int64_t W, const int64_t* LEN,
-                              int64_t window, bool parallel, float* O) {
+                              int64_t window, bool parallel, float* O, uint16_t* Or) {
   const int64_t G = H / KVH;
   std::vector<int64_t> units, unit_run;  // each unit's first row (then B), and its run's place in laid_out (or -1)
   struct Run {
@@ -1161,21 +1168,34 @@ static void AttendRowsInTiles(const float* Q, int64_t B, int64_t H, int64_t D, c
       }
       // the last row's table: every row's blocks are its (Pairable)
       attend(Q + (b * H + head) * D, G, R, kQueryTile / G, K, V, head / G * NB * BS, BS, T + (b + R - 1) * W, LEN[b],
-             O + (b * H + head) * D, H * D, run);
+             O + (b * H + head) * D, Or ? Or + (b * H + head) * D : nullptr, H * D, run);
     }
     _tile_release();
   }
 }
 #endif
 
+// Whether rows of G query heads a KV head, head_dim D, over a bfloat16 cache of BS-token blocks (window: sliding, 0
+// none) go through the tiles in this process, which can hand the o product its rows rounded (AttendRows' Or): for
+// what measures the step's products alone (benchmarks/bench_model.py's floor takes o's input as the step does).
+extern "C" int fdcore_attention_rounds_rows(int64_t G, int64_t D, int64_t BS, int64_t window) {
+#if defined(FDCORE_ATTENTION_TILES)
+  return TilesTake(G, D, BS, window) ? 1 : 0;
+#else
+  return 0;
+#endif
+}
+
 // The attention of B rows over their own prefixes in the paged cache (the shared core of the ops).
 // window > 0: a row at position p sees only keys p - window + 1 .. p (sliding-window attention).
 // Rows and KV heads are shared out over OpenMP's threads; each (row, KV head) is computed whole by
 // one thread, so the result does not depend on the thread count.
 // K and V: float32, or bfloat16 bits where `bf16` (AttendHeadsBf16).
-static void AttendRows(const float* Q, int64_t B, int64_t H, int64_t D, const void* K, const void* V, bool bf16,
+// Or: where not null and the tiles take the rows (TilesTake), O's rows are written there instead, rounded to bfloat16
+// (Bf16Bits: the bits a bfloat16 product's RoundRows would give them); returns whether they were.
+static bool AttendRows(const float* Q, int64_t B, int64_t H, int64_t D, const void* K, const void* V, bool bf16,
                        int64_t KVH, int64_t NB, int64_t BS, const int64_t* T, int64_t W, const int64_t* LEN,
-                       int64_t window, float* O) {
+                       int64_t window, float* O, uint16_t* Or) {
   const int64_t G = H / KVH;
   int64_t work = 0;
   for (int64_t b = 0; b < B; ++b) {
@@ -1218,15 +1238,15 @@ static void AttendRows(const float* Q, int64_t B, int64_t H, int64_t D, const vo
         AttendPair(Q + (b * H + head) * D, Q + ((b + 1) * H + head) * D, G, D, K0, V0, head / G * NB * BS, BS, T + b * W,
                    L, score, score + kMostHeads * L, O + (b * H + head) * D, O + ((b + 1) * H + head) * D);
       }
-      return;
+      return false;
     }
   }
 #endif
 #if defined(FDCORE_ATTENTION_TILES)
   if (bf16 && TilesTake(G, D, BS, window)) {
     AttendRowsInTiles(Q, B, H, D, static_cast<const uint16_t*>(K), static_cast<const uint16_t*>(V), KVH, NB, BS, T, W,
-                      LEN, window, parallel, O);
-    return;
+                      LEN, window, parallel, O, Or);
+    return Or != nullptr;
   }
 #endif
 #pragma omp parallel for schedule(static, 1) if (parallel)  // interleaved: a prompt's later rows see more keys (contiguous shares gave one thread 3/4 of the work)
@@ -1247,6 +1267,7 @@ static void AttendRows(const float* Q, int64_t B, int64_t H, int64_t D, const vo
     AttendTask(Q + (b * H + head) * D, heads, D, static_cast<const float*>(K), static_cast<const float*>(V),
                head / G * NB * BS, BS, T + b * W, first, end - first, score, O + (b * H + head) * D);
   }
+  return false;
 }
 
 // Everything between the QKV projection and the output projection, for every row at once:
@@ -1255,12 +1276,14 @@ static void AttendRows(const float* Q, int64_t B, int64_t H, int64_t D, const vo
 // in), q scaled, k and v written into the paged cache at each row's slot, then attention over each
 // row's prefix (its last `window` keys when window > 0).
 // qkv [T, (H + 2 KVH) D]; slots [T] int64 (block * BS + offset); out [T, H D]. Into the caller's memory
-// (decoder_layers' workspace, or the op's outputs): Qo [T, H D] (the rotated, scaled queries) and O.
-void AttentionBlockInto(const float* X, int64_t Tn, int64_t width, const paddle::Tensor& cos, const paddle::Tensor& sin,
+// (decoder_layers' workspace, or the op's outputs): Qo [T, H D] (the rotated, scaled queries) and O, or, where Or is
+// not null and the rows go through the tiles (AttendRows), O's rows rounded to bfloat16 in Or [T, H D] (a bfloat16 o
+// product's rounded X: its float32 rows never go to memory); returns whether they did.
+bool AttentionBlockInto(const float* X, int64_t Tn, int64_t width, const paddle::Tensor& cos, const paddle::Tensor& sin,
                         const paddle::Tensor& slots, const paddle::Tensor& k_cache, const paddle::Tensor& v_cache,
                         const paddle::Tensor& tables, const paddle::Tensor& lengths, const paddle::Tensor& q_norm,
                         const paddle::Tensor& k_norm, int64_t num_heads, float scale, int64_t window, float norm_eps,
-                        float* Qo, float* O) {
+                        float* Qo, float* O, uint16_t* Or) {
   const auto vs = v_cache.shape();
   const int64_t KVH = vs[0], NB = vs[1], BS = vs[2], D = vs[3], H = num_heads, half = D / 2;
   PD_CHECK(width == (H + 2 * KVH) * D, "attention_block: qkv width does not match the heads");
@@ -1328,8 +1351,8 @@ void AttentionBlockInto(const float* X, int64_t Tn, int64_t width, const paddle:
     }
     for (int64_t j = 0; j < KVH; ++j) store(Vc, j, SLOT[t], row + (H + KVH + j) * D, false);  // values, as they are
   }
-  AttendRows(Qo, Tn, H, D, Kc, Vc, bf16, KVH, NB, BS, tables.data<int64_t>(), tables.shape()[1],
-             lengths.data<int64_t>(), window, O);
+  return AttendRows(Qo, Tn, H, D, Kc, Vc, bf16, KVH, NB, BS, tables.data<int64_t>(), tables.shape()[1],
+             lengths.data<int64_t>(), window, O, Or);
 }
 
 std::vector<paddle::Tensor> AttentionBlock(const paddle::Tensor& qkv, const paddle::Tensor& cos,
@@ -1342,7 +1365,7 @@ std::vector<paddle::Tensor> AttentionBlock(const paddle::Tensor& qkv, const padd
   auto q = paddle::empty({Tn, num_heads, D}, paddle::DataType::FLOAT32, paddle::CPUPlace());
   auto out = paddle::empty({Tn, num_heads * D}, paddle::DataType::FLOAT32, paddle::CPUPlace());
   AttentionBlockInto(qkv.data<float>(), Tn, qkv.shape()[1], cos, sin, slots, k_cache, v_cache, tables, lengths, q_norm,
-                     k_norm, num_heads, scale, window, norm_eps, q.data<float>(), out.data<float>());
+                     k_norm, num_heads, scale, window, norm_eps, q.data<float>(), out.data<float>(), nullptr);
   return {out};
 }
 
