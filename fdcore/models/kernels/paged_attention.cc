@@ -697,16 +697,17 @@ __attribute__((target("amx-tile,amx-bf16"))) static inline void PairWeightedValu
 }
 
 // Rows b .. b + R - 1 (consecutive positions of one sequence, each seeing one key more) of KV head kvh: its G query
-// heads each, position r's head g in tile r / P at row (r % P) G + g, P = per_tile positions a tile (16 / G at
-// most); one tile, or two where the keys and values are laid out (PairScores, PairWeightedValues). D / 16 = DC o
-// tiles. `run`: the keys and values already laid out (RunLayout), or nulls: laid out here as they are needed
-// (scores: the keys straight from the cache as A tiles, the query rows' dims in pairs as B tiles, and a gather a
-// query row turns them to rows). A row's bits are the same in either tile, alone or paired. Two tiles at a time: a
-// 512-token SmolLM2 attention op (1 thread, one tile a task or two alternating call by call in one process) 0.89-0.94x
-// the time, the rest of a pair's work (scores, softmax) as before.
+// heads each (Qr: their queries rounded to bfloat16, QueriesRounded; their outputs to O, or rounded to Or), position
+// r's head g in tile r / P at row (r % P) G + g, P = per_tile positions a tile (16 / G at most); one tile, or two where
+// the keys and values are laid out (PairScores, PairWeightedValues). D / 16 = DC o tiles. `run`: the keys and values
+// already laid out (RunLayout), or nulls: laid out here as they are needed (scores: the keys straight from the cache as
+// A tiles, the query rows' dims in pairs as B tiles, and a gather a query row turns them to rows). A row's bits are the
+// same in either tile, alone or paired. Two tiles at a time: a 512-token SmolLM2 attention op (1 thread, one tile a
+// task or two alternating call by call in one process) 0.89-0.94x the time, the rest of a pair's work (scores, softmax)
+// as before.
 template <int DC>
 __attribute__((target("amx-tile,amx-bf16"))) static void AttendRowsTiles(
-    const float* Q, int64_t G, int64_t R, int64_t per_tile, const uint16_t* K, const uint16_t* V, int64_t kv_base,
+    const uint16_t* Qr, int64_t G, int64_t R, int64_t per_tile, const uint16_t* K, const uint16_t* V, int64_t kv_base,
     int64_t BS, const int64_t* table, int64_t L0, float* O, uint16_t* Or, int64_t row_stride, RunLayout run) {
   constexpr int64_t D = DC * 16;
   const int tiles = R > per_tile ? 2 : 1;
@@ -727,10 +728,9 @@ __attribute__((target("amx-tile,amx-bf16"))) static void AttendRowsTiles(
   alignas(64) uint16_t query_rows[D / 32][2 * kQueryTile][32] = {};
   for (int t = 0; t < tiles; ++t)
     for (int64_t i = 0; i < rows_of[t]; ++i) {
-      const float* q = Q + source(t, i);
+      const uint16_t* q = Qr + source(t, i);
       for (int64_t c = 0; c < D / 32; ++c) {
-        const __m512bh pair = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(q + 32 * c + 16), _mm512_loadu_ps(q + 32 * c));
-        _mm512_store_si512(query_rows[c][t * kQueryTile + i], (__m512i)pair);
+        _mm512_store_si512(query_rows[c][t * kQueryTile + i], _mm512_loadu_si512(q + 32 * c));
       }
     }
   if (!run.kt)
@@ -1095,7 +1095,7 @@ static void AttendTask(const float* qg, int64_t G, int64_t D, const float* K, co
 // AttendRows where the tiles take it (TilesTake). A unit: up to 16 / G consecutive rows of one sequence (Pairable,
 // chained), its tiles' query rows their heads; a run: a sequence's consecutive rows (a prompt's), whose keys and
 // values are laid out once for all its units where it has more than one (RunLayout). The same bits either way.
-static void AttendRowsInTiles(const float* Q, int64_t B, int64_t H, int64_t D, const uint16_t* K, const uint16_t* V,
+static void AttendRowsInTiles(const uint16_t* Qr, int64_t B, int64_t H, int64_t D, const uint16_t* K, const uint16_t* V,
                               int64_t KVH, int64_t NB, int64_t BS, const int64_t* T, int64_t W, const int64_t* LEN,
                               int64_t window, bool parallel, float* O, uint16_t* Or) {
   const int64_t G = H / KVH;
@@ -1167,7 +1167,7 @@ static void AttendRowsInTiles(const float* Q, int64_t B, int64_t H, int64_t D, c
         run.vi = run.kt + padded_keys(r.keys) * D;
       }
       // the last row's table: every row's blocks are its (Pairable)
-      attend(Q + (b * H + head) * D, G, R, kQueryTile / G, K, V, head / G * NB * BS, BS, T + (b + R - 1) * W, LEN[b],
+      attend(Qr + (b * H + head) * D, G, R, kQueryTile / G, K, V, head / G * NB * BS, BS, T + (b + R - 1) * W, LEN[b],
              O + (b * H + head) * D, Or ? Or + (b * H + head) * D : nullptr, H * D, run);
     }
     _tile_release();
@@ -1175,15 +1175,31 @@ static void AttendRowsInTiles(const float* Q, int64_t B, int64_t H, int64_t D, c
 }
 #endif
 
+// Whether the rows of an attention call go through the tiles (AttendRowsInTiles): a bfloat16 cache where TilesTake.
+static bool AttentionTiles(bool bf16, int64_t G, int64_t D, int64_t BS, int64_t window) {
+#if defined(FDCORE_ATTENTION_TILES)
+  return bf16 && TilesTake(G, D, BS, window);
+#else
+  return false;
+#endif
+}
+
+// A head's D (a multiple of 32) rotated queries q rounded to bfloat16 as the tiles take them (vcvtne2ps2bf16, 32 at a
+// time), once a row where every (row, KV head) task rounded its rows' (and read twice the bytes).
+static void QueriesRounded(const float* q, int64_t D, uint16_t* r) {
+#if defined(FDCORE_ATTENTION_TILES)
+  for (int64_t c = 0; c < D; c += 32)
+    _mm512_storeu_si512(r + c, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(q + c + 16), _mm512_loadu_ps(q + c)));
+#else
+  PD_CHECK(false, "attention: queries rounded for tiles in a build without them");
+#endif
+}
+
 // Whether rows of G query heads a KV head, head_dim D, over a bfloat16 cache of BS-token blocks (window: sliding, 0
 // none) go through the tiles in this process, which can hand the o product its rows rounded (AttendRows' Or): for
 // what measures the step's products alone (benchmarks/bench_model.py's floor takes o's input as the step does).
 extern "C" int fdcore_attention_rounds_rows(int64_t G, int64_t D, int64_t BS, int64_t window) {
-#if defined(FDCORE_ATTENTION_TILES)
-  return TilesTake(G, D, BS, window) ? 1 : 0;
-#else
-  return 0;
-#endif
+  return AttentionTiles(true, G, D, BS, window) ? 1 : 0;
 }
 
 // The attention of B rows over their own prefixes in the paged cache (the shared core of the ops).
@@ -1191,11 +1207,12 @@ extern "C" int fdcore_attention_rounds_rows(int64_t G, int64_t D, int64_t BS, in
 // Rows and KV heads are shared out over OpenMP's threads; each (row, KV head) is computed whole by
 // one thread, so the result does not depend on the thread count.
 // K and V: float32, or bfloat16 bits where `bf16` (AttendHeadsBf16).
-// Or: where not null and the tiles take the rows (TilesTake), O's rows are written there instead, rounded to bfloat16
-// (Bf16Bits: the bits a bfloat16 product's RoundRows would give them); returns whether they were.
-static bool AttendRows(const float* Q, int64_t B, int64_t H, int64_t D, const void* K, const void* V, bool bf16,
-                       int64_t KVH, int64_t NB, int64_t BS, const int64_t* T, int64_t W, const int64_t* LEN,
-                       int64_t window, float* O, uint16_t* Or) {
+// Where the tiles take the rows (AttentionTiles), their queries are Qr's, rounded to bfloat16 (QueriesRounded), and
+// where Or is not null O's rows are written there instead, rounded to bfloat16 (Bf16Bits: the bits a bfloat16
+// product's RoundRows would give them); returns whether they were.
+static bool AttendRows(const float* Q, const uint16_t* Qr, int64_t B, int64_t H, int64_t D, const void* K,
+                       const void* V, bool bf16, int64_t KVH, int64_t NB, int64_t BS, const int64_t* T, int64_t W,
+                       const int64_t* LEN, int64_t window, float* O, uint16_t* Or) {
   const int64_t G = H / KVH;
   int64_t work = 0;
   for (int64_t b = 0; b < B; ++b) {
@@ -1243,8 +1260,9 @@ static bool AttendRows(const float* Q, int64_t B, int64_t H, int64_t D, const vo
   }
 #endif
 #if defined(FDCORE_ATTENTION_TILES)
-  if (bf16 && TilesTake(G, D, BS, window)) {
-    AttendRowsInTiles(Q, B, H, D, static_cast<const uint16_t*>(K), static_cast<const uint16_t*>(V), KVH, NB, BS, T, W,
+  if (AttentionTiles(bf16, G, D, BS, window)) {
+    PD_CHECK(Qr, "attention: the tiles take the queries rounded");
+    AttendRowsInTiles(Qr, B, H, D, static_cast<const uint16_t*>(K), static_cast<const uint16_t*>(V), KVH, NB, BS, T, W,
                       LEN, window, parallel, O, Or);
     return Or != nullptr;
   }
@@ -1276,7 +1294,8 @@ static bool AttendRows(const float* Q, int64_t B, int64_t H, int64_t D, const vo
 // in), q scaled, k and v written into the paged cache at each row's slot, then attention over each
 // row's prefix (its last `window` keys when window > 0).
 // qkv [T, (H + 2 KVH) D]; slots [T] int64 (block * BS + offset); out [T, H D]. Into the caller's memory
-// (decoder_layers' workspace, or the op's outputs): Qo [T, H D] (the rotated, scaled queries) and O, or, where Or is
+// (decoder_layers' workspace, or the op's outputs): Qo [T, H D] (the rotated, scaled queries; where the tiles take the
+// rows, rounded to bfloat16 in its memory: QueriesRounded) and O, or, where Or is
 // not null and the rows go through the tiles (AttendRows), O's rows rounded to bfloat16 in Or [T, H D] (a bfloat16 o
 // product's rounded X: its float32 rows never go to memory); returns whether they did.
 bool AttentionBlockInto(const float* X, int64_t Tn, int64_t width, const paddle::Tensor& cos, const paddle::Tensor& sin,
@@ -1323,9 +1342,11 @@ bool AttentionBlockInto(const float* X, int64_t Tn, int64_t width, const paddle:
   for (int64_t t = 0; t < Tn; ++t) PD_CHECK(SLOT[t] >= 0 && SLOT[t] < NB * BS, "attention_block: slot out of range");
   // Rows alone (each its own slots of the cache): shared out, the same bits. A 512-token SmolLM2 prefill spent
   // ~1 % of its time here on one thread while the others waited.
+  // where the tiles take the rows, the queries go to them rounded (QueriesRounded), in Qo's memory
+  uint16_t* const Qr = AttentionTiles(bf16, H / KVH, D, BS, window) ? reinterpret_cast<uint16_t*>(Qo) : nullptr;
 #pragma omp parallel for schedule(static) if (RowsWorthSharing(Tn, width))
   for (int64_t t = 0; t < Tn; ++t) {
-    float head[256], key[256];
+    float head[256], key[256], query[256];
     const float* row = X + t * (H + 2 * KVH) * D;
     const float* c = C + t * half;
     const float* s = S + t * half;
@@ -1339,7 +1360,7 @@ bool AttentionBlockInto(const float* X, int64_t Tn, int64_t width, const paddle:
         for (int64_t i = 0; i < D; ++i) head[i] = x[i] * inv * w[i];
         x = head;
       }
-      float* dst = h < H ? Qo + (t * H + h) * D : key;
+      float* dst = h >= H ? key : Qr ? query : Qo + (t * H + h) * D;
       const float mul = h < H ? scale : 1.f;
       for (int64_t i = 0; i < half; ++i) {
         const float a = x[i] * c[i] - x[i + half] * s[i];
@@ -1348,10 +1369,11 @@ bool AttentionBlockInto(const float* X, int64_t Tn, int64_t width, const paddle:
         dst[i + half] = h < H ? b * mul : b;
       }
       if (h >= H) store(Kc, h - H, SLOT[t], key, true);
+      if (h < H && Qr) QueriesRounded(query, D, Qr + (t * H + h) * D);
     }
     for (int64_t j = 0; j < KVH; ++j) store(Vc, j, SLOT[t], row + (H + KVH + j) * D, false);  // values, as they are
   }
-  return AttendRows(Qo, Tn, H, D, Kc, Vc, bf16, KVH, NB, BS, tables.data<int64_t>(), tables.shape()[1],
+  return AttendRows(Qo, Qr, Tn, H, D, Kc, Vc, bf16, KVH, NB, BS, tables.data<int64_t>(), tables.shape()[1],
              lengths.data<int64_t>(), window, O, Or);
 }
 
