@@ -68,15 +68,15 @@ __attribute__((visibility("hidden"))) FDCORE_BF16_TARGET void RoundToBf16(const 
 }
 
 // A product's rounded X, the layout every producer of bfloat16 rows writes (RoundRows here, AddRmsNormBf16Into, the
-// SwiGLU's epilogue; decoder.cc sizes its buffers by it): Bf16RowsPadded(M) rows of Bf16RowWidth(K) values, K's
-// rounded (RoundRow), then a zero for an odd K (the pairs of K the kernels read whole). Rows: M, or for more than a
-// tile's rows, whole tiles of 16 (the AMX path multiplies whole tiles; the padding rows must be zeros or at least
-// finite, and their outputs are dropped).
+// tile attention's output, the SwiGLU's epilogue; decoder.cc sizes its buffers by it): Bf16RowsPadded(M) rows of
+// Bf16RowWidth(K) values, K's rounded (RoundRow), then a zero for an odd K (the pairs of K the kernels read whole).
+// Rows: M, or for more than a tile's rows, whole tiles of 16 (the AMX path multiplies whole tiles; the padding rows
+// must be zeros or at least finite, and their outputs are dropped).
 __attribute__((visibility("hidden"))) int64_t Bf16RowsPadded(int64_t M) { return M <= 16 ? M : (M + 15) / 16 * 16; }
 __attribute__((visibility("hidden"))) int64_t Bf16RowWidth(int64_t K) { return (K + 1) / 2 * 2; }
 
 // One row of K float32 values into its rounded row r (Bf16RowWidth(K) values).
-__attribute__((visibility("hidden"))) FDCORE_BF16_TARGET void RoundRow(const float* x, int64_t K, uint16_t* r) {
+FDCORE_BF16_TARGET static void RoundRow(const float* x, int64_t K, uint16_t* r) {
   RoundToBf16(x, K, r);
   if (K % 2) r[K] = 0;
 }

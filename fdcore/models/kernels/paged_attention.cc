@@ -24,10 +24,9 @@
 // linear_int8.cc: whether a loop over independent rows is shared out over the threads
 __attribute__((visibility("hidden"))) bool RowsWorthSharing(int64_t rows, int64_t width);
 
-// n values to bfloat16 bits, to nearest even; one row into a bfloat16 product's rounded row of Bf16RowWidth(n)
-// values (linear_bf16.cc; AVX512-BF16 CPUs only).
+// n values to bfloat16 bits, to nearest even; the width of a bfloat16 product's rounded row of n values
+// (linear_bf16.cc; AVX512-BF16 CPUs only).
 __attribute__((visibility("hidden"))) void RoundToBf16(const float* x, int64_t n, uint16_t* r);
-__attribute__((visibility("hidden"))) void RoundRow(const float* x, int64_t n, uint16_t* r);
 __attribute__((visibility("hidden"))) int64_t Bf16RowWidth(int64_t n);
 
 constexpr int kMostHeads = 4;     // query heads per pass over a row's keys (AVX-512: 1 past D = 128)
@@ -1598,28 +1597,55 @@ PD_BUILD_OP(fdcore_gumbel_sample)
 //   hidden_out = hidden + delta          (delta may be empty: then hidden_out = hidden)
 //   normed     = hidden_out * rsqrt(mean(hidden_out^2) + eps) * weight
 // hidden, delta [T, E] float32; weight [E] float32.
-// One row of it (h, d: null for no delta; s: null where there is no delta and h is the sum already, as the
-// residual stream is where a product's epilogue adds to it: kernels/decoder.cc), compiled once: every caller's rows
-// get the same instructions, so the float32 and the bfloat16 outputs (AddRmsNormBf16Into) hold the same values.
-__attribute__((noinline)) static void AddRmsNormRow(const float* __restrict__ h, const float* __restrict__ d,
-                                                   const float* __restrict__ W, int64_t E, float eps,
-                                                   float* __restrict__ s, float* __restrict__ n) {
-  const float* sum = h;
+// One row's sum: h + d into s where there is a delta d, h copied into s where there is none but an s, else h itself
+// (the residual stream where a product's epilogue adds to it: kernels/decoder.cc); returns the sum's row.
+static inline const float* RowSum(const float* __restrict__ h, const float* __restrict__ d, float* __restrict__ s,
+                                  int64_t E) {
   if (d) {
 #pragma omp simd
     for (int64_t e = 0; e < E; ++e) s[e] = h[e] + d[e];
-    sum = s;
-  } else if (s) {
-#pragma omp simd
-    for (int64_t e = 0; e < E; ++e) s[e] = h[e];
-    sum = s;
+    return s;
   }
+  if (!s) return h;
+#pragma omp simd
+  for (int64_t e = 0; e < E; ++e) s[e] = h[e];
+  return s;
+}
+
+// 1 / sqrt(mean(x^2) + eps) over a row of E values, compiled once: every norm's rows (float32 or bfloat16 out) get
+// the same instructions, so the same scale.
+__attribute__((noinline)) static float RmsScale(const float* __restrict__ x, int64_t E, float eps) {
   float squares = 0.f;
 #pragma omp simd reduction(+ : squares)
-  for (int64_t e = 0; e < E; ++e) squares += sum[e] * sum[e];
-  const float scale = 1.f / std::sqrt(squares / static_cast<float>(E) + eps);
+  for (int64_t e = 0; e < E; ++e) squares += x[e] * x[e];
+  return 1.f / std::sqrt(squares / static_cast<float>(E) + eps);
+}
+
+// One row (h, d: null for no delta; s: RowSum's) into n: sum * scale * weight.
+static void AddRmsNormRow(const float* __restrict__ h, const float* __restrict__ d, const float* __restrict__ W,
+                          int64_t E, float eps, float* __restrict__ s, float* __restrict__ n) {
+  const float* sum = RowSum(h, d, s, E);
+  const float scale = RmsScale(sum, E, eps);
 #pragma omp simd
   for (int64_t e = 0; e < E; ++e) n[e] = sum[e] * scale * W[e];
+}
+
+// The same row rounded to bfloat16 as it is made (Bf16Bits of the same (sum * scale) * weight), into a product's
+// rounded row r (Bf16RowWidth(E) values: a zero past an odd E): the float32 row never goes to memory, not even
+// to L1 (a pass of its own rounded it there: ~1.4 % of a 512-token SmolLM2 bf16 prefill's samples).
+__attribute__((target("avx512f"))) static void AddRmsNormBf16Row(const float* __restrict__ h,
+                                                                 const float* __restrict__ d,
+                                                                 const float* __restrict__ W, int64_t E, float eps,
+                                                                 float* __restrict__ s, uint16_t* __restrict__ r) {
+  const float* sum = RowSum(h, d, s, E);
+  const __m512 scale = _mm512_set1_ps(RmsScale(sum, E, eps));
+  for (int64_t e = 0; e < E; e += 16) {
+    const __mmask16 lanes = e + 16 <= E ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << (E - e)) - 1);
+    const __m512 value = _mm512_mul_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(lanes, sum + e), scale),
+                                       _mm512_maskz_loadu_ps(lanes, W + e));
+    _mm512_mask_cvtepi32_storeu_epi16(r + e, lanes, Bf16Bits(value));
+  }
+  if (E % 2) r[E] = 0;
 }
 
 // Into the caller's memory (DL null: no delta): S and N, which overlap none of H, DL, W (S null: no delta, H the sum
@@ -1633,22 +1659,15 @@ void AddRmsNormInto(const float* __restrict__ H, const float* __restrict__ DL, c
 }
 
 // The same with the normed rows as a bfloat16 product's rounded X (linear_bf16.cc's layout: R [T, Bf16RowWidth(E)],
-// RoundRow), where a bfloat16 model's next product wants them: the
-// float32 rows stay in this thread's L1 instead of going to memory and being read back and rounded there (a
-// 512-token SmolLM2 prompt: 1.2 MB written and read twice a layer). AVX512-BF16 CPUs only (RoundToBf16).
+// AddRmsNormBf16Row), where a bfloat16 model's next product wants them: they are not written as float32 rows to be
+// read back and rounded (a 512-token SmolLM2 prompt: 1.2 MB written and read twice a layer). AVX512-BF16 CPUs only.
 void AddRmsNormBf16Into(const float* __restrict__ H, const float* __restrict__ DL, const float* __restrict__ W,
                         int64_t T, int64_t E, float eps, float* __restrict__ S, uint16_t* __restrict__ R) {
   PD_CHECK(S || !DL, "add_rms_norm: a delta needs rows for the sum");
   const int64_t width = Bf16RowWidth(E);
-#pragma omp parallel if (RowsWorthSharing(T, E))
-  {
-    std::vector<float> normed(E);  // (this thread's row)
-#pragma omp for schedule(static)
-    for (int64_t t = 0; t < T; ++t) {
-      AddRmsNormRow(H + t * E, DL ? DL + t * E : nullptr, W, E, eps, S ? S + t * E : nullptr, normed.data());
-      RoundRow(normed.data(), E, R + t * width);
-    }
-  }
+#pragma omp parallel for schedule(static) if (RowsWorthSharing(T, E))
+  for (int64_t t = 0; t < T; ++t)
+    AddRmsNormBf16Row(H + t * E, DL ? DL + t * E : nullptr, W, E, eps, S ? S + t * E : nullptr, R + t * width);
 }
 
 std::vector<paddle::Tensor> AddRmsNorm(const paddle::Tensor& hidden, const paddle::Tensor& delta,
