@@ -873,8 +873,11 @@ def swiglu(x: paddle.Tensor, gate_up, bias: paddle.Tensor | None, silu_mul) -> p
     """The MLP's activations silu(gate) * up of x's gate and up products ([rows, I]): a gated Bf16Matrix's in its
     product's epilogue (Bf16Matrix.pack_gated), any other's product then ``silu_mul`` ([rows, 2 I] -> [rows, I])."""
     if isinstance(gate_up, Bf16Matrix) and gate_up.gated:
-        none = paddle.empty([0], dtype="float32") if bias is None else bias
-        return _BF16_SWIGLU[0](x, gate_up.packed, none, gate_up.rows)
+        if bias is None:
+            if _NO_BIAS[0] is None:  # (one empty tensor for every call: each made its own, ~2 us a layer)
+                _NO_BIAS[0] = paddle.empty([0], dtype="float32")
+            bias = _NO_BIAS[0]
+        return _BF16_SWIGLU[0](x, gate_up.packed, bias, gate_up.rows)
     return silu_mul(linear(x, gate_up, bias))
 
 
@@ -887,6 +890,7 @@ def _silu_mul(gate_up: paddle.Tensor) -> paddle.Tensor:
 _F32_LINEAR: list = [None]  # the compiled kernels, loaded by the first model that needs them
 _BF16_LINEAR: list = [None]
 _BF16_SWIGLU: list = [None]
+_NO_BIAS: list = [None]  # the empty bias tensor swiglu() hands the gated kernel for a bias-less MLP
 _INT8_LINEAR: list = [None]
 _INT4_LINEAR: list = [None]
 _PACKED = {"bfloat16": Bf16Matrix, "wint8": Int8Matrix, "wint4": Int4Matrix}  # a matrix kind's packed form
