@@ -240,12 +240,16 @@ def test_a_forward_pass_gives_the_same_bits_on_one_and_two_threads(checkpoints, 
         assert np.array_equal(one[name], two[name]), name
 
 
-@pytest.mark.parametrize("dtype, quantization", [("float32", "none"), ("float32", "wint8"), ("float32", "wint4"),
-                                                  ("bfloat16", "none")])
-def test_the_one_call_decoder_equals_the_per_layer_calls_to_the_bit(checkpoints, dtype, quantization):
+@pytest.mark.parametrize("dtype, quantization, cache_dtype", [
+    ("float32", "none", "float32"), ("float32", "wint8", "float32"), ("float32", "wint4", "float32"),
+    ("bfloat16", "none", "float32"),
+    ("bfloat16", "none", "bfloat16"),  # the tile attention: queries rounded once a row, o's rows handed rounded
+])
+def test_the_one_call_decoder_equals_the_per_layer_calls_to_the_bit(checkpoints, dtype, quantization, cache_dtype):
     """kernels/decoder.cc runs every layer in one operator call with the kernels the per-layer path
     calls from Python, in the same order: the same logits to the bit, prefill and decode, biases and
-    GQA included (the Qwen2 variant has q/k/v biases)."""
+    GQA included (the Qwen2 variant has q/k/v biases); a bfloat16 model's o and down products add the residual
+    stream in their epilogue (FoldsResidual), and over a bfloat16 cache its attention hands o its rows rounded."""
     from fdcore.models.kernels import kernel_path, missing_cpu_feature
 
     kind = dtype if quantization == "none" else quantization
@@ -261,7 +265,7 @@ def test_the_one_call_decoder_equals_the_per_layer_calls_to_the_bit(checkpoints,
         results = []
         for decoder in (model.decoder, None):
             model.decoder = decoder
-            cache = PagedKVCache(model.args, 48, BLOCK)
+            cache = PagedKVCache(model.args, 48, BLOCK, cache_dtype)
             prefill = model.forward(BatchInput(prompts, [0] * len(prompts), tables), cache)
             decode = model.forward(BatchInput([[9] for _ in prompts], [len(p) for p in prompts], tables), cache)
             results.append((prefill, decode))
