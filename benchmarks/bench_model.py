@@ -71,13 +71,12 @@ def gemm_floor(model: LlamaModel, rows: int, decode_context: int = 0):
     x_h = paddle.randn([rows, a.hidden_size])
     x_q = paddle.randn([rows, a.num_heads * a.head_dim])
     x_i = paddle.randn([rows, a.intermediate_size])
+    groups = a.num_heads // a.num_kv_heads
     gated = isinstance(model.layers[0]["gate_up"], Bf16Matrix) and model.layers[0]["gate_up"].gated
     if gated:
         x_h, x_i = x_h.astype("bfloat16"), x_i.astype("bfloat16")
-        groups = a.num_heads // a.num_kv_heads
         if all(kernels.attention_rounds_rows(groups, a.head_dim, BLOCK, layer["window"]) for layer in model.layers):
             x_q = x_q.astype("bfloat16")
-    groups = a.num_heads // a.num_kv_heads
     q = paddle.randn([a.num_kv_heads, rows, groups, a.head_dim])
     kv = paddle.randn([a.num_kv_heads, rows, decode_context, a.head_dim])
     probs = paddle.randn([a.num_kv_heads, rows, groups, decode_context])

@@ -28,8 +28,6 @@
 void LinearF32Into(const float* X, int64_t M, int64_t K, const paddle::Tensor& w, int64_t rows, float* Y);
 void LinearBf16Into(const float* X, int64_t M, int64_t K, const paddle::Tensor& w, int64_t rows, float* Y,
                     const float* R);
-void LinearBf16SwiGluInto(const float* X, int64_t M, int64_t K, const paddle::Tensor& w, int64_t rows,
-                          const paddle::Tensor& bias, float* Y);
 void LinearBf16RoundedInto(const uint16_t* Xr, int64_t M, int64_t K, const paddle::Tensor& w, int64_t rows, float* Y,
                            const float* R);
 void LinearBf16SwiGluRoundedInto(const uint16_t* Xr, int64_t M, int64_t K, const paddle::Tensor& w, int64_t rows,
@@ -69,12 +67,9 @@ void AddBias(const paddle::Tensor* w, int slot, int64_t M, int64_t rows, float* 
     for (int64_t n = 0; n < rows; ++n) Y[m * rows + n] += B[n];
 }
 
-// Y [M, rows] = X [M, K] . W^T (+ bias), or R + X W^T for residual rows R (FoldsResidual: a bfloat16 matrix
-// without a bias).
+// Y [M, rows] = X [M, K] . W^T (+ bias), or R + X W^T for residual rows R (ProjectRows checks them).
 void Project(int64_t kind, const float* X, int64_t M, int64_t K, const paddle::Tensor* w, int slot, int64_t rows,
              float* Y, const float* R = nullptr) {
-  PD_CHECK(!R || (kind == kBfloat16 && w[slot + 2].numel() == 0),
-           "decoder_layers: a residual only a bias-less bf16 product adds");
   switch (kind) {
     case kFloat32: LinearF32Into(X, M, K, w[slot], rows, Y); break;
     case kBfloat16: LinearBf16Into(X, M, K, w[slot], rows, Y, R); break;
@@ -104,14 +99,16 @@ void Norm(const Rows& to, const float* h, const float* delta, const paddle::Tens
   }
 }
 
-// Project of `from`'s rows.
+// Project of `from`'s rows, R + the product where there are residual rows R (FoldsResidual: a bfloat16 matrix
+// without a bias).
 void ProjectRows(int64_t kind, const Rows& from, int64_t M, int64_t K, const paddle::Tensor* w, int slot, int64_t rows,
                  float* Y, const float* R = nullptr) {
+  PD_CHECK(!R || (kind == kBfloat16 && w[slot + 2].numel() == 0),
+           "decoder_layers: a residual only a bias-less bf16 product adds");
   if (!from.xr) {
     Project(kind, from.x, M, K, w, slot, rows, Y, R);
     return;
   }
-  PD_CHECK(!R || w[slot + 2].numel() == 0, "decoder_layers: a residual only a bias-less product adds");
   LinearBf16RoundedInto(from.xr, M, K, w[slot], rows, Y, R);
   AddBias(w, slot, M, rows, Y);
 }
@@ -130,16 +127,14 @@ bool FoldsResidual(int64_t kind, const std::vector<paddle::Tensor>& weights, boo
 
 // The MLP's activations, into `to` [M, rows / 2]: silu(gate) up of `from`'s gate and up products (rows: both
 // together, with their bias): a bfloat16 model's gate_up is gated (fdcore.models.llama.Bf16Matrix.pack_gated: SwiGLU
-// in the product's epilogue, never the [M, rows] product in memory), its activations rounded there for the down
-// product where `to` takes rounded rows; every other kind's product goes through SiluMul. `product` [M, rows]: room
-// for that product.
+// in the product's epilogue, never the [M, rows] product in memory), its rows rounded both ways (Rows), the
+// activations rounded there for the down product; every other kind's product goes through SiluMul. `product`
+// [M, rows]: room for that product.
 void GatedActivations(int64_t kind, const Rows& from, int64_t M, int64_t K, const paddle::Tensor* w, int64_t rows,
                       float* product, const Rows& to) {
-  if (kind == kBfloat16 && to.xr) {
-    PD_CHECK(from.xr, "decoder_layers: rounded activations from float32 rows");
+  if (kind == kBfloat16) {
+    PD_CHECK(from.xr && to.xr, "decoder_layers: a bfloat16 model's activations come from and go to rounded rows");
     LinearBf16SwiGluRoundedInto(from.xr, M, K, w[kGateUp], rows, w[kGateUpBias], Bf16RowWidth(rows / 2), to.xr);
-  } else if (kind == kBfloat16) {
-    LinearBf16SwiGluInto(from.x, M, K, w[kGateUp], rows, w[kGateUpBias], to.x);
   } else {
     ProjectRows(kind, from, M, K, w, kGateUp, rows, product);
     SiluMulInto(product, M, rows / 2, to.x);
