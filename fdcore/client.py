@@ -245,9 +245,11 @@ class Connection:
         self.slot, self.lock_fd = self._claim(tree.instance)
         try:
             client = topology.client_id(self.slot)
-            self.inbox = Inbox.attach(topology.inbox_name(tree.instance, client), ["engine"])
+            # as the supervisor made them: a previous owner of the slot may have written anything there
+            self.inbox = Inbox.attach(topology.inbox_name(tree.instance, client), ["engine"], untrusted=["engine"])
             self.receiver = Receiver(self.inbox, ClientMessage)
-            self.sender = Sender(Ring.attach(topology.link_name(tree.instance, "engine", client)))
+            self.sender = Sender(Ring.attach(topology.link_name(tree.instance, "engine", client), trust_header=False,
+                                             bell_name=topology.inbox_name(tree.instance, "engine")))
             self._send_lock = threading.Lock()
             self.welcome = self.handshake(timeout)
         except BaseException:
@@ -281,6 +283,7 @@ class Connection:
         session = secrets.randbits(62)
         deadline = time.monotonic() + timeout
         while True:
+            self._resync()
             self.send(Hello(self.slot, session))
             welcome = self._await_welcome(session, min(deadline, time.monotonic() + HELLO_RESEND))
             if welcome is not None:
@@ -288,6 +291,12 @@ class Connection:
                 return welcome
             if time.monotonic() >= deadline or not keep_waiting():
                 raise EngineError(f"the engine of {self.tree.instance} did not answer within {timeout:g} s")
+
+    def _resync(self) -> None:
+        """Our ends of both links where the engine may have reset them (it does when a slot's previous
+        owner broke them); no change otherwise."""
+        self.sender.ring.resync()
+        self.inbox.link("engine").resync()
 
     def _await_welcome(self, session: int, until: float) -> Welcome | None:
         """Our Welcome, or None at ``until``; whatever else is in the ring is a previous session's."""

@@ -185,3 +185,37 @@ def test_a_link_receiver_names_each_sender_and_returns_bad_records_instead_of_ra
         assert receiver.recv_many(timeout=1.0) == [("actor", Ping(6))]
         actor.close()
         client.close()
+
+
+def test_a_corrupted_link_is_reported_emptied_and_repaired_and_the_others_go_on():
+    """A link whose ring was written over gives its records before the damage, then one RingCorrupted
+    item (not an exception): the link is emptied, its header rewritten, and its producer, synced again,
+    is heard; the other link never notices. The consumer's attach did not trust that link's header."""
+    from fdcore.ipc import LinkReceiver, RingCorrupted
+    from fdcore.ipc import ring as ring_mod
+
+    name = names.object_name(names.new_instance_id(), "links")
+    with Inbox.create(name, ["actor", "client0"], capacity=4096) as owner:
+        client_ring = Ring.attach(owner.link_name("client0"))
+        client_ring._mm[0:64] = os.urandom(64)  # magic and capacity: a trusting attach would refuse the link
+        inbox = Inbox.attach(name, ["actor", "client0"], untrusted=["client0"])
+        actor, client = Sender(Ring.attach(owner.link_name("actor"))), Sender(client_ring)
+        try:
+            receiver = LinkReceiver(inbox, {"actor": Ping, "client0": Ping})
+            client.send(Ping(1))
+            client_ring._words[ring_mod.TAIL] = client_ring._tail + 3  # a tail that cannot be
+            actor.send(Ping(2))
+            items = receiver.recv_many(timeout=1.0)
+            assert ("actor", Ping(2)) in items
+            bad = [m for link, m in items if link == "client0"]
+            assert len(bad) == 1 and isinstance(bad[0], ProtocolError) and "corrupted ring" in str(bad[0])
+            assert not inbox.readable()
+            Ring.attach(owner.link_name("client0")).close()  # the header is as made again
+            client_ring.resync()
+            client.send(Ping(3))
+            assert receiver.recv_many(timeout=1.0) == [("client0", Ping(3))]
+            assert not isinstance(bad[0], RingCorrupted)
+        finally:
+            actor.close()
+            client.close()
+            inbox.close()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import os
 import random
+import signal
 import time
 
 import pytest
@@ -188,3 +189,102 @@ def test_a_client_that_stops_reading(model_dir, pause, stall_timeout, cut_off, m
         else:
             assert last.finish_reason == "length", last
             assert sum(len(u.token_ids) for u in received) == max_tokens, rid
+
+
+# ------------------------------------------------------------ a client that writes into its rings' words
+def _publish_raw(ring, header: tuple[int, int], payload: bytes = b"") -> None:
+    """A record with a header of our choosing (length, check word), published as a producer would."""
+    import struct
+
+    from fdcore.ipc.ring import HEADER_SIZE, TAIL
+
+    tail = ring._tail
+    struct.pack_into("II", ring._mm, HEADER_SIZE + (tail & ring._mask), *header)
+    ring._mm[HEADER_SIZE + (tail & ring._mask) + 8:HEADER_SIZE + (tail & ring._mask) + 8 + len(payload)] = payload
+    ring._tail = tail + ((len(payload) + 15) & ~7)
+    ring._words[TAIL] = ring._tail
+    ring._bell.semaphore.release()
+
+
+def corrupt(conn: Connection, kind: str, rng: random.Random) -> None:
+    """What a client with its own rings mapped can do to the words the engine reads."""
+    from fdcore.ipc.ring import HEADER_SIZE, TAIL
+
+    ring = conn.sender.ring
+    match kind:
+        case "check_word":
+            _publish_raw(ring, (4, 0xDEADBEEF), b"\x90\x90\x90\x90")
+        case "length":
+            _publish_raw(ring, (0xFFFFFFF0, (ring._tail >> 3) & 0xFFFFFFFF))
+        case "tail":
+            ring._words[TAIL] = rng.choice([ring._tail + 3, ring._tail + (1 << 40), 8])
+            ring._bell.semaphore.release()
+        case "deep":
+            ring.put(b"\x91" * 100_000 + b"\xc0")
+        case "header_bytes":  # anything over the header, both lines and the first record
+            start = rng.randrange(0, HEADER_SIZE + 64)
+            garbage = os.urandom(rng.randrange(1, HEADER_SIZE + 64 - start + 1))
+            ring._mm[start:start + len(garbage)] = garbage
+            ring._bell.semaphore.release()
+
+
+RING_ATTACKS = ["check_word", "length", "tail", "deep", "header_bytes"]
+BREAKING = {"check_word", "length", "tail", "deep"}  # (random header bytes may miss every word the engine reads)
+
+
+def first_update(conn: Connection, request_id: str, timeout: float = 20.0) -> Update:
+    deadline = time.monotonic() + timeout
+    while True:
+        message = conn.receiver.recv(timeout=max(0.0, deadline - time.monotonic()))
+        if isinstance(message, Update) and message.request_id == request_id:
+            return message
+
+
+def test_a_client_that_corrupts_its_own_ring_is_disconnected_not_the_engine(model_dir):
+    """Record headers with a wrong check word or an impossible length, a tail out of bounds, a record
+    nested 100,000 deep, random bytes over the ring's header and lines: each disconnects the attacker
+    (its request ends with a 400) and resets its link, which then serves it again; the engine is never
+    restarted and an honest client's streams come out as in a quiet run. Then the attacker's ring
+    headers are left garbage and the engine is killed: it restarts into them and serves everyone."""
+    rng = random.Random(43)
+    prompts, params = requests(count=8, max_tokens=200)
+    cases = RING_ATTACKS * 4 + [rng.choice(RING_ATTACKS) for _ in range(20)]
+
+    def one(conn: Connection, case: int, kind: str) -> None:
+        own = f"a{case}"
+        conn.submit(own, [5, 6, 7, 8], SamplingParams(max_tokens=2000, ignore_eos=True))
+        first_update(conn, own)  # admitted: what follows is what the engine finds on the running link
+        corrupt(conn, kind, rng)
+        if kind in BREAKING:
+            update = final_update(conn, own)
+            assert (update.finish_reason, update.error_code) == ("error", 400), (kind, update)
+        conn.handshake(10.0)  # the link works again (a new session: the old request is gone either way)
+
+    async def main():
+        async with AsyncLLM(config(model_dir)) as client:
+            clean = await stream_all(client, prompts, params)
+            engine = actor_pid(client._tree.proc.pid, "engine")
+            attacker = Connection(client._tree)
+            try:
+                streams = asyncio.ensure_future(stream_all(client, prompts, params))
+                for case, kind in enumerate(cases):
+                    await asyncio.to_thread(one, attacker, case, kind)
+                during = await streams
+                after_attacks = actor_pid(client._tree.proc.pid, "engine")
+                stats = await client.stats()
+                from fdcore.ipc.ring import HEADER_SIZE
+
+                for ring in (attacker.sender.ring, attacker.inbox._links["engine"]):  # garbage headers, for good
+                    ring._mm[0:HEADER_SIZE] = os.urandom(HEADER_SIZE)
+                streams = asyncio.ensure_future(stream_all(client, prompts, params))
+                await asyncio.sleep(0.5)
+                os.kill(after_attacks, signal.SIGKILL)
+                restarted = await streams
+            finally:
+                attacker.close()
+            return clean, during, restarted, engine, after_attacks, stats
+
+    clean, during, restarted, engine_before, engine_after, stats = asyncio.run(main())
+    assert engine_after == engine_before, "a client's ring crashed the engine"
+    assert during == clean and restarted == clean
+    assert stats.disconnected_clients >= sum(kind in BREAKING for kind in cases)

@@ -262,3 +262,62 @@ def test_a_sleeping_consumer_is_woken_by_the_doorbell(spawn, monkeypatch):
         woken_after = time.monotonic() - struct.unpack("d", record)[0]
         assert woken_after < 0.5, f"the put woke the consumer only after {woken_after:.2f} s"
         assert ring.statistics().consumer_waits >= 1
+
+
+# ---------------------------------------------------------- a peer that is not trusted (invariant 6)
+def test_an_untrusting_attach_ignores_the_header_and_clears_words_that_do_not_fit(ring):
+    """Magic, capacity and names overwritten, head and tail out of bounds: the attach opens the ring as
+    it was made (the capacity the segment holds) and leaves it empty and consistent."""
+    ring.put_nowait(b"x" * 100)
+    _mm(ring)[0:ring_mod.HEADER_SIZE] = os.urandom(ring_mod.HEADER_SIZE)
+    ring._words[ring_mod.TAIL], ring._words[ring_mod.HEAD] = 2**50 + 3, 5
+    with pytest.raises(RingCorrupted):
+        Ring.attach(ring.name)
+    reader = Ring.attach(ring.name, trust_header=False, bell_name=ring.name + ".bell")
+    try:
+        assert reader.max_record == 4096 - 8
+        assert reader.get_many_nowait() == []
+        ring.resync()
+        ring.put_nowait(b"after")
+        assert reader.get_nowait() == b"after"
+    finally:
+        reader.close()
+
+
+def test_a_consumer_returns_the_records_before_a_bad_header_then_drops_the_rest(ring):
+    reader = Ring.attach(ring.name)
+    try:
+        ring.put_nowait(b"first")
+        ring.put_nowait(b"second")
+        ring.put_nowait(b"third")
+        at = ring_mod.HEADER_SIZE + 2 * _record_size(b"first")  # "third"'s header (same sizes)
+        _mm(ring)[at + 4:at + 8] = b"\xde\xad\xbe\xef"
+        assert reader.get_many_nowait() == [b"first", b"second"]
+        with pytest.raises(RingCorrupted, match="bad record header"):
+            reader.get_many_nowait()
+        assert reader.drop_published() == _record_size(b"third")
+        assert reader.get_many_nowait() == []
+        ring.resync()  # the producer goes on from where the consumer reset the ring
+        ring.put_nowait(b"fourth")
+        assert reader.get_many_nowait() == [b"fourth"]
+    finally:
+        reader.close()
+
+
+def test_a_producer_whose_consumer_wrote_a_garbage_head_raises_then_drops_what_is_unread(ring):
+    reader = Ring.attach(ring.name)
+    try:
+        ring.put_nowait(b"unread")
+        reader._words[ring_mod.HEAD] = 2**40 + 1
+        with pytest.raises(RingCorrupted, match="head"):
+            ring.put_nowait(b"y" * 4080)  # (more than the room the producer knows of: it reads head)
+        ring.drop_unread()
+        _mm(ring)[0:8] = b"GARBAGE!"
+        ring.rewrite_header()  # as made: a trusting attach works again
+        again = Ring.attach(ring.name)
+        again.close()
+        reader.resync()
+        ring.put_nowait(b"y" * 4080)
+        assert reader.get_nowait() == b"y" * 4080
+    finally:
+        reader.close()

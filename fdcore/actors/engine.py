@@ -47,7 +47,7 @@ from fdcore.core.structured import Grammars
 from fdcore.core.tokenizer import ModelTokenizer
 from fdcore.core.validation import (RequestError, check_chat_options, check_length, check_one_prompt,
                                     check_sampling, check_token_ids, validate_request_id)
-from fdcore.ipc import LinkReceiver, ProtocolError, RecordTooLarge, Ring, RingFull, Sender, names
+from fdcore.ipc import LinkReceiver, ProtocolError, RecordTooLarge, Ring, RingCorrupted, RingFull, Sender, names
 from fdcore.protocol import (AbortRequest, AddRequest, AddSeq, ClientToEngine, EngineMessage, FinishSeq, Hello,
                              Metrics, RequestBody, Restarted, Resync, SamplingParams, SchedulerToEngine, SeqTokens,
                              ServingStats, StatsQuery, Suspects, SupervisorToEngine, Update, Welcome)
@@ -85,6 +85,7 @@ class ClientSlot:
     requests: dict[str, int] = field(default_factory=dict)  # request id -> seq
     outbox: list = field(default_factory=list)             # messages its full inbox did not take yet
     stalled_since: float | None = None                     # when its inbox first had no room (monotonic)
+    logged_at: float = float("-inf")                       # when its last disconnection was logged (monotonic)
 
 
 class EngineActor(Actor):
@@ -251,6 +252,8 @@ class EngineActor(Actor):
             raise RequestError(*_explain_decode_error(str(exc))) from None
         except msgspec.DecodeError as exc:
             raise RequestError("body", f"not a valid request body ({exc})") from None
+        except RecursionError:
+            raise RequestError("body", "nested too deeply to decode") from None
 
     def _on_abort(self, client: int, request_id: str) -> None:
         slot = self.clients.get(client)
@@ -352,8 +355,10 @@ class EngineActor(Actor):
         slot = self.clients.get(client)
         if slot is None:
             inbox = topology.inbox_name(self.instance_id, topology.client_id(client))
+            # as the supervisor made it: the client may have written anything into its header
             sender = Sender(Ring.attach(topology.link_name(self.instance_id, topology.client_id(client),
-                                                           self.child_id)))
+                                                           self.child_id),
+                                        trust_header=False, bell_name=inbox))
             lock_fd = os.open(os.path.join(names.SHM_DIR, inbox.lstrip("/")), os.O_RDWR)
             slot = self.clients[client] = ClientSlot(client, sender, lock_fd)
         return slot
@@ -370,7 +375,14 @@ class EngineActor(Actor):
         room for longer than ``engine.client_stall_timeout`` while it has requests open is cut off
         (its backlog would grow without bound); nobody else ever waits for it."""
         while slot.outbox:
-            count = self._send_some(slot)
+            try:
+                count = self._send_some(slot)
+            except RingCorrupted as exc:  # the client wrote into its ring's words: its link is reset
+                slot.sender.ring.drop_unread()
+                slot.sender.ring.rewrite_header()
+                slot.outbox.clear()
+                self._disconnect(slot.index, f"its inbox is corrupted ({exc})")
+                return
             if count == 0:
                 now = time.monotonic()
                 slot.stalled_since = slot.stalled_since or now
@@ -409,23 +421,41 @@ class EngineActor(Actor):
                       error_msg="an update larger than the client's ring (supervisor.ring_capacity)")
 
     def _disconnect(self, client: int, reason: str) -> None:
-        """Cut a client off: its requests end with a 400 saying why, its slot forgets its session and
-        backlog, whatever else it wrote is dropped. The engine and every other client go on."""
+        """Cut a client off: its requests end with a 400 saying why (sent with the next flush), its
+        slot forgets its session and backlog, whatever else it wrote is dropped. The engine and every
+        other client go on. Logged at most once a second a slot (a client may keep breaking its link)."""
         slot = self._slot(client)
         self.disconnected += 1
-        sys.stderr.write(f"fdcore: engine disconnected {topology.client_id(client)}: {reason}\n")
+        now = time.monotonic()
+        if now - slot.logged_at >= 1.0:
+            slot.logged_at = now
+            sys.stderr.write(f"fdcore: engine disconnected {topology.client_id(client)}: {reason}\n")
         self.receiver.source.drain(topology.client_id(client))  # first: what it sends after our answer counts
         slot.outbox.clear()
         slot.stalled_since = None
         slot.session = 0
         for seq in list(slot.requests.values()):
-            self._fail(self.table[seq], f"client disconnected by the engine: {reason}", code=400)
+            tracked = self.table[seq]
+            self.send("scheduler", FinishSeq(seq, "abort"))
+            slot.outbox.append(Update(tracked.request_id, [], "", "error", error_code=400,
+                                      error_msg=f"client disconnected by the engine: {reason}"))
+            self._drop(tracked)
 
     def _abandon(self, slot: ClientSlot) -> None:
         """Abort every request of a slot's previous owner (it is gone, or replaced)."""
         for seq in list(slot.requests.values()):
             self.send("scheduler", FinishSeq(seq, "abort"))
             self._drop(self.table[seq])
+
+    def _restore(self, slot: ClientSlot) -> None:
+        """A slot whose owner is gone, made as the supervisor made it for the next owner: both rings
+        empty at our positions, their headers rewritten (whatever the previous owner wrote there)."""
+        inbound = self.receiver.source.link(topology.client_id(slot.index))
+        inbound.drop_published()
+        inbound.rewrite_header()
+        slot.sender.ring.drop_unread()
+        slot.sender.ring.rewrite_header()
+        slot.outbox.clear()
 
     def _owner_alive(self, slot: ClientSlot) -> bool:
         try:
@@ -444,7 +474,7 @@ class EngineActor(Actor):
             for slot in self.clients.values():
                 if slot.requests and not self._owner_alive(slot):
                     self._abandon(slot)
-                    slot.outbox.clear()
+                    self._restore(slot)
 
     def wait_timeout(self, interval: float) -> float:
         if any(slot.outbox for slot in self.clients.values()):

@@ -235,8 +235,9 @@ def main(actor_cls, argv=None) -> int:
             _set_title(topology.title_of(args.id))
             board.write(args.slot, health.PID, os.getpid())
             actor.standby = False
-        inbox = Inbox.attach(topology.inbox_name(args.instance, args.id),
-                             topology.producers_of(args.id, config))
+        producers = topology.producers_of(args.id, config)
+        inbox = Inbox.attach(topology.inbox_name(args.instance, args.id), producers,
+                             untrusted=[p for p in producers if topology.client_index(p) is not None])
         for producer, ring_name, reader in topology.broadcast_links(args.id, args.instance):
             inbox.attach_reader(producer, ring_name, reader)
         board.write(args.slot, health.STATE, State.READY)

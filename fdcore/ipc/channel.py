@@ -16,6 +16,7 @@ from __future__ import annotations
 import msgspec
 
 from fdcore.ipc.codec import ENCODER, decoder_for
+from fdcore.ipc.ring import RingCorrupted
 
 BATCH = 0x01
 _BATCH_PREFIX = bytes([BATCH])
@@ -122,14 +123,16 @@ class LinkReceiver:
         return [item for link, raw in self.source.get_many_by_link(max_records, timeout)
                 for item in self._decoded(link, raw)]
 
-    def _decoded(self, link: str, raw: bytes) -> list[tuple[str, object]]:
+    def _decoded(self, link: str, raw) -> list[tuple[str, object]]:
+        if isinstance(raw, RingCorrupted):  # (the inbox has emptied the link)
+            return [(link, ProtocolError(f"{self.source.name}.{link}: corrupted ring ({raw})"))]
         decode, decode_batch = self._decoders[link]
         try:
             if raw[:1] == _BATCH_PREFIX:
                 return [(link, message) for message in decode_batch(memoryview(raw)[1:])]
             return [(link, decode(raw))]
-        except msgspec.DecodeError as exc:
-            return [(link, ProtocolError(f"{self.source.name}.{link}: undecodable record ({exc}); "
+        except (msgspec.DecodeError, RecursionError) as exc:  # garbage, or nested past the stack's depth
+            return [(link, ProtocolError(f"{self.source.name}.{link}: undecodable record ({exc!r}); "
                                          f"first bytes {bytes(raw[:16])!r}"))]
 
     def close(self) -> None:

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 from fdcore.ipc.broadcast import BroadcastRing
 from fdcore.ipc.doorbell import Doorbell
-from fdcore.ipc.ring import DEFAULT_CAPACITY, DEFAULT_SPIN, Ring, RingEmpty, RingStatistics
+from fdcore.ipc.ring import DEFAULT_CAPACITY, DEFAULT_SPIN, Ring, RingCorrupted, RingEmpty, RingStatistics
 
 BELL_WAITING_OFF = 0
 
@@ -68,12 +68,14 @@ class Inbox:
         return inbox
 
     @classmethod
-    def attach(cls, name: str, producers=(), *, spin: float = DEFAULT_SPIN) -> "Inbox":
-        """Open an existing inbox as its consumer, with the named links."""
+    def attach(cls, name: str, producers=(), *, spin: float = DEFAULT_SPIN, untrusted=()) -> "Inbox":
+        """Open an existing inbox as its consumer, with the named links. The links of ``untrusted``
+        producers (clients) are opened as the creator made them: nothing such a producer writes into
+        its ring can stop the attach (the ring's invariant 6)."""
         inbox = cls(name, Doorbell.standalone(name, create=False), False, 0, spin)
         try:
             for producer in producers:
-                inbox.attach_link(producer)
+                inbox.attach_link(producer, trusted=producer not in untrusted)
         except BaseException:
             inbox.close()
             raise
@@ -91,11 +93,16 @@ class Inbox:
         self._add(producer, ring)
         return ring.name
 
-    def attach_link(self, producer: str) -> None:
-        """Start consuming an existing link (consumer side)."""
+    def attach_link(self, producer: str, trusted: bool = True) -> None:
+        """Start consuming an existing link (consumer side); one whose producer is not ``trusted`` is
+        opened as it was made, its header unread."""
         self._check_new(producer)
-        self._add(producer, Ring.attach(self.link_name(producer), doorbell=self._bell,
-                                        spin=self.spin))
+        self._add(producer, Ring.attach(self.link_name(producer), doorbell=self._bell, spin=self.spin,
+                                        trust_header=trusted))
+
+    def link(self, producer: str) -> Ring:
+        """The ring of one link (its consumer's end)."""
+        return self._links[producer]
 
     def attach_reader(self, producer: str, ring_name: str, reader: int) -> None:
         """Start consuming, as reader ``reader``, a :class:`~fdcore.ipc.broadcast.BroadcastRing`
@@ -160,11 +167,21 @@ class Inbox:
         (at most ``max_records`` from each)."""
         return self._wait_for(self.get_many_nowait, max_records, timeout)
 
-    def get_many_by_link_nowait(self, max_records: int | None = None) -> list[tuple[str, bytes]]:
+    def get_many_by_link_nowait(self, max_records: int | None = None) -> list[tuple[str, bytes | RingCorrupted]]:
         """Like :meth:`get_many_nowait`, each record with the link it came by: the sender of a
-        record is its link, which a consumer can trust (the body is whatever the producer wrote)."""
-        return [(producer, raw) for producer, ring in self._links.items()
-                for raw in ring.get_many_nowait(max_records)]
+        record is its link, which a consumer can trust (the body is whatever the producer wrote). A
+        link found corrupted is emptied and repaired (the ring's invariant 6) and gives its :class:`RingCorrupted`
+        as an item, after the records read before it: one producer's broken ring is that producer's
+        problem, never the consumer's crash."""
+        out: list[tuple[str, bytes | RingCorrupted]] = []
+        for producer, ring in self._links.items():
+            try:
+                out += [(producer, raw) for raw in ring.get_many_nowait(max_records)]
+            except RingCorrupted as exc:
+                ring.drop_published()
+                ring.rewrite_header()
+                out.append((producer, exc))
+        return out
 
     def get_many_by_link(self, max_records: int | None = None,
                          timeout: float | None = None) -> list[tuple[str, bytes]]:
@@ -182,11 +199,25 @@ class Inbox:
                 raise RingEmpty(f"{self.name}: no record within {timeout} s")
 
     def drain(self, producer: str) -> int:
-        """Drop everything waiting on one link (a producer that was disconnected); the count."""
-        return len(self._links[producer].get_many_nowait())
+        """Drop everything waiting on one link (a producer that was disconnected); the records dropped
+        (a corrupted link is emptied whole and counts 0)."""
+        ring = self._links[producer]
+        try:
+            return len(ring.get_many_nowait())
+        except RingCorrupted:
+            ring.drop_published()
+            ring.rewrite_header()
+            return 0
 
     def readable(self) -> bool:
-        return any(ring.readable() for ring in self._order)
+        """True when some link has a record, or is corrupted (so that a reader goes on to find out)."""
+        for ring in self._order:
+            try:
+                if ring.readable():
+                    return True
+            except RingCorrupted:
+                return True
+        return False
 
     def _wait(self, deadline: float | None) -> bool:
         for ring in self._order:

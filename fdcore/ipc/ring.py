@@ -46,6 +46,15 @@ Ordering invariants:
 5. The consumer publishes ``head`` after each ``get`` (once per batch for
    ``get_many``), so the producer never sees less room than there is once a
    call has returned.
+6. A peer that is not trusted (a client process on its own link) can write any
+   byte of the segment. The other end opens the ring as its creator made it
+   (:meth:`Ring.attach` with ``trust_header=False``: the header is not read),
+   checks every shared word before use (invariant 4), and on
+   :class:`RingCorrupted` empties the ring from its side: a consumer sets
+   ``tail`` to its head (:meth:`Ring.drop_published`), a producer ``head`` to its
+   tail (:meth:`Ring.drop_unread`). That is the one place where an end writes
+   the other's word: the peer broke the protocol, so what it wrote is void, and
+   the link is consistent again for its next user.
 
 Waking: the consumer sleeps on a :class:`~fdcore.ipc.doorbell.Doorbell` (its
 own, or one shared by every ring of an :class:`~fdcore.ipc.inbox.Inbox`); a
@@ -153,7 +162,7 @@ class Ring:
     _head_word = HEAD  # the consumer's head (a BroadcastRing's readers each have their own)
 
     def __init__(self, name: str, mm: mmap.mmap, bell: Doorbell, close_bell: bool,
-                 space: posix_ipc.Semaphore, owner: bool, spin: float):
+                 space: posix_ipc.Semaphore, owner: bool, spin: float, capacity: int | None = None):
         self.name = name
         self.owner = owner
         self.spin = spin
@@ -163,7 +172,7 @@ class Ring:
         self._bell_mm, self._bell_off = bell.mm, bell.offset
         self._close_bell = close_bell
         self._space = space
-        self._capacity = capacity = _FIXED.unpack_from(mm, 0)[1]
+        self._capacity = capacity = capacity or _FIXED.unpack_from(mm, 0)[1]
         self._mask = capacity - 1
         self.max_record = capacity - RECORD_HEADER
         self._closed = False
@@ -208,12 +217,24 @@ class Ring:
         return cls(name, mm, bell, close_bell, space, owner=True, spin=spin)
 
     @classmethod
-    def attach(cls, name: str, *, doorbell: Doorbell | None = None,
-               spin: float = DEFAULT_SPIN) -> "Ring":
-        """Open an existing ring by name (validated first; never unlinks it)."""
+    def attach(cls, name: str, *, doorbell: Doorbell | None = None, spin: float = DEFAULT_SPIN,
+               trust_header: bool = True, bell_name: str | None = None) -> "Ring":
+        """Open an existing ring by name (validated first; never unlinks it).
+
+        With ``trust_header=False`` the peer may not be trusted (invariant 6): the header is not read
+        but the ring is opened as its creator made it, its capacity the largest power of two the
+        segment holds, its doorbell ``doorbell`` or the semaphore ``bell_name``; a head and tail that
+        do not fit each other are cleared.
+        """
         mm = map_segment(name, None)
         try:
-            bell_name, space_name = cls._validate_header(name, mm)
+            if trust_header:
+                bell_name, space_name = cls._validate_header(name, mm)
+                capacity = None  # (the header's)
+            elif len(mm) < HEADER_SIZE + 64:
+                raise RingCorrupted(f"{name}: segment of {len(mm)} bytes is too small for a ring")
+            else:
+                space_name, capacity = name, 1 << ((len(mm) - HEADER_SIZE).bit_length() - 1)
             space = open_semaphore(space_name, create=False)
             close_bell = doorbell is None
             if doorbell is None and bell_name == name + ".bell":
@@ -223,7 +244,48 @@ class Ring:
         except BaseException:
             mm.close()
             raise
-        return cls(name, mm, doorbell, close_bell, space, owner=False, spin=spin)
+        ring = cls(name, mm, doorbell, close_bell, space, owner=False, spin=spin, capacity=capacity)
+        if not trust_header:
+            ring.resync()
+        return ring
+
+    def resync(self) -> None:
+        """Take this end's position from the shared words again: after the other end emptied the ring
+        (invariant 6), so that a producer writes where its consumer reads. No change when nothing
+        happened (each end's words are its own); words that do not fit each other are cleared first."""
+        words = self._words
+        tail, head = words[TAIL], words[self._head_word]
+        if not 0 <= tail - head <= self._capacity or (tail | head) & 7:
+            words[self._head_word] = words[TAIL] = head & ~7
+        self._tail = self._words[TAIL]
+        self._head_seen = self._peek_head()
+        self._head = self._head_published = self._tail_seen = self._words[self._head_word]
+
+    def rewrite_header(self) -> None:
+        """Write the header as the creator did (magic, capacity, the semaphores' names): repair of a
+        ring whose untrusted peer wrote over it, for whoever uses it next."""
+        _FIXED.pack_into(self._mm, 0, MAGIC, self._capacity)
+        self._mm[BELL_NAME_OFF:BELL_NAME_OFF + NAME_FIELD] = _encode_name(self._bell.name)
+        self._mm[SPACE_NAME_OFF:SPACE_NAME_OFF + NAME_FIELD] = _encode_name(self.name)
+
+    def drop_published(self) -> int:
+        """Consumer side, after :class:`RingCorrupted` (invariant 6): drop whatever the producer
+        published, and make the ring empty and consistent again (``tail := head``). Returns the bytes
+        dropped (0 where the producer's tail made no sense)."""
+        head = self._head & ~7
+        published = self._words[TAIL]
+        self._head = self._head_published = self._tail_seen = head
+        self._words[self._head_word] = head
+        self._words[TAIL] = head
+        return published - head if 0 <= published - head <= self._capacity else 0
+
+    def drop_unread(self) -> None:
+        """Producer side, after :class:`RingCorrupted` (invariant 6): give up whatever the consumer has
+        not read, and make the ring empty and consistent again (``head := tail``)."""
+        tail = self._tail & ~7
+        self._tail = self._head_seen = tail
+        self._words[TAIL] = tail
+        self._words[self._head_word] = tail
 
     @staticmethod
     def _validate_header(name: str, mm: mmap.mmap) -> tuple[str, str]:
@@ -389,7 +451,8 @@ class Ring:
         return data
 
     def get_many_nowait(self, max_records: int | None = None) -> list[bytes]:
-        """Take every available record (at most ``max_records``); [] when empty.
+        """Take every available record (at most ``max_records``); [] when empty. Records before a
+        corrupted one are returned; the call after them raises :class:`RingCorrupted`.
 
         Reads ``tail`` once and publishes ``head`` once: ``_try_get`` inlined.
         """
@@ -406,6 +469,8 @@ class Ring:
             n, check = unpack(mm, off)
             size = (n + 15) & ~7
             if check != (head >> 3) & CHECK_MASK or head + size > tail:
+                if out:  # the whole records before it first; the next call raises
+                    break
                 self._head = head
                 self._raise_corrupted(head, n, check)
             if pos + size <= cap:
