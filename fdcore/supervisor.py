@@ -38,6 +38,7 @@ from fdcore.actors.health import HealthBoard, State
 from fdcore.config import Config, ConfigError, load_config, model_path, render_config, worker_ranks, worker_threads
 from fdcore.core import placement
 from fdcore.ipc import BroadcastRing, Inbox, Ring, Sender, names
+from fdcore.ipc.shm import SHM_DIR, NoSharedMemory, free_bytes
 from fdcore.protocol import Restarted, Stop
 from fdcore.supervision import Backoff, ChildSpec, RestartIntensity, plan_restart, should_restart
 
@@ -460,9 +461,46 @@ class Supervisor:
     # ------------------------------------------------------------------ ipc
     def _create_ipc(self) -> None:
         removed = names.sweep()
-        names.claim_instance(self.instance)
         if removed:
             log("swept", objects=len(removed))
+        self._check_shared_memory()
+        names.claim_instance(self.instance)
+        try:
+            self._create_segments()
+        except NoSharedMemory as exc:  # (filled by someone else since the check)
+            raise StartFailure(f"{exc.strerror}; this tree needs "
+                               f"{shared_memory_line(self.config, self._group_bytes())}") from None
+
+    def _check_shared_memory(self) -> None:
+        """Refuse to start, with one line, where /dev/shm cannot hold the tree's segments: they are
+        committed at creation, so a start that passes this never meets SIGBUS for lack of room."""
+        group = self._group_bytes()
+        need, _ = topology.shared_memory_need(self.config, group)
+        free = free_bytes()
+        if need > free:
+            raise StartFailure(f"{SHM_DIR} has {free:,} bytes free; this tree needs "
+                               f"{shared_memory_line(self.config, group)}"
+                               " (make /dev/shm larger, or lower supervisor.ring_capacity or engine.max_clients)")
+
+    def _group_bytes(self) -> int:
+        """The worker group's communicator segment (0 without one)."""
+        from fdcore.ipc.allreduce import ShmCommunicator
+
+        shape = self._group_shape()
+        return 0 if shape is None else ShmCommunicator.segment_size(*shape)
+
+    def _group_shape(self) -> tuple[int, int] | None:
+        """(ranks, bytes a rank's slot) of the worker group's shared-memory communicator, sized from the
+        checkpoint's shapes (its headers only: no weights are read here); None without one."""
+        if self.config.workers.tensor_parallel_size == 1 or self.config.workers.communicator == "paddle":
+            return None
+        from fdcore.models.loader import inspect_checkpoint
+        from fdcore.models.tensor_parallel import communicator_capacity
+
+        world = self.config.workers.tensor_parallel_size
+        return world, communicator_capacity(inspect_checkpoint(model_path(self.config)), self.config.scheduler, world)
+
+    def _create_segments(self) -> None:
         self.board = HealthBoard.create(topology.health_name(self.instance), len(self.specs))
         capacity = self.config.supervisor.ring_capacity
         own = Inbox.create(topology.inbox_name(self.instance, topology.SUPERVISOR),
@@ -498,15 +536,9 @@ class Supervisor:
             self.group_comm.reset()
 
     def _create_group_comm(self) -> None:
-        """The worker group's communicator segment, sized from the checkpoint's shapes (its headers
-        only: no weights are read here)."""
         from fdcore.ipc.allreduce import ShmCommunicator
-        from fdcore.models.loader import inspect_checkpoint
-        from fdcore.models.tensor_parallel import communicator_capacity
 
-        world = self.config.workers.tensor_parallel_size
-        capacity = communicator_capacity(inspect_checkpoint(model_path(self.config)), self.config.scheduler, world)
-        self.group_comm = ShmCommunicator.create(topology.group_name(self.instance), world, capacity)
+        self.group_comm = ShmCommunicator.create(topology.group_name(self.instance), *self._group_shape())
 
     def _destroy_ipc(self) -> None:
         for semaphore in self.standby_semaphores.values():
@@ -522,6 +554,13 @@ class Supervisor:
         if self.group_comm is not None:
             self.group_comm.close()
         names.unlink_instance(self.instance)
+
+
+def shared_memory_line(config: Config, group_bytes: int = 0) -> str:
+    """The tree's /dev/shm need as one phrase (logs, --check)."""
+    need, objects = topology.shared_memory_need(config, group_bytes)
+    return (f"{need:,} bytes in {objects} objects (supervisor.ring_capacity = {config.supervisor.ring_capacity:,} "
+            f"a link, engine.max_clients = {config.engine.max_clients})")
 
 
 def actor_pid(supervisor_pid: int, child_id: str) -> int | None:
@@ -609,7 +648,7 @@ def _supervise(args: argparse.Namespace) -> int:
         return 2
     if args.check:
         print(render_config(config))
-        return _check_model(config)
+        return max(_check_model(config), _check_shared_memory(config))
     import setproctitle
 
     setproctitle.setproctitle("fdcore:supervisor")
@@ -630,6 +669,18 @@ def _check_model(config: Config) -> int:
         print(describe_model(config))
     except CheckpointError as exc:
         print(f"fdcore: checkpoint error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _check_shared_memory(config: Config) -> int:
+    """--check's look at /dev/shm: what the tree will commit there and what is free (exit code 2 when it
+    does not fit; a tensor-parallel group's communicator is not counted here)."""
+    need, _ = topology.shared_memory_need(config)
+    free = free_bytes()
+    print(f"# shared memory: {shared_memory_line(config)}; {SHM_DIR} has {free:,} bytes free")
+    if need > free:
+        print(f"fdcore: {SHM_DIR} has {free:,} bytes free; this tree needs {need:,}", file=sys.stderr)
         return 2
     return 0
 

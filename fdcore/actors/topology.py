@@ -148,3 +148,27 @@ def is_engine_inbox(entry: names.ShmEntry) -> bool:
 
 def health_name(instance_id: str) -> str:
     return names.object_name(instance_id, "health")
+
+
+def shared_memory_need(config: Config, group_bytes: int = 0) -> tuple[int, int]:
+    """What the supervisor creates in /dev/shm for this tree, as (bytes, objects): every inbox (its
+    doorbell and a ring per link, each with its semaphore), the client slots, the step ring, the health
+    board, the owner record, the spares' semaphores and ``group_bytes`` of a worker group's
+    communicator. Each object takes whole pages (segments are committed at creation)."""
+    from fdcore.ipc.broadcast import segment_size as broadcast_bytes
+    from fdcore.ipc.ring import HEADER_SIZE, round_capacity
+    from fdcore.ipc.shm import segment_bytes
+
+    ring = segment_bytes(HEADER_SIZE + round_capacity(config.supervisor.ring_capacity))
+    page = segment_bytes(1)
+    specs = child_ids(config)
+    inboxes = [specs] + [producers_of(cid, config) for cid in specs] + [["engine"]] * config.engine.max_clients
+    links = sum(len(producers) for producers in inboxes)
+    objects = {"doorbells": (2 * page, len(inboxes)), "rings": (ring + page, links),
+               "steps": (segment_bytes(broadcast_bytes(round_capacity(config.supervisor.ring_capacity),
+                                                       len(worker_ids(config)))) + page, 1),
+               "health": (segment_bytes(64 * len(specs)), 1), "owner": (page, 1),
+               "spares": (page, len(worker_ids(config)) if config.workers.standby else 0),
+               "group": (segment_bytes(group_bytes), 1 if group_bytes else 0)}
+    return (sum(size * count for size, count in objects.values()),
+            sum(count * (2 if name in ("doorbells", "rings", "steps") else 1) for name, (_, count) in objects.items()))
