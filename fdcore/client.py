@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import fcntl
 import os
 import queue
@@ -52,7 +51,7 @@ import msgspec
 
 from fdcore.actors import health, topology
 from fdcore.actors.health import HealthBoard, State
-from fdcore.config import Config, ConfigError, load_config, write_config_file
+from fdcore.config import Config, ConfigError, config_memfd, fd_path, load_config
 from fdcore.core import placement
 from fdcore.ipc import Inbox, Receiver, Ring, RingEmpty, RingFull, Sender, names
 from fdcore.protocol import (
@@ -127,12 +126,11 @@ class RequestOutput:
 class _Tree:
     """The supervisor we started (if any) and the instance id we talk to."""
 
-    def __init__(self, instance: str, proc: subprocess.Popen | None = None, config_file: str | None = None,
-                 lifeline: int | None = None, control_cpus: list[int] | None = None):
+    def __init__(self, instance: str, proc: subprocess.Popen | None = None, lifeline: int | None = None,
+                 control_cpus: list[int] | None = None):
         self.instance = instance
         self.control_cpus = control_cpus  # where the tree's control plane runs (the supervisor's plan), if pinned
         self.proc = proc
-        self.config_file = config_file
         self.lifeline = lifeline  # write end of the pipe whose EOF tells the supervisor we are gone
 
     @classmethod
@@ -140,29 +138,31 @@ class _Tree:
         """Start a supervisor that lives as long as this *process*. NOTE: PR_SET_PDEATHSIG follows
         the thread that forked, so a client built in a worker thread lost its tree when that thread
         ended; instead the supervisor reads a pipe whose only write end we hold (close-on-exec, so
-        no program we start keeps it), and the kernel closes it when this process ends, however."""
-        path, temporary = _config_file(config)
+        no program we start keeps it), and the kernel closes it when this process ends, however. A
+        configuration given as a Config reaches it as an in-memory file descriptor: no file is
+        written that a killed program could leave behind."""
+        path, config_fd = _config_source(config)
         read_fd, write_fd = os.pipe()
         watch_fd, lifeline = os.pipe()
         cmd = [sys.executable, "-m", "fdcore.supervisor", "--config", path, "--ready-fd", str(write_fd),
-               "--parent-fd", str(watch_fd)] + (["--remove-config"] if temporary else [])
+               "--parent-fd", str(watch_fd)]
+        passed = (write_fd, watch_fd) + (() if config_fd is None else (config_fd,))
         try:
-            proc = subprocess.Popen(cmd, pass_fds=(write_fd, watch_fd), process_group=0, stdin=subprocess.DEVNULL)
+            proc = subprocess.Popen(cmd, pass_fds=passed, process_group=0, stdin=subprocess.DEVNULL)
         finally:
             os.close(write_fd)
             os.close(watch_fd)
+            if config_fd is not None:
+                os.close(config_fd)
         try:
             instance, *control = _read_ready(read_fd, proc, timeout).split()
         except BaseException:
             _terminate(proc, 5.0)
             os.close(lifeline)
-            if temporary:
-                _remove(path)
             raise
         finally:
             os.close(read_fd)
-        return cls(instance, proc, path if temporary else None, lifeline,
-                   placement.decode_cpus(control[0]) if control else None)
+        return cls(instance, proc, lifeline, placement.decode_cpus(control[0]) if control else None)
 
     @classmethod
     def find(cls, instance: str | None) -> _Tree:
@@ -189,24 +189,19 @@ class _Tree:
         if self.lifeline is not None:
             os.close(self.lifeline)
             self.lifeline = None
-        if self.config_file:  # (the supervisor removes it as it stops: this covers one killed first)
-            _remove(self.config_file)
-            self.config_file = None
 
 
-def _remove(path: str) -> None:
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(path)
-
-
-def _config_file(config) -> tuple[str, bool]:
+def _config_source(config) -> tuple[str, int | None]:
+    """(what the supervisor's --config names, the descriptor to hand it or None): a path as given, a
+    Config (None: the defaults) rendered into an in-memory file."""
     if isinstance(config, (str, os.PathLike)):
-        return os.fspath(config), False
+        return os.fspath(config), None
     if config is None:
         config = Config()
     if not isinstance(config, Config):
         raise TypeError(f"config must be a TOML file path or a fdcore.config.Config, got {type(config).__name__}")
-    return write_config_file(config), True
+    fd = config_memfd(config)
+    return fd_path(fd), fd
 
 
 def _read_ready(fd: int, proc: subprocess.Popen, timeout: float) -> str:

@@ -76,7 +76,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from typing import Literal
 
 import msgspec
@@ -241,13 +240,20 @@ def render_sections(sections: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
-def write_config_file(config: Config) -> str:
-    """The configuration rendered into a new private file (mode 0600) for a supervisor to read; the
-    caller removes it when the tree has stopped."""
-    fd, path = tempfile.mkstemp(prefix="fdcore-config-", suffix=".toml")
-    with os.fdopen(fd, "w") as f:
-        f.write(render_config(config))
-    return path
+def config_memfd(config: Config) -> int:
+    """The configuration rendered into an anonymous in-memory file (close-on-exec; a child given it in
+    ``pass_fds`` reads it as :func:`fd_path`). Nothing is written to disk, so nothing is left there
+    however the process ends, and a secret in it (``server.api_key``) never touches a file system."""
+    fd = os.memfd_create("fdcore-config", os.MFD_CLOEXEC)
+    os.write(fd, render_config(config).encode())
+    os.lseek(fd, 0, os.SEEK_SET)
+    return fd
+
+
+def fd_path(fd: int) -> str:
+    """The path under which a process reads its own descriptor ``fd`` from the start (a new open file
+    description: each reader its own offset)."""
+    return f"/proc/self/fd/{fd}"
 
 
 def _serve_when_a_port_is_given(config: Config, raw: bytes | str) -> None:

@@ -22,7 +22,6 @@ Events go to stderr as ``fdcore.supervisor: event=NAME key=value ...`` lines.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import select
@@ -33,9 +32,11 @@ import time
 
 import posix_ipc
 
+from fdcore import janitor
 from fdcore.actors import health, topology
 from fdcore.actors.health import HealthBoard, State
-from fdcore.config import Config, ConfigError, load_config, model_path, render_config, worker_ranks, worker_threads
+from fdcore.config import (Config, ConfigError, config_memfd, fd_path, load_config, model_path, render_config,
+                           worker_ranks, worker_threads)
 from fdcore.core import placement
 from fdcore.ipc import BroadcastRing, Inbox, Ring, Sender, names
 from fdcore.ipc.shm import SHM_DIR, NoSharedMemory, free_bytes
@@ -64,10 +65,10 @@ class Child:
 
 
 class Supervisor:
-    def __init__(self, config: Config, config_path: str, ready_fd: int | None = None):
+    def __init__(self, config: Config, ready_fd: int | None = None):
         self.ready_fd = ready_fd
         self.config = config
-        self.config_path = os.path.abspath(config_path)
+        self.config_fd = config_memfd(config)  # what every child reads (restarts too): the effective configuration
         self.instance = names.new_instance_id()
         sup = config.supervisor
         self.specs = topology.child_specs(config)
@@ -108,6 +109,7 @@ class Supervisor:
             except OSError as exc:  # (CPUs this process may not take): the tree runs unpinned
                 log("placement_given_up", error=repr(exc))
                 self.placement = None
+        self.janitor, janitor_pipe = janitor.start(self.instance)  # first: it removes what a killed supervisor left
         try:
             self._create_ipc()
             self._start_all()
@@ -125,6 +127,8 @@ class Supervisor:
             self._log_signals()
             self._stop_all()
             self._destroy_ipc()
+            os.close(janitor_pipe)  # nothing is left for it: it exits
+            self.janitor.wait()
             self._log_signals()  # (one received while stopping, with no wait after it)
             log("stopped", exit_code=self.exit_code, seconds=f"{time.monotonic() - stop_started:.2f}")
         return self.exit_code
@@ -267,7 +271,7 @@ class Supervisor:
             if standby is not None:
                 standby.wait()
             proc = subprocess.Popen(self._command(spec), process_group=0, env=self._child_env(),
-                                    stdin=subprocess.DEVNULL)
+                                    stdin=subprocess.DEVNULL, pass_fds=(self.config_fd,))
         child = self.children[spec.id] = Child(spec, slot, proc)
         try:
             self._wait_ready(child)
@@ -279,7 +283,7 @@ class Supervisor:
 
     def _command(self, spec: ChildSpec, standby: str | None = None) -> list[str]:
         cmd = [sys.executable, "-m", "fdcore.actors", spec.kind, "--id", spec.id,
-               "--instance", self.instance, "--slot", str(self.slots[spec.id]), "--config", self.config_path,
+               "--instance", self.instance, "--slot", str(self.slots[spec.id]), "--config", fd_path(self.config_fd),
                "--parent", str(os.getpid())]
         return cmd + ["--standby", standby] if standby else cmd
 
@@ -301,7 +305,8 @@ class Supervisor:
             except posix_ipc.BusyError:
                 break
         self.standbys[spec.id] = subprocess.Popen(self._command(spec, semaphore.name), process_group=0,
-                                                  env=self._child_env(), stdin=subprocess.DEVNULL)
+                                                  env=self._child_env(), stdin=subprocess.DEVNULL,
+                                                  pass_fds=(self.config_fd,))
         log("standby", id=spec.id, pid=self.standbys[spec.id].pid)
 
     def _check_standbys(self) -> None:
@@ -628,16 +633,8 @@ def main(argv=None) -> int:
                         help="shut down when this pipe reaches end-of-file: every holder of its write end "
                              "(the embedding process) is gone; unlike --stop-with-parent it follows the "
                              "process, not the thread that started us (used by AsyncLLM / LLM)")
-    parser.add_argument("--remove-config", action="store_true",
-                        help="delete the configuration file when the tree has stopped (it was written for this "
-                             "tree alone: AsyncLLM / LLM's, which an embedding process killed could not remove)")
     args = parser.parse_args(argv)
-    try:
-        return _supervise(args)
-    finally:
-        if args.remove_config:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(args.config)
+    return _supervise(args)
 
 
 def _supervise(args: argparse.Namespace) -> int:
@@ -656,7 +653,7 @@ def _supervise(args: argparse.Namespace) -> int:
         _stop_with_parent()
     if args.parent_fd is not None:
         _stop_when_closed(args.parent_fd)
-    return Supervisor(config, args.config, args.ready_fd).run()
+    return Supervisor(config, args.ready_fd).run()
 
 
 def _check_model(config: Config) -> int:

@@ -202,28 +202,30 @@ from fdcore.config import parse_config
 made = []
 thread = threading.Thread(target=lambda: made.append(LLM(parse_config(sys.argv[1]))))
 thread.start(); thread.join()
-print(made[0]._tree.proc.pid, made[0].instance, made[0]._tree.config_file, flush=True)
+print(made[0]._tree.proc.pid, made[0].instance, flush=True)
 sys.stdin.read()
 """
 
 
-def test_the_tree_stops_when_the_process_that_started_it_dies(model_dir):
-    """... and leaves nothing: no shared memory, and not the configuration file the client wrote for it
-    (the supervisor removes it; the killed client could not)."""
+def test_the_tree_stops_when_the_process_that_started_it_dies(model_dir, tmp_path):
+    """... and leaves nothing: no shared memory, and no file at all (the client hands the tree its
+    configuration in memory, so a killed client has nothing to leave in /tmp)."""
     from fdcore.ipc import names
 
+    private = tmp_path / "tmp"
+    private.mkdir()
     proc = subprocess.Popen([sys.executable, "-c", EMBEDDER, f'[model]\npath = "{model_dir}"\n'],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT,
-                            start_new_session=True)
+                            start_new_session=True, env={**os.environ, "TMPDIR": str(private)})
     try:
-        pid, instance, config_file = proc.stdout.readline().split()
-        assert os.path.exists(config_file)
+        pid, instance = proc.stdout.readline().split()
+        assert list(private.iterdir()) == []
         supervisor = psutil.Process(int(pid))
         proc.kill()
         proc.wait()
         supervisor.wait(60)
         assert not [e for e in names.list_entries() if e.instance_id == instance]
-        assert not os.path.exists(config_file)
+        assert list(private.iterdir()) == []
     finally:
         if proc.poll() is None:
             proc.kill()

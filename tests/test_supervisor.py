@@ -117,18 +117,39 @@ def test_a_child_ignoring_stop_gets_sigterm_then_sigkill(tree_factory):
     assert tree.exit_code() == 0
 
 
-def test_sigkill_of_the_supervisor_leaves_no_actor_and_the_next_start_sweeps(tree_factory):
+def _janitor(tree: Tree) -> psutil.Process:
+    return next(p for p in psutil.Process(tree.proc.pid).children() if p.cmdline()[:1] == ["fdcore:janitor"])
+
+
+def _gone_within(pids, seconds: float) -> list[int]:
+    """Which of ``pids`` still live after ``seconds`` (dead means dead: a zombie, killed and waiting for
+    init to reap it, which can lag on a busy machine, holds no memory and runs nothing)."""
+    procs = [psutil.Process(pid) for pid in pids]
+    deadline = time.monotonic() + seconds
+    while (alive := [pid for pid in pids if names.pid_alive(pid)]) and time.monotonic() < deadline:
+        psutil.wait_procs(procs, timeout=0.05)
+    return alive
+
+
+def test_sigkill_of_the_supervisor_leaves_nothing_within_seconds(tree_factory):
+    """Its actors die with it, and its janitor removes the instance's shared memory and exits."""
     tree = tree_factory()
     pids = _ready(tree)
-    instance = tree.instance
+    instance, janitor = tree.instance, _janitor(tree)
+    assert [e for e in names.list_entries() if e.instance_id == instance]
     os.kill(tree.proc.pid, signal.SIGKILL)
-    procs = [psutil.Process(pid) for pid in pids.values()]
-    deadline = time.monotonic() + 2
-    # Dead means dead: a zombie (killed, waiting for init to reap it, which is init's business and
-    # can lag on a busy machine) holds no memory and runs nothing.
-    while (alive := [pid for pid in pids.values() if names.pid_alive(pid)]) and time.monotonic() < deadline:
-        psutil.wait_procs(procs, timeout=0.05)
-    assert not alive, f"actors outlived the supervisor by 2 s: {alive}"
+    assert not _gone_within(list(pids.values()), 2), "actors outlived the supervisor by 2 s"
+    assert not _gone_within([janitor.pid], 5), "the janitor outlived the supervisor by 5 s"
+    assert not [e.filename for e in names.list_entries() if e.instance_id == instance]
+
+
+def test_the_next_start_sweeps_what_a_killed_supervisor_and_janitor_left(tree_factory):
+    tree = tree_factory()
+    pids = _ready(tree)
+    instance, janitor = tree.instance, _janitor(tree)
+    os.kill(janitor.pid, signal.SIGKILL)
+    os.kill(tree.proc.pid, signal.SIGKILL)
+    assert not _gone_within([*pids.values(), janitor.pid], 2)
     assert [e for e in names.list_entries() if e.instance_id == instance], "expected stale segments"
     second = tree_factory()
     swept = second.wait("swept")
