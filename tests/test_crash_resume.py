@@ -78,11 +78,11 @@ async def wait_for_new(client: AsyncLLM, kind: str, old: int, timeout: float = 6
     raise AssertionError(f"{kind} was not restarted within {timeout} s")
 
 
-def run(model_dir, scenario, prompts=None, params=None, strategy="one_for_one"):
+def run(model_dir, scenario, prompts=None, params=None, strategy="one_for_one", **supervisor):
     """A fault-free run and a run with ``scenario(client, total_tokens)`` killing actors; afterwards
     every actor runs as exactly one process."""
     prompts, params = (prompts, params) if prompts else requests()
-    tree_config = config(model_dir, strategy=strategy)
+    tree_config = config(model_dir, strategy=strategy, **supervisor)
 
     async def main():
         async with AsyncLLM(tree_config) as client:
@@ -132,6 +132,26 @@ def test_strategies_that_restart_siblings_change_no_token(model_dir, strategy, k
     """The siblings (the engine among them) are stopped for a restart, not for a shutdown: no
     stream fails, the clients re-submit to the new engine, and no actor runs twice."""
     run(model_dir, kill_at(kind, 100), strategy=strategy)
+
+
+@pytest.mark.parametrize("kind", ["worker", "cache"])
+def test_a_stalled_actor_is_the_only_one_restarted(model_dir, kind):
+    """SIGSTOP: the stalled actor is found hung and replaced, and the streams resume identical; the
+    scheduler, which only waits for it (steps in flight, or a reply from the cache), is not."""
+    pids = {}
+
+    async def scenario(client, total):
+        if total < 100:
+            return False
+        pids.update({k: actor_pid(client, k) for k in CHILDREN})
+        os.kill(pids[kind], signal.SIGSTOP)
+        await wait_for_new(client, kind, pids[kind])
+        await asyncio.sleep(2.5)  # more than a hang timeout for anyone else to be found hung
+        pids["after"] = {k: actor_pid(client, k) for k in CHILDREN}
+        return True
+
+    run(model_dir, scenario, heartbeat_interval=0.1, hang_timeout=1.5)
+    assert {k for k in CHILDREN if pids["after"][k] != pids[k]} == {kind}
 
 
 @pytest.mark.parametrize("kind", ["worker", "scheduler", "cache", "engine"])

@@ -159,13 +159,26 @@ class Actor:
         tuple of types) ``interrupt`` ends the wait at once with :class:`Interrupted` (it stays deferred)."""
         self.send_many(to, [*prelude, message])
         deadline = time.monotonic() + timeout
+        interval = self.config.supervisor.heartbeat_interval
+        busy = self.board.read(self.slot, health.BUSY)
+        self.board.write(self.slot, health.BUSY, 0)  # waiting on a peer: its own health says if it is stalled
+        try:
+            return self._await_reply(to, reply_type, deadline, timeout, interval, accept, interrupt)
+        finally:
+            self.board.write(self.slot, health.BUSY, busy)
+
+    def _await_reply(self, to: str, reply_type, deadline: float, timeout: float, interval: float, accept,
+                     interrupt):
+        """call()'s wait, ticking the heartbeat (we are alive, only waiting)."""
         while True:
+            self.heartbeat()
             remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"{self.child_id}: no {reply_type.__name__} from {to} within {timeout:g} s")
             try:
-                batch = self.receiver.recv_many(timeout=max(0.0, remaining))
+                batch = self.receiver.recv_many(timeout=min(remaining, interval))
             except RingEmpty:
-                raise TimeoutError(f"{self.child_id}: no {reply_type.__name__} from {to} "
-                                   f"within {timeout:g} s") from None
+                continue
             for i, reply in enumerate(batch):
                 if isinstance(reply, reply_type) and (accept is None or accept(reply)):
                     self.deferred += batch[i + 1:]

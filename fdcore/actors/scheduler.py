@@ -131,10 +131,11 @@ class SchedulerActor(Actor):
 
     def _reset(self) -> None:
         c = self.config
-        # An RPC is normally answered in microseconds; a dead cache manager is replaced and
-        # announced (Resync) within seconds, which interrupts the wait (see Actor.call).
+        # An RPC is normally answered in microseconds; a dead or stalled cache manager is found (at most
+        # a hang timeout), replaced (at most a start timeout) and announced (Resync), which interrupts
+        # the wait (see Actor.call): the timeout is only the last resort past both.
         self.blocks = RemoteBlocks(self, c.cache.block_size, c.cache.enable_prefix_caching,
-                                   2 * c.supervisor.hang_timeout)
+                                   c.supervisor.hang_timeout + c.supervisor.start_timeout)
         self.policy = Scheduler(BatchLimits(c.scheduler.max_num_seqs, c.scheduler.max_num_batched_tokens,
                                                 c.scheduler.max_model_len), self.blocks)
         self.step_number = 0
@@ -230,7 +231,10 @@ class SchedulerActor(Actor):
         self.blocks.flush()
 
     def has_work(self) -> bool:
-        return bool(self.in_flight) or self.policy.has_work()
+        """Work only we can move: requests to schedule while no step is out. With steps in flight we wait
+        for the worker, whose own health says whether it is stalled: counted as busy here, a worker that
+        stopped would cost the scheduler a restart too."""
+        return not self.in_flight and self.policy.has_work()
 
     def _launch(self) -> bool:
         self.blocks.grow_ahead(self.policy.growth_plan())
