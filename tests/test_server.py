@@ -187,6 +187,18 @@ MALFORMED = [
     ("tokenize unknown field", "/tokenize", {"prompt": "hi", "truncate": 3}, None, 400, "truncate"),
     ("detokenize out of vocabulary", "/detokenize", {"tokens": [5, 999999]}, None, 400, "tokens[1]"),
     ("detokenize not ids", "/detokenize", {"tokens": ["a"]}, None, 400, "tokens[0]"),
+    ("seed past 64 bits", "/v1/completions", {**OK, "seed": 2**64}, None, 400, "seed"),
+    ("max_tokens past 64 bits", "/v1/completions", {**OK, "max_tokens": 10**20}, None, 400, "max_tokens"),
+    ("prompt id past 64 bits", "/v1/completions", {**OK, "prompt": [5, 2**64]}, None, 400, "prompt[1]"),
+    ("logit_bias key past 64 bits", "/v1/completions", {**OK, "logit_bias": {str(2**64): 1}}, None, 400,
+     "logit_bias"),
+    ("chat seed past 64 bits", "/v1/chat/completions", {**CHAT, "seed": -2**63 - 1}, None, 400, "seed"),
+    ("tool_choice function a string", "/v1/chat/completions",
+     {**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}],
+      "tool_choice": {"type": "function", "function": "f"}}, None, 400, "tool_choice"),
+    ("tool_choice of another type", "/v1/chat/completions",
+     {**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}],
+      "tool_choice": {"type": "x", "function": {"name": "f"}}}, None, 400, "tool_choice"),
 ]
 
 
@@ -199,6 +211,25 @@ def test_malformed_requests_get_openai_errors_and_the_server_keeps_serving(serve
     assert error["message"] and error["type"]
     assert error["param"] == param, error
     assert _post(server, "/v1/completions", OK).status_code == 200
+
+
+@pytest.mark.parametrize("path, body, field, depth", [
+    ("/v1/completions", OK, "prompt", 980), ("/v1/completions", OK, "prompt", 20000),
+    ("/v1/completions", OK, "response_format", 980), ("/v1/chat/completions", CHAT, "messages", 980),
+    ("/v1/chat/completions", CHAT, "chat_template_kwargs", 980), ("/tokenize", {"prompt": "x"}, "prompt", 980)])
+def test_deep_nesting_is_a_400_naming_the_field_and_never_a_traceback(server, path, body, field, depth):
+    """JSON nested below what any request needs (and far below, past the decoder's own limit) in a field
+    whose type takes lists or objects: a 400 naming that field, in OpenAI's shape, and nothing on the log."""
+    inner = {"a": None}
+    text = json.dumps({k: v for k, v in body.items() if k != field} | {field: inner})
+    deep = "[" * depth + "]" * depth if field in ("prompt", "messages") else '{"a":' * depth + "1" + "}" * depth
+    raw = text.replace(json.dumps(inner), deep).encode()
+    before = len(TREES[0].log)
+    response = _post(server, path, None, raw=raw)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"].startswith(field), response.json()
+    assert _post(server, "/v1/completions", OK).status_code == 200
+    assert not [line for line in TREES[0].log[before:] if "Traceback" in line]
 
 
 def test_tokenize_counts_what_a_request_runs_and_detokenize_reverses_it(server, client):

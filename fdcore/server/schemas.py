@@ -8,6 +8,7 @@ the HTTP layer and the Python client can never disagree on what is valid.
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import msgspec
@@ -141,9 +142,17 @@ class BadRequest(ValueError):
         self.param, self.status, self.kind, self.code = param, status, kind, code
 
 
+MAX_DEPTH = 64                               # JSON nesting a body may have (no request needs a tenth of it)
+INT_RANGE = (-(1 << 63), (1 << 63) - 1)     # integers a field may hold (what travels on the engine's links)
+
+
 def decode(raw: bytes, schema):
+    """The body as ``schema``; every way it can be wrong is a BadRequest naming the field: types, missing
+    or unknown fields, nesting deeper than MAX_DEPTH and integers outside INT_RANGE."""
     try:
-        return msgspec.json.decode(raw, type=schema)
+        body = msgspec.json.decode(raw, type=schema)
+    except RecursionError:  # nested past the interpreter's stack
+        raise BadRequest(f"The request nests more than {MAX_DEPTH} levels deep", _too_deep_field(raw)) from None
     except msgspec.ValidationError as exc:
         text, _, where = str(exc).partition(" - at `$")
         param = where.rstrip("`").lstrip(".") or None
@@ -156,6 +165,52 @@ def decode(raw: bytes, schema):
         raise BadRequest(f"Invalid value for '{param}': {text}", param) from None
     except msgspec.DecodeError as exc:
         raise BadRequest(f"The request body is not valid JSON ({exc})") from None
+    check_values(body)
+    return body
+
+
+def check_values(body) -> None:
+    """Nesting and integer ranges of a decoded body, walked without recursion (a body is at most
+    ``server.max_request_bytes``, so the walk is bounded); a BadRequest names the first offending field."""
+    stack = [(name, getattr(body, name), 1) for name in reversed(body.__struct_fields__)]
+    while stack:
+        path, value, depth = stack.pop()
+        if isinstance(value, bool) or value is None or isinstance(value, (str, float)):
+            continue
+        if isinstance(value, int):
+            if not INT_RANGE[0] <= value <= INT_RANGE[1]:
+                raise BadRequest(f"Invalid value for '{path}': {value} is outside the 64-bit integer range", path)
+        elif depth > MAX_DEPTH:
+            path = path if len(path) <= 80 else path[:77] + "..."
+            raise BadRequest(f"Invalid value for '{path}': nested more than {MAX_DEPTH} levels deep", path)
+        elif isinstance(value, dict):
+            stack += [(f"{path}.{key}", item, depth + 1) for key, item in value.items()]
+        elif isinstance(value, list):
+            if value and all(type(item) is int for item in value):  # token ids: the common large list
+                if INT_RANGE[0] <= min(value) and max(value) <= INT_RANGE[1]:
+                    continue
+            stack += [(f"{path}[{i}]", item, depth + 1) for i, item in enumerate(value)]
+
+
+_JSON_TOKENS = re.compile(rb'"((?:[^"\\]|\\.)*)"\s*:|"(?:[^"\\]|\\.)*"|[\[\]{}]')
+
+
+def _too_deep_field(raw: bytes) -> str | None:
+    """Which top-level field of a body too deep to decode is the deep one (None if none is found): the
+    key in force when the brackets, strings aside, first go past MAX_DEPTH."""
+    depth, field = 0, None
+    for match in _JSON_TOKENS.finditer(raw):
+        token = match.group(0)
+        if match.group(1) is not None:
+            if depth == 1:
+                field = match.group(1).decode("utf-8", "replace")
+        elif token in (b"[", b"{"):
+            depth += 1
+            if depth > MAX_DEPTH + 1:
+                return field
+        elif token in (b"]", b"}"):
+            depth -= 1
+    return None
 
 
 def sampling_params(body: _Body, max_tokens: int | None, logprobs: int | None,
@@ -239,7 +294,9 @@ def _logit_bias(raw: dict | None) -> dict[int, float] | None:
         try:
             token = int(key)
         except ValueError:
-            raise BadRequest(f"logit_bias key {key!r} is not a token id", "logit_bias") from None
+            raise BadRequest(f"logit_bias key {key[:40]!r} is not a token id", "logit_bias") from None
+        if not 0 <= token <= INT_RANGE[1]:
+            raise BadRequest(f"logit_bias key {key[:40]!r} is not a token id", "logit_bias")
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise BadRequest(f"logit_bias[{key}] is {value!r}, not a number", f"logit_bias[{key}]")
         bias[token] = float(value)

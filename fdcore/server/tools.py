@@ -120,7 +120,8 @@ def plan_of(tools: list[dict] | None, tool_choice) -> ToolPlan:
         return ToolPlan("auto", schemas)
     if tool_choice in ("none", "required"):
         return ToolPlan(tool_choice, schemas)
-    name = tool_choice.get("function", {}).get("name") if isinstance(tool_choice, dict) else None
+    function = tool_choice.get("function") if isinstance(tool_choice, dict) else None
+    name = function.get("name") if isinstance(function, dict) and tool_choice.get("type") == "function" else None
     if not isinstance(name, str):
         raise BadRequest(f"tool_choice {tool_choice!r} is not none, auto, required or "
                          "{type: function, function: {name}}", "tool_choice")
