@@ -66,7 +66,12 @@ Example (every key shown with its default)::
     max_request_bytes = 1048576  # larger request bodies get 413
     timeout_keep_alive = 5.0  # seconds an idle keep-alive connection is kept
     header_timeout = 10.0     # seconds a connection has to send a whole request head, else closed
-    limit_concurrency = 1024  # connections + requests at once; more get 503 (0 = no limit)
+    body_timeout = 30.0       # seconds a connection has, after the head, to send the body it declared
+    max_connections = 2048    # connections kept open; past it (or past max_connections_per_peer from one
+    max_connections_per_peer = 512  # address) a new one closes the oldest that is not serving a request
+    limit_concurrency = 1024  # requests served at once; more get 503 (0 = no limit)
+    max_response_entries = 200000  # tokens a response may list: per choice, each output token with its
+                              # top logprobs, and the prompt's with echo / prompt_logprobs; more: 400
     default_max_tokens = 1024  # chat's max_tokens when the request and generation_config.json give none
                               # (0 = up to the context)
     reasoning_parser = ""     # "deepseek_r1" | "qwen3": chat answers' <think>...</think> as reasoning_content
@@ -163,7 +168,11 @@ class ServerConfig(_Section):
     max_request_bytes: int = 1 << 20
     timeout_keep_alive: float = 5.0
     header_timeout: float = 10.0
+    body_timeout: float = 30.0
+    max_connections: int = 2048
+    max_connections_per_peer: int = 512
     limit_concurrency: int = 1024
+    max_response_entries: int = 200000
     default_max_tokens: int = 1024
     reasoning_parser: Literal["", "deepseek_r1", "qwen3"] = ""  # chat: <think>...</think> as reasoning_content
 
@@ -193,7 +202,9 @@ _MINIMA = [
     ("supervisor", "heartbeat_interval", 0.001), ("supervisor", "hang_timeout", 0.001),
     ("supervisor", "ring_capacity", 4096), ("server", "port", 0),
     ("server", "max_request_bytes", 1024), ("server", "timeout_keep_alive", 0.001),
-    ("server", "header_timeout", 0.001), ("server", "limit_concurrency", 0), ("server", "default_max_tokens", 0),
+    ("server", "header_timeout", 0.001), ("server", "body_timeout", 0.001), ("server", "max_connections", 1),
+    ("server", "max_connections_per_peer", 1), ("server", "limit_concurrency", 0), ("server", "default_max_tokens", 0),
+    ("server", "max_response_entries", 1),
 ]
 
 

@@ -39,8 +39,9 @@ def server(tmp_path_factory):
     port = free_port()
     config = root / "server.toml"
     config.write_text(f'[model]\npath = "{model}"\n[server]\nenabled = true\nport = {port}\n'
-                      f'api_key = "{KEY}"\nmax_request_bytes = 65536\nheader_timeout = 1.0\n'
-                      'timeout_keep_alive = 0.5\nlimit_concurrency = 200\n[engine]\nmax_pending_requests = 64\n')
+                      f'api_key = "{KEY}"\nmax_request_bytes = 65536\nheader_timeout = 1.0\nbody_timeout = 1.0\n'
+                      'timeout_keep_alive = 0.5\nlimit_concurrency = 200\nmax_connections = 300\n'
+                      'max_connections_per_peer = 300\n[engine]\nmax_pending_requests = 64\n')
     tree = Tree(str(config))
     TREES.append(tree)
     try:
@@ -784,17 +785,153 @@ def test_an_idle_keep_alive_connection_is_closed_after_its_timeout(server):
         assert 0.4 < time.monotonic() - started < 0.95  # timeout_keep_alive, before the head timeout
 
 
-def test_connections_beyond_the_limit_get_503_until_they_go(server):
-    host, port = server.removeprefix("http://").split(":")
-    idle = [socket.create_connection((host, int(port)), timeout=10) for _ in range(200)]
+HALF_REQUESTS = {
+    "head": b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-",
+    "body": b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 100000\r\n\r\n{",
+}
+
+
+def _closed_by_server(sock) -> bool:
     try:
-        assert _post(server, "/v1/completions", OK).status_code == 503
-        for sock in idle:  # the head timeout closes every idle connection
-            assert sock.recv(1024) == b""
+        return sock.recv(1024) == b""
+    except ConnectionResetError:
+        return True
+
+
+@pytest.mark.parametrize("half", HALF_REQUESTS)
+def test_sockets_that_never_finish_a_request_deny_service_to_no_one(server, half):
+    """1,100 connections that send half a request head (or a whole head and one byte of a 100 KB body)
+    and hold on, more than the server keeps (max_connections = 300): a real request meanwhile is served
+    at once. They are not requests (admission counts requests), the oldest give way to new connections,
+    and the rest are closed by the head (or body) deadline."""
+    host, port = server.removeprefix("http://").split(":")
+    socks = []
+    try:
+        for _ in range(1100):
+            sock = socket.create_connection((host, int(port)), timeout=10)
+            sock.sendall(HALF_REQUESTS[half])
+            socks.append(sock)
+        started = time.monotonic()
+        assert _post(server, "/v1/completions", OK).status_code == 200
+        assert time.monotonic() - started < 2.0
+        assert all(_closed_by_server(sock) for sock in socks)
     finally:
-        for sock in idle:
+        for sock in socks:
             sock.close()
-    assert _post(server, "/v1/completions", OK).status_code == 200
+
+
+def test_a_response_too_large_to_build_is_refused_before_any_work(server):
+    """Issue 43's heavy requests: 64 choices of a 2,040-token prompt echoed and scored with 20 logprobs,
+    and 64 chat choices of 2,000 tokens with 20 top logprobs: a 400 naming the size, the engine never asked."""
+    prompt = [5 + (i * 37) % 4000 for i in range(2040)]
+    heavy = [("/v1/completions", {**OK, "prompt": prompt, "n": 64, "echo": True, "logprobs": 20,
+                                  "prompt_logprobs": 20}),
+             ("/v1/completions", {**OK, "prompt": "word " * 1500, "n": 64, "prompt_logprobs": 20}),
+             ("/v1/chat/completions", {**CHAT, "n": 64, "logprobs": True, "top_logprobs": 20, "max_tokens": 2000}),
+             ("/v1/chat/completions", {**CHAT, "n": 10, "logprobs": True, "top_logprobs": 20, "max_tokens": 1000,
+                                       "prompt_logprobs": 20})]
+    before = _metric(server, 'fdcore_requests_total{outcome="error"}')
+    for path, body in heavy:
+        started = time.monotonic()
+        refused = _post(server, path, body)
+        assert refused.status_code == 400, refused.text[:300]
+        assert "server.max_response_entries" in refused.json()["error"]["message"]
+        assert refused.json()["error"]["param"] == "n"
+        assert time.monotonic() - started < 2.0
+    assert _metric(server, 'fdcore_requests_total{outcome="error"}') == before  # no engine request was made
+    # 1,501 tokens: their bound (the context) is over budget, their count is not
+    fits = {**OK, "prompt": "word " * 1500, "n": 5, "prompt_logprobs": 20, "max_tokens": 1}
+    assert _post(server, "/v1/completions", fits).status_code == 200
+
+
+def test_a_large_answer_is_built_off_the_event_loop(server):
+    """16 choices x 1,500 tokens x 6 logprobs (144,000 entries, within the budget): while the answer is
+    made, the server keeps answering /health at once."""
+    import threading
+
+    body = {**OK, "prompt": [5, 6, 7], "n": 16, "logprobs": 5, "max_tokens": 1500, "ignore_eos": True}
+    done = []
+    thread = threading.Thread(target=lambda: done.append(_post(server, "/v1/completions", body)))
+    thread.start()
+    worst = 0.0
+    while thread.is_alive():
+        started = time.monotonic()
+        assert httpx.get(f"{server}/health", timeout=30).status_code == 200
+        worst = max(worst, time.monotonic() - started)
+        time.sleep(0.02)
+    thread.join()
+    assert done[0].status_code == 200 and len(done[0].json()["choices"]) == 16
+    assert worst < 0.5, f"/health waited {worst:.2f} s while the answer was built"
+
+
+def test_metrics_are_a_snapshot_at_most_a_second_old():
+    """A flood of scrapes asks the engine at most once a second (concurrent ones share one question)."""
+    import asyncio
+
+    from fdcore.server.app import StatsSnapshot
+
+    asked = []
+
+    async def fetch():
+        asked.append(time.monotonic())
+        await asyncio.sleep(0.01)
+        return len(asked)
+
+    async def main():
+        snapshot = StatsSnapshot(fetch, max_age=0.3)
+        first = await asyncio.gather(*(snapshot.get() for _ in range(50)))
+        again = [await snapshot.get() for _ in range(20)]
+        await asyncio.sleep(0.35)
+        return first, again, await snapshot.get()
+
+    first, again, later = asyncio.run(main())
+    assert first == [1] * 50 and again == [1] * 20 and later == 2 and len(asked) == 2
+
+
+def test_requests_beyond_the_limit_get_503_with_retry_after():
+    """limit_concurrency counts requests being served (not sockets): one past it is refused at once."""
+    import asyncio
+
+    from fdcore.server.http import RequestAdmission
+
+    release = asyncio.Event()
+    served = []
+
+    async def app(scope, receive, send):
+        served.append(scope["path"])
+        await release.wait()
+
+    async def main():
+        admission = RequestAdmission(app, 2, 1000)
+        sent = []
+
+        async def send(message):
+            sent.append(message)
+
+        async def whole():
+            return {"type": "http.request", "body": b"{}", "more_body": False}
+
+        never = asyncio.Event()
+
+        async def slow_body():  # a client that never sends its body: not a request yet
+            await never.wait()
+
+        scope = {"type": "http", "path": "/x"}
+        waiting = [asyncio.ensure_future(admission(scope, slow_body, send)) for _ in range(5)]
+        busy = [asyncio.ensure_future(admission(scope, whole, send)) for _ in range(2)]
+        await asyncio.sleep(0.01)
+        await admission(scope, whole, send)
+        release.set()
+        await asyncio.gather(*busy)
+        await admission(scope, whole, send)
+        for task in waiting:
+            task.cancel()
+        return sent
+
+    sent = asyncio.run(main())
+    assert len(served) == 3 and sent[0]["status"] == 503 and (b"retry-after", b"1") in sent[0]["headers"]
+    assert b"limit_concurrency" in sent[1]["body"]
 
 
 def test_the_api_heartbeat_ticks_from_the_event_loop():

@@ -5,8 +5,8 @@ It serves ``fdcore.server.app`` with uvicorn in its main thread, whose event
 loop also ticks its heartbeat (a loop wedged by a blocking call stops ticking,
 so the supervisor sees the API hung and restarts it); a control thread answers
 the supervisor and turns its Stop into a graceful uvicorn shutdown. Slow request
-heads, idle keep-alive connections and too many connections are cut off
-(``[server]`` header_timeout, timeout_keep_alive, limit_concurrency). Its engine connection is an ``AsyncLLM``
+heads and bodies, idle keep-alive connections and connections past the table's size are cut off, and
+requests past ``limit_concurrency`` get 503 (:mod:`fdcore.server.http`). Its engine connection is an ``AsyncLLM``
 client slot, so an engine restart is survived the way any client survives it.
 """
 
@@ -36,7 +36,8 @@ class ApiActor(Actor):
         settings = Settings(server.model_name or os.path.basename(welcome.model.rstrip("/")),
                             welcome.max_model_len, os.environ.get("FDCORE_API_KEY") or server.api_key,
                             server.max_request_bytes, chat_max_tokens(welcome.sampling_defaults, server),
-                            server.reasoning_parser)
+                            server.reasoning_parser, server.max_response_entries,
+                            welcome.sampling_defaults.get("max_tokens") or 16)
         self.app = build_app(self.llm, settings, ModelTokenizer(welcome.model),
                              lambda: check_health(self.tree, self.config.supervisor.hang_timeout),
                              self._restarts)
@@ -49,13 +50,16 @@ class ApiActor(Actor):
     def serve(self, inbox) -> None:
         import uvicorn
 
-        from fdcore.server.http import with_header_timeout
+        from fdcore.server.http import ConnectionLimits, RequestAdmission, hardened_protocol
 
         server = self.config.server
+        limits = ConnectionLimits(server.header_timeout, server.body_timeout,
+                                  min(server.max_connections, _descriptors() - 64), server.max_connections_per_peer)
         self.server = uvicorn.Server(uvicorn.Config(
-            self.app, host=server.host, port=server.port, log_level="warning", lifespan="off", access_log=False,
-            http=with_header_timeout(server.header_timeout), timeout_keep_alive=server.timeout_keep_alive,
-            limit_concurrency=server.limit_concurrency or None))
+            RequestAdmission(self.app, server.limit_concurrency, server.max_request_bytes), host=server.host,
+            port=server.port,
+            log_level="warning", lifespan="off", access_log=False, http=hardened_protocol(limits),
+            timeout_keep_alive=server.timeout_keep_alive))
         threading.Thread(target=self._control, args=(inbox,), name="fdcore-api-control", daemon=True).start()
         asyncio.run(self._serve())
 
@@ -87,6 +91,20 @@ class ApiActor(Actor):
                     self.server.should_exit = True
                 elif isinstance(message, Ping):
                     self.send(topology.SUPERVISOR, Pong(message.nonce, self.child_id))
+
+
+def _descriptors() -> int:
+    """The open files this process may have, raised to the hard limit (each connection is one)."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or hard > soft:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (ValueError, OSError):
+            pass
+    return soft if soft != resource.RLIM_INFINITY else 1 << 20
 
 
 def chat_max_tokens(sampling_defaults: dict, server) -> int | None:

@@ -13,11 +13,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import json
 import time
 import uuid
 from dataclasses import dataclass
 from typing import NamedTuple
+
+import msgspec
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -25,8 +26,10 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from fdcore.server.metrics import ServerMetrics
 from fdcore.core.validation import ModelLimits, RequestError, check_token_ids
+from fdcore.protocol import RequestBody
+from fdcore.server import budget
+from fdcore.server.metrics import ServerMetrics
 from fdcore.server.schemas import (
     BadRequest,
     ChatCompletionRequest,
@@ -69,6 +72,8 @@ class Settings:
     max_request_bytes: int = 1 << 20
     default_max_tokens: int | None = None  # the model's max_new_tokens (generation_config.json), if any
     reasoning_parser: str = ""  # chat: how <think>...</think> becomes reasoning_content ("" = it does not)
+    max_response_entries: int = 200_000  # tokens and logprobs a response may list (fdcore.server.budget)
+    completion_max_tokens: int = 16  # completions' max_tokens when a request gives none (the engine's default)
 
 
 def error_response(message: str, status: int, param: str | None = None, code: str | None = None) -> JSONResponse:
@@ -105,11 +110,12 @@ def build_app(llm, settings: Settings, tokenizer, health, restarts) -> Starlette
         return JSONResponse({"status": "ok"} if ok else {"status": "unhealthy", "reason": reason},
                             status_code=200 if ok else 503)
 
+    snapshot = StatsSnapshot(lambda: llm.stats(timeout=2.0))
+
     async def metrics_endpoint(request: Request) -> Response:
-        try:
-            metrics.observe_stats(await llm.stats(timeout=2.0), restarts())
-        except Exception:  # the engine is restarting: serve what we have
-            pass
+        stats = await snapshot.get()
+        if stats is not None:
+            metrics.observe_stats(stats, restarts())
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def http_error(request: Request, exc: HTTPException) -> Response:
@@ -126,10 +132,44 @@ def build_app(llm, settings: Settings, tokenizer, health, restarts) -> Starlette
     ], exception_handlers={HTTPException: http_error})
 
 
+class StatsSnapshot:
+    """The engine's serving stats for /metrics, asked for at most once every ``max_age`` seconds: a
+    scrape is otherwise a round trip through engine and scheduler, and a flood of scrapes would slow
+    every stream. Scrapes that arrive while it is asked for share that answer; when the engine cannot
+    answer (a restart), the last one is served."""
+
+    def __init__(self, fetch, max_age: float = 1.0):
+        self.fetch, self.max_age = fetch, max_age
+        self.value, self.at = None, float("-inf")
+        self.pending: asyncio.Future | None = None
+
+    async def get(self):
+        if time.monotonic() - self.at < self.max_age:
+            return self.value
+        if self.pending is None:
+            self.pending = asyncio.ensure_future(self._refresh())
+        return await asyncio.shield(self.pending)
+
+    async def _refresh(self):
+        try:
+            self.value = await self.fetch()
+        except Exception:  # the engine is restarting: the last answer stands
+            pass
+        finally:
+            self.at, self.pending = time.monotonic(), None
+        return self.value
+
+
+OFF_LOOP_BYTES = 64 << 10  # bodies larger than this are decoded on a thread, not on the event loop
+
+
 class _Api:
     def __init__(self, llm, settings: Settings, tokenizer, metrics: ServerMetrics):
         self.llm, self.settings, self.tokenizer, self.metrics = llm, settings, tokenizer, metrics
         self.started = int(time.time())
+        # every token's text, made once: a response with logprobs names tens of thousands of tokens
+        self.texts = [] if tokenizer is None else tokenizer.tokenizer.decode_batch(
+            [[t] for t in range(tokenizer.tokenizer.get_vocab_size())])
 
     # ------------------------------------------------------------- plumbing
     def check_key(self, request: Request) -> Response | None:
@@ -325,7 +365,14 @@ class _Api:
         return prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt)
 
     def token_text(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id])
+        texts = self.texts
+        return texts[token_id] if 0 <= token_id < len(texts) else self.tokenizer.decode([token_id])
+
+    async def decoded(self, raw: bytes, schema):
+        """The body decoded and checked (schemas.decode), on a thread when it is large."""
+        if len(raw) > OFF_LOOP_BYTES:
+            return await asyncio.to_thread(decode, raw, schema)
+        return decode(raw, schema)
 
     def vllm_prompt_logprobs(self, scores: list) -> list:
         """vLLM's prompt_logprobs: per prompt token (the first: null) {token id: {logprob, rank,
@@ -358,7 +405,7 @@ class _Api:
     async def tokenize(self, raw: bytes) -> Response:
         """vLLM's /tokenize: the ids a completion (prompt) or chat (messages) request would run, from the
         same code the engine runs them with (the API holds the same tokenizer and templates)."""
-        body = decode(raw, TokenizeRequest)
+        body = await self.decoded(raw, TokenizeRequest)
         if body.model is not None:
             self.check_model(body.model)
         try:
@@ -370,7 +417,7 @@ class _Api:
                              "token_strs": strings})
 
     async def detokenize(self, raw: bytes) -> Response:
-        body = decode(raw, DetokenizeRequest)
+        body = await self.decoded(raw, DetokenizeRequest)
         if body.model is not None:
             self.check_model(body.model)
         try:
@@ -383,11 +430,12 @@ class _Api:
     async def completions(self, raw: bytes) -> Response:
         """One choice per prompt and per n (index = prompt * n + i), each an engine request of its own:
         the prompt's KV blocks are shared through the prefix cache, choice i is seeded seed + i."""
-        body = decode(raw, CompletionRequest)
+        body = await self.decoded(raw, CompletionRequest)
         self.check_model(body.model)
         params = completion_params(body)
         prompts = prompts_of(body)
         per_prompt = choice_params(params, body.n, len(prompts), share_prompt_scores=not body.stream)
+        await self.completion_budget(body, params, prompts)
         try:
             started = await self.start_all([(prompt, p) for prompt in prompts for p in per_prompt])
         except BadRequest as exc:
@@ -399,10 +447,40 @@ class _Api:
             echo_scored = body.logprobs if body.echo else None
             return _sse(self._completion_chunks(started, rid, created, body.model, usage, body.n, echoed, echo_scored))
         results = await self.collect_all(started)
-        choices = [self._completion_choice(i, result, echoed[i], results[i - i % body.n].prompt_logprobs, body)
-                   for i, result in enumerate(results)]
-        return JSONResponse({"id": rid, "object": "text_completion", "created": created, "model": body.model,
-                             "choices": choices, "usage": _usage(started, body.n, [len(r.tokens) for r in results])})
+
+        def answer() -> bytes:  # (on a thread: a large answer takes its time, the event loop does not wait)
+            choices = [self._completion_choice(i, result, echoed[i], results[i - i % body.n].prompt_logprobs, body)
+                       for i, result in enumerate(results)]
+            return _JSON({"id": rid, "object": "text_completion", "created": created, "model": body.model,
+                          "choices": choices, "usage": _usage(started, body.n, [len(r.tokens) for r in results])})
+
+        return Response(await asyncio.to_thread(answer), media_type="application/json")
+
+    async def completion_budget(self, body: CompletionRequest, params, prompts: list) -> None:
+        """The response's size (fdcore.server.budget), text prompts' lengths bounded first and counted only
+        when the bound is over budget."""
+        echo_top = body.logprobs if body.echo else None
+        fields = ", ".join(name for name, given in (("n", body.n > 1), ("prompt", len(prompts) > 1),
+                           ("max_tokens", True), ("logprobs", body.logprobs is not None), ("echo", body.echo),
+                           ("prompt_logprobs", body.prompt_logprobs is not None)) if given)
+
+        def asks(lengths) -> list[budget.Ask]:
+            max_tokens = params.max_tokens if params.max_tokens is not None else self.settings.completion_max_tokens
+            return [budget.Ask(max_tokens, body.logprobs, length, echo_top, body.prompt_logprobs)
+                    for length in lengths for _ in range(body.n)]
+
+        limit, context = self.settings.max_response_entries, self.settings.max_model_len
+        scored = echo_top is not None or body.prompt_logprobs is not None
+        bounds = [len(p) if not isinstance(p, str) else budget.text_tokens_bound(p, context) if scored else 0
+                  for p in prompts]
+        try:
+            budget.check(asks(bounds), limit, fields)
+        except BadRequest:
+            if all(not isinstance(p, str) for p in prompts):
+                raise
+            exact = await asyncio.to_thread(lambda: [len(self.tokenizer.encode(p)) if isinstance(p, str) else len(p)
+                                                     for p in prompts])
+            budget.check(asks(exact), limit, fields)
 
     def _completion_choice(self, index: int, result: Collected, echoed: str, scores, body) -> dict:
         """One whole choice; ``scores``: its prompt's prompt_logprobs (the prompt's first choice scored it)."""
@@ -457,11 +535,12 @@ class _Api:
 
     # ----------------------------------------------------------------- chat
     async def chat(self, raw: bytes) -> Response:
-        body = decode(raw, ChatCompletionRequest)
+        body = await self.decoded(raw, ChatCompletionRequest)
         self.check_model(body.model)
         plan = plan_of(body.tools, body.tool_choice)
         params = chat_params(body, self.settings.default_max_tokens or self.settings.max_model_len, plan.constraint())
         prompt = chat_prompt(body)
+        await self.chat_budget(body, params, prompt)
         try:
             started = await self.start_all([(prompt, p) for p in choice_params(params, body.n)])
         except BadRequest as exc:
@@ -471,6 +550,12 @@ class _Api:
             usage = _include_usage(body)
             return _sse(self._chat_chunks(started, rid, created, body.model, usage, body.logprobs, body.n, plan))
         results = await self.collect_all(started)
+        return Response(await asyncio.to_thread(self._chat_answer, body, plan, results, started, rid, created),
+                        media_type="application/json")
+
+    def _chat_answer(self, body: ChatCompletionRequest, plan: ToolPlan, results: list, started: list, rid: str,
+                     created: int) -> bytes:
+        """A whole chat completion as JSON (on a thread: see completions)."""
         choices = []
         for i, (text, tokens, logprobs, out, _) in enumerate(results):
             reasoning, answer = split_reasoning(self.settings.reasoning_parser, text)
@@ -484,7 +569,29 @@ class _Api:
                   "choices": choices, "usage": _usage(started, body.n, [len(r.tokens) for r in results])}
         if body.prompt_logprobs is not None:  # vLLM's: the rendered prompt's, once for every choice
             answer["prompt_logprobs"] = self.vllm_prompt_logprobs(results[0].prompt_logprobs)
-        return JSONResponse(answer)
+        return _JSON(answer)
+
+    async def chat_budget(self, body: ChatCompletionRequest, params, prompt: dict) -> None:
+        """The response's size (fdcore.server.budget); the rendered prompt is counted only where its
+        scores (prompt_logprobs) could put it over budget."""
+        top = (body.top_logprobs or 0) if body.logprobs else None
+        fields = ", ".join(name for name, given in (("n", body.n > 1), ("max_tokens", True), ("top_logprobs", top),
+                           ("prompt_logprobs", body.prompt_logprobs is not None)) if given)
+        outputs = [budget.Ask(params.max_tokens, top)] * body.n
+        if body.prompt_logprobs is None:
+            budget.check(outputs, self.settings.max_response_entries, fields)
+            return
+        scored = budget.Ask(0, None, self.settings.max_model_len, None, body.prompt_logprobs)
+        try:
+            budget.check(outputs + [scored], self.settings.max_response_entries, fields)
+        except BadRequest:
+            request = RequestBody(**prompt)
+            try:
+                length = len(await asyncio.to_thread(self.tokenizer.prompt_ids, request, self.limits()))
+            except RequestError:  # the engine names what is wrong with the prompt
+                return
+            budget.check(outputs + [budget.Ask(0, None, length, None, body.prompt_logprobs)],
+                         self.settings.max_response_entries, fields)
 
     async def _chat_chunks(self, started, rid, created, model, include_usage, want_logprobs, n, plan):
         base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
@@ -540,6 +647,9 @@ def _joined(first: dict, then: dict) -> dict:
     return {key: first[key] + then[key] for key in first}
 
 
+_JSON = msgspec.json.Encoder().encode  # (compact, UTF-8, and a logprob of -inf becomes null, not invalid JSON)
+
+
 async def _disconnected(request: Request) -> None:
     """Returns once the client has gone (its body was read already: only a disconnect is left)."""
     while (await request.receive())["type"] != "http.disconnect":
@@ -568,8 +678,8 @@ def _sse(chunks) -> StreamingResponse:
     async def events():
         try:
             async for chunk in chunks:
-                yield f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
-            yield "data: [DONE]\n\n"
+                yield b"data: " + _JSON(chunk) + b"\n\n"
+            yield b"data: [DONE]\n\n"
         except asyncio.CancelledError:  # the client went away: the request is aborted upstream
             raise
     return StreamingResponse(events(), media_type="text/event-stream",
