@@ -645,7 +645,7 @@ def _supervise(args: argparse.Namespace) -> int:
         return 2
     if args.check:
         print(render_config(config))
-        return max(_check_model(config), _check_shared_memory(config))
+        return max(_check_shared_memory(config), _check_model(config))
     import setproctitle
 
     setproctitle.setproctitle("fdcore:supervisor")

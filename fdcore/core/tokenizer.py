@@ -7,27 +7,32 @@ chat messages are rendered with the checkpoint's chat template
 Face transformers does, once, here) and tokenized without adding special
 tokens again.
 
-NOTE: special-token text inside a message's content (a user writing
+NOTE: special-token text in anything a request supplies (a message's content or
+name, tool and document fields, template variables: a user writing
 ``<|im_end|>``) is encoded as plain text, never as the control token: otherwise
 a user could close their own turn and write the assistant's (transformers
-matches it as the token unless asked for ``sanitize_control_tokens``). The
-rendered prompt is split at the contents that hold such text; only those spans
-are encoded with the special tokens not matched, so every other prompt's ids
-stay exactly transformers'.
+matches it as the token unless asked for ``sanitize_control_tokens``). Where a
+request holds such text, each occurrence is replaced before rendering by a
+placeholder no request can forge (a per-render random nonce between private-use
+characters), so every control-token text left in the rendered prompt is the
+template's own: the prompt is split there, those become control tokens, and the
+text between them (placeholders put back) is encoded with the special tokens
+not matched. Every other prompt is encoded whole: exactly transformers' ids.
 """
 
 from __future__ import annotations
 
 import os
+import re
+import secrets
 
 from tokenizers import Tokenizer
 
 from fdcore.core.chat_template import ChatOptions, ChatTemplates, prepare_messages, render
-from fdcore.core.validation import ModelLimits, RequestError, check_chat_options, check_one_prompt, check_token_ids
+from fdcore.core.validation import (SPECIAL_TOKENS, ModelLimits, RequestError, check_chat_options, check_one_prompt,
+                                   check_token_ids)
 from fdcore.models.loader import CheckpointError, eos_ids, is_gguf, read_config, read_json_object
 
-# transformers' SPECIAL_TOKENS_ATTRIBUTES: the named special tokens every template may use
-SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
 
 class ModelTokenizer:
@@ -59,15 +64,22 @@ class ModelTokenizer:
         return render(template, prepare_messages(messages), options, self.special_tokens)
 
     def encode_chat(self, messages: list[dict], options: ChatOptions = ChatOptions()) -> list[int]:
-        """The prompt's ids; control-token text inside message contents is encoded as text."""
-        text = self.render_chat(messages, options)
-        contents = [m.get("content") for m in prepare_messages(messages)]
-        ids, cursor = [], 0
-        for start, end in _spans_of(text, [c for c in contents if isinstance(c, str) and self._controls(c)]):
-            ids += self.tokenizer.encode(text[cursor:start], add_special_tokens=False).ids
-            ids += self._encode_as_text(text[start:end])
-            cursor = end
-        return ids + self.tokenizer.encode(text[cursor:], add_special_tokens=False).ids
+        """The prompt's ids; control-token text from the request (anywhere in it) is encoded as text."""
+        supplied = (messages, options.tools, options.documents, options.variables)
+        if not any(self._controls(text) for text in _strings(supplied)):
+            return self.tokenizer.encode(self.render_chat(messages, options), add_special_tokens=False).ids
+        shield = _Shield(self.control_texts)
+        messages, tools, documents, variables = shield.hide(supplied)
+        text = self.render_chat(messages, ChatOptions(tools, documents, options.add_generation_prompt,
+                                                      options.continue_final_message, variables, options.template))
+        ids = []
+        for piece, control in shield.split(text):
+            if piece:
+                ids += self._encode_as_text(shield.reveal(piece)) if shield.hides(piece) else (
+                    self.tokenizer.encode(piece, add_special_tokens=False).ids)
+            if control is not None:
+                ids.append(self.tokenizer.token_to_id(control))
+        return ids
 
     def prompt_ids(self, body, limits: ModelLimits) -> list[int]:
         """A request body's prompt (fdcore.protocol.RequestBody: text, token ids or chat messages) as
@@ -104,18 +116,53 @@ def chat_options(body) -> ChatOptions:
     return ChatOptions(body.tools, body.documents, prompt, continuing, body.chat_template_kwargs, body.chat_template)
 
 
-def _spans_of(text: str, contents: list[str]) -> list[tuple[int, int]]:
-    """Where each content (in message order) sits in the rendered prompt; a template that changed a
-    content's edges (``| trim``) is matched on the stripped text."""
-    spans, cursor = [], 0
-    for content in contents:
-        for candidate in (content, content.strip()):
-            start = text.find(candidate, cursor) if candidate else -1
-            if start >= 0:
-                spans.append((start, start + len(candidate)))
-                cursor = start + len(candidate)
-                break
-    return spans
+def _strings(value):
+    """Every string in a request's nested lists and dicts (keys too)."""
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield from _strings(key)
+            yield from _strings(item)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _strings(item)
+
+
+class _Shield:
+    """Control-token text of one request swapped for placeholders nobody can forge, and back."""
+
+    def __init__(self, control_texts: list[str]):
+        nonce = secrets.token_hex(8)
+        self.controls = sorted(control_texts, key=len, reverse=True)  # a longer one first where they overlap
+        self.placeholders = {f"\ue000{nonce}{i:x}\ue001": text for i, text in enumerate(self.controls)}
+        self._find_control = re.compile("|".join(map(re.escape, self.controls)))
+        self._find_placeholder = re.compile(f"\ue000{nonce}[0-9a-f]+\ue001")
+        self._by_text = {text: placeholder for placeholder, text in self.placeholders.items()}
+
+    def hide(self, value):
+        """``value`` (strings, lists, tuples, dicts) with every control text in its strings replaced."""
+        if isinstance(value, str):
+            return self._find_control.sub(lambda m: self._by_text[m.group(0)], value)
+        if isinstance(value, dict):
+            return {self.hide(key): self.hide(item) for key, item in value.items()}
+        if isinstance(value, (list, tuple)):
+            return type(value)(self.hide(item) for item in value)
+        return value
+
+    def split(self, text: str):
+        """(text, the template's control text after it or None) pieces of a rendered prompt."""
+        cursor = 0
+        for match in self._find_control.finditer(text):
+            yield text[cursor:match.start()], match.group(0)
+            cursor = match.end()
+        yield text[cursor:], None
+
+    def hides(self, text: str) -> bool:
+        return self._find_placeholder.search(text) is not None
+
+    def reveal(self, text: str) -> str:
+        return self._find_placeholder.sub(lambda m: self.placeholders[m.group(0)], text)
 
 
 def load_tokenizer(path: str) -> Tokenizer:

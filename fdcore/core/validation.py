@@ -22,7 +22,9 @@ MESSAGE_KEYS = ("role", "content", "name", "tool_calls", "tool_call_id", "reason
 CHAT_OPTIONS = ("tools", "documents", "add_generation_prompt", "continue_final_message", "chat_template_kwargs",
                 "chat_template")
 # template variables a request sets through its own fields (chat_template_kwargs may not)
-RESERVED_VARIABLES = ("messages", *CHAT_OPTIONS)
+# transformers' SPECIAL_TOKENS_ATTRIBUTES: the named special tokens every template may use (the checkpoint's)
+SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+RESERVED_VARIABLES = ("messages", *CHAT_OPTIONS, *SPECIAL_TOKENS)
 
 
 class RequestError(ValueError):
@@ -111,6 +113,8 @@ def check_chat_options(body: RequestBody) -> None:
     if given and body.messages is None:
         raise RequestError(given[0], "applies only to a chat request (messages)")
     for key in body.chat_template_kwargs or {}:
+        if key in SPECIAL_TOKENS:
+            raise RequestError(f"chat_template_kwargs.{key}", "is the model's special token: a request cannot set it")
         if key in RESERVED_VARIABLES:
             raise RequestError(f"chat_template_kwargs.{key}", "is set by the request's own field, not here")
 
