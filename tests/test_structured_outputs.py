@@ -117,6 +117,28 @@ def test_a_grammar_that_cannot_compile_is_refused_with_what_is_wrong(grammars, s
     assert caught.value.field == field and says in str(caught.value) and "cannot be compiled" in str(caught.value)
 
 
+@pytest.mark.parametrize("spec, field", [
+    ({"regex": r"[^\s\S]"}, "structured_outputs.regex"),
+    ({"json": {"$ref": "#"}}, "structured_outputs.json"),
+    ({"grammar": 'start: "a" start'}, "structured_outputs.grammar"),
+    ({"grammar": 'start: x\nx: "a" x | y\ny: y "b"'}, "structured_outputs.grammar"),
+    ({"grammar": 'root ::= "a" root'}, "structured_outputs.grammar"),
+    ({"grammar": "start: /[^\\s\\S]/"}, "structured_outputs.grammar"),
+])
+def test_a_constraint_whose_language_is_empty_is_refused(grammars, spec, field):
+    """Nothing but the end of text would be allowed (or text that never ends): a 400 saying so, never an
+    answer outside the language."""
+    with pytest.raises(RequestError) as caught:
+        grammars.check(StructuredOutputs(**spec))
+    assert caught.value.field == field and "admits no output" in str(caught.value) and caught.value.code == 400
+
+
+@pytest.mark.parametrize("grammar", ['start: "a" start | "b"', 'start: [start] "a"', "start: x*\nx: x \"a\"",
+                                     'start: sum\nsum: atom | sum "+" atom\natom: /[0-9]+/', 'start: ""'])
+def test_recursive_grammars_with_a_way_out_are_served(grammars, grammar):
+    assert grammars.check(StructuredOutputs(grammar=grammar)).llguidance
+
+
 def test_every_form_compiles_to_one_llguidance_grammar(grammars):
     gbnf = 'root ::= "a" [0-9]+'
     for spec in ({"json": {"type": "object"}}, {"json_object": True}, {"regex": "[a-z]+"}, {"choice": ["x", "y"]},

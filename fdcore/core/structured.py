@@ -28,6 +28,7 @@ from collections import OrderedDict
 
 import numpy as np
 
+from fdcore.core.productive import empty_start
 from fdcore.core.validation import RequestError
 from fdcore.protocol import StructuredOutputs
 from fdcore.sampling import mask_words
@@ -143,12 +144,28 @@ class Grammars:
         error = self._verdicts.get(grammar)
         if error is None:
             error = llguidance.LLMatcher.validate_grammar(grammar, self.tokenizer)
+            error = f"cannot be compiled: {error.strip()}" if error else self._empty_language(field, grammar)
             _remember(self._verdicts, grammar, error)
         else:
             self._verdicts.move_to_end(grammar)
         if error:
-            raise RequestError(field, f"cannot be compiled: {error.strip()}")
+            raise RequestError(field, error)
         return StructuredOutputs(llguidance=grammar)
+
+    def _empty_language(self, field: str, grammar: str) -> str:
+        """'' for a language with some text in it, else why it has none: a matcher that fails before its
+        first token (a regex matching nothing, a schema that is only a reference to itself), or a Lark
+        start rule that derives nothing (fdcore.core.productive). Such a request would be served text
+        outside its language (the end of text is all an empty language allows)."""
+        import llguidance
+
+        matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
+        matcher.compute_bitmask()  # (a matcher finds out at its first mask)
+        if matcher.is_error():
+            return "admits no output: no text belongs to its language"
+        if field == f"{FIELD}.grammar" and empty_start(grammar):  # (Lark text: GBNF was converted)
+            return "admits no output: its start rule derives no text (every way through it recurses for ever)"
+        return ""
 
     # ------------------------------------------------------------------ worker
     def matcher(self, grammar: str, replay: list[int]):
