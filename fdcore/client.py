@@ -35,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import fcntl
+import functools
 import os
 import queue
 import secrets
@@ -309,7 +310,7 @@ class Connection:
             self.sender.send(message, timeout=timeout)
 
     def submit(self, request_id: str, prompt, params: SamplingParams, resume_token_ids=(),
-               resume_text_chars: int = 0, timeout: float = SEND_TIMEOUT) -> None:
+               resume_text_chars: int = 0, timeout: float = SEND_TIMEOUT, tenant: str = "") -> None:
         body: dict = {"sampling_params": params}
         if isinstance(prompt, str):
             body["prompt"] = prompt
@@ -320,13 +321,14 @@ class Connection:
         else:
             body["prompt_token_ids"] = prompt
         self.send(AddRequest(self.slot, request_id, msgspec.Raw(_ENCODE(body)), time.time(),
-                             list(resume_token_ids), resume_text_chars), timeout)
+                             list(resume_token_ids), resume_text_chars, tenant), timeout)
 
     def resubmit(self, flights: dict) -> None:
         """Hand a restarted engine these requests again ({request id: _InFlight}), each with the
         tokens and text already received, so their streams resume where they were."""
         for request_id, flight in flights.items():
-            self.submit(request_id, flight.prompt, flight.params, flight.token_ids, flight.text_chars)
+            self.submit(request_id, flight.prompt, flight.params, flight.token_ids, flight.text_chars,
+                        tenant=flight.tenant)
 
     def send_soon(self, message) -> None:
         """Send without waiting: now if the link has room and no other thread is sending, else from
@@ -453,7 +455,7 @@ class _Router:
 
     # ---------------------------------------------------------- callers
     def submit(self, request_id: str, prompt, params: SamplingParams, sink, target,
-               timeout: float = SEND_TIMEOUT) -> None:
+               timeout: float = SEND_TIMEOUT, tenant: str = "") -> None:
         """Open a request whose answers go to ``sink([(target, update), ...])``; RingFull (nothing
         registered) if the engine's link has no room within ``timeout``, or, with ``timeout == 0``,
         if another thread holds the lock while it waits for room (a caller on an event loop then
@@ -465,10 +467,10 @@ class _Router:
             self._check_alive()
             if request_id in self.streams:
                 raise ValueError(f"request_id {request_id!r} is already open in this client")
-            self.streams[request_id] = _Stream(_InFlight(prompt, params), sink, target)
+            self.streams[request_id] = _Stream(_InFlight(prompt, params, tenant), sink, target)
             if not self.recovering:
                 try:
-                    self.conn.submit(request_id, prompt, params, timeout=timeout)
+                    self.conn.submit(request_id, prompt, params, timeout=timeout, tenant=tenant)
                 except BaseException:
                     del self.streams[request_id]
                     raise
@@ -658,16 +660,18 @@ class AsyncLLM(_Client):
 
     # ---------------------------------------------------------------- public
     async def generate(self, prompt, sampling_params: SamplingParams | None = None,
-                       request_id: str | None = None, *, wait: bool = False):
+                       request_id: str | None = None, *, wait: bool = False, tenant: str = ""):
         """Stream ``RequestOutput`` deltas of one request until it finishes. ``wait=True``: while the
         engine is full (429), the request waits in this client and is sent again as room frees,
-        instead of ending with the 429 error. Raises :class:`EngineDeadError` when the tree is gone."""
+        instead of ending with the 429 error. ``tenant``: whom it is for, where this client serves
+        several (the KV cache is shared fairly between tenants). Raises :class:`EngineDeadError` when
+        the tree is gone."""
         request_id = request_id or uuid.uuid4().hex
         params = sampling_params or SamplingParams()
         answers: asyncio.Queue = asyncio.Queue()
         sink = _LoopSink(asyncio.get_running_loop())
         finished, prompt_ids, backoff = False, None, _Backoff()
-        await self._submit(request_id, prompt, params, sink, answers)
+        await self._submit(request_id, prompt, params, sink, answers, tenant)
         try:
             while not finished:
                 update = await answers.get()
@@ -676,7 +680,7 @@ class AsyncLLM(_Client):
                     raise update
                 if wait and _refused(update):
                     await asyncio.sleep(backoff.next())
-                    await self._submit(request_id, prompt, params, sink, answers)
+                    await self._submit(request_id, prompt, params, sink, answers, tenant)
                     continue
                 prompt_ids = update.prompt_token_ids or prompt_ids
                 out = _output(request_id, prompt, update, prompt_ids)
@@ -686,13 +690,14 @@ class AsyncLLM(_Client):
             if not finished:
                 self._router.forget(request_id)  # the caller stopped listening: stop computing
 
-    async def _submit(self, *request) -> None:
+    async def _submit(self, request_id: str, prompt, params: SamplingParams, sink, answers, tenant: str) -> None:
         """Submit without blocking the event loop: only when the engine's link is full does the
         (blocking) wait for room move to a worker thread."""
+        submit = functools.partial(self._router.submit, request_id, prompt, params, sink, answers, tenant=tenant)
         try:
-            self._router.submit(*request, timeout=0.0)
+            submit(timeout=0.0)
         except RingFull:
-            await asyncio.get_running_loop().run_in_executor(None, self._router.submit, *request)
+            await asyncio.get_running_loop().run_in_executor(None, submit)
 
     async def chat(self, messages: list[dict], sampling_params: SamplingParams | None = None,
                    request_id: str | None = None, **options):
@@ -764,6 +769,7 @@ class _InFlight:
 
     prompt: object
     params: SamplingParams
+    tenant: str = ""
     token_ids: list[int] = field(default_factory=list)
     text_chars: int = 0
 

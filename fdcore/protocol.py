@@ -144,6 +144,7 @@ class AddRequest(Message):
     arrival_time: float
     resume_token_ids: list[int] = []  # tokens the client already received (engine restart)
     resume_text_chars: int = 0        # characters of text the client already received
+    tenant: str = ""                  # whom it is for, within the client (the HTTP server: the peer)
 
 
 class AbortRequest(Message):
@@ -224,6 +225,7 @@ class AddSeq(Message):
     params: SamplingParams
     eos_token_ids: list[int]
     output_token_ids: list[int] = []
+    tenant: str = ""  # the client slot and its tenant: the scheduler shares KV blocks fairly between tenants
 
 
 class FinishSeq(Message):

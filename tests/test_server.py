@@ -576,6 +576,21 @@ def test_the_api_actor_is_restarted_and_serves_again(server):
     assert _actor("api").pid != old.pid
 
 
+TENANTS_SEEN: list[str] = []
+
+
+def test_each_request_is_its_peers_tenant():
+    """The HTTP server is one client of the engine; the tenant it gives each request (the scheduler's
+    unit of fair sharing) is the request's peer address."""
+    from starlette.testclient import TestClient
+
+    app, _ = _stand_in_app()
+    TENANTS_SEEN.clear()
+    for peer in ("10.1.2.3", "10.9.9.9"):
+        assert TestClient(app, client=(peer, 5000)).post("/v1/completions", json={**OK, "n": 2}).status_code == 200
+    assert TENANTS_SEEN == ["10.1.2.3"] * 2 + ["10.9.9.9"] * 2
+
+
 def _stand_in_app(default_max_tokens=None, reasoning_parser="", pieces=("ok",)):
     """The HTTP app before a stand-in engine that records what it is asked and answers ``pieces``, one
     output each (no tree needed)."""
@@ -585,8 +600,9 @@ def _stand_in_app(default_max_tokens=None, reasoning_parser="", pieces=("ok",)):
     seen = []
 
     class Engine:
-        async def generate(self, prompt, params):
+        async def generate(self, prompt, params, tenant=""):
             seen.append((prompt, params))
+            TENANTS_SEEN.append(tenant)
             for i, piece in enumerate(pieces):
                 last = i == len(pieces) - 1
                 yield RequestOutput("r", prompt, [1, 2], CompletionOutput(0, piece, [5], None, "stop" if last else None),

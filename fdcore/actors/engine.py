@@ -74,6 +74,7 @@ class TrackedRequest:
     first_token_time: float = 0.0
     announced: bool = False  # the client has been sent the prompt token ids
     prompt_scores: list | None = None  # prompt_logprobs: a PromptLogprob per prompt token (the first: None)
+    tenant: str = ""  # whom it is for (its client slot, and the client's own tenant): shares are per tenant
 
 
 @dataclass(eq=False)
@@ -171,7 +172,7 @@ class EngineActor(Actor):
         eos = list(self.tokenizer.eos_token_ids)
         for tracked in sorted(self.table.values(), key=lambda t: t.seq):
             self.send("scheduler", AddSeq(tracked.seq, tracked.prompt_token_ids, tracked.params, eos,
-                                          list(tracked.output_token_ids)))
+                                          list(tracked.output_token_ids), tracked.tenant))
 
     def on_stop(self) -> None:
         """The tree is stopping: every unfinished request ends now with the reason. Stopped to be
@@ -209,7 +210,7 @@ class EngineActor(Actor):
         self.table[tracked.seq] = tracked
         slot.requests[m.request_id] = tracked.seq
         self.send("scheduler", AddSeq(tracked.seq, tracked.prompt_token_ids, tracked.params,
-                                      list(self.tokenizer.eos_token_ids), tracked.output_token_ids))
+                                      list(self.tokenizer.eos_token_ids), tracked.output_token_ids, tracked.tenant))
 
     def _admit(self, m: AddRequest, slot: ClientSlot) -> TrackedRequest:
         """Validate and tokenize; raises RequestError naming the field."""
@@ -243,7 +244,8 @@ class EngineActor(Actor):
         # what the client has shown already (text held back then is still to come)
         detokenizer.emitted = min(m.resume_text_chars, len(detokenizer.text)) if resumed else 0
         return TrackedRequest(seq, slot.index, m.request_id, prompt_ids, params, detokenizer, m.arrival_time,
-                              resumed, announced=bool(resumed), prompt_scores=scores)
+                              resumed, announced=bool(resumed), prompt_scores=scores,
+                              tenant=f"{slot.index}/{m.tenant[:64]}")
 
     def _body(self, raw) -> RequestBody:
         try:

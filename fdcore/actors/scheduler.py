@@ -182,7 +182,7 @@ class SchedulerActor(Actor):
         self.handling = [m.seq]
         faults.check(self.poison, m.seq, m.prompt_token_ids)
         self.policy.add(Request(m.seq, list(m.prompt_token_ids), m.params, tuple(m.eos_token_ids),
-                                list(m.output_token_ids)))
+                                list(m.output_token_ids), tenant=m.tenant))
         self.unsent[m.seq] = NewSeq(m.seq, m.prompt_token_ids, m.output_token_ids, m.params, m.eos_token_ids)
 
     def _forget(self, seq: int) -> None:

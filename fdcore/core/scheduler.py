@@ -8,12 +8,21 @@ tokens count as computed from the start). Running requests go first, oldest
 first; when KV blocks run out, the newest running request is preempted by
 recompute (blocks freed, computed count reset, back to the head of the queue),
 so nothing is lost: it simply catches up again later. Pure: no processes.
+
+Tenants (who a request is for: a client process, and behind the HTTP server a
+peer) share fairly: where several have requests, the next waiting request is the
+oldest of the tenant that holds the fewest KV blocks, a preemption takes the
+newest request of the tenant that holds the most, and a waiting request that
+finds no room (blocks or sequences) displaces that tenant's newest as long as
+its own tenant would still hold less. So clients that send huge requests and
+never read cannot keep another's first token waiting. With one tenant all of
+this is the plain order above.
 """
 
 from __future__ import annotations
 
 import enum
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from fdcore.core.kv_cache_manager import KVCacheManager
@@ -45,6 +54,7 @@ class Request:
     num_pending: int = 0        # trailing PLACEHOLDER tokens: sampled on the worker, not yet reported
     full_blocks_known: int = 0  # full computed blocks already offered to the prefix cache
     final_pending: bool = False  # its last token (by length) is being sampled: schedule no more
+    tenant: str = ""            # who it is for: KV blocks are shared fairly between tenants
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -94,11 +104,13 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0  # since start
+        self.tenants: Counter[str] = Counter()  # unfinished requests by tenant
 
     def add(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
+        self.tenants[request.tenant] += 1
         self.waiting.append(request)
 
     def has_work(self) -> bool:
@@ -118,15 +130,57 @@ class Scheduler:
             if item is not None:
                 scheduled.append(item)
                 budget -= item.num_tokens
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            item = self._schedule_waiting(self.waiting[0], budget)
+        while self.waiting and budget > 0:
+            request = self._next_waiting()
+            item = self._schedule_waiting(request, budget) if len(self.running) < self.config.max_num_seqs else None
             if item is None:
+                if self._displace_for(request, scheduled):
+                    continue
                 break
-            self.waiting.popleft()
+            self.waiting.remove(request)
             self.running.append(item.request)
             scheduled.append(item)
             budget -= item.num_tokens
         return scheduled
+
+    # ---------------------------------------------------------------- tenants
+    def _next_waiting(self) -> Request:
+        """The oldest waiting request of the tenant holding the fewest blocks (the queue's head when
+        every waiting request is one tenant's)."""
+        head = self.waiting[0]
+        if len(self.tenants) == 1 or all(r.tenant == head.tenant for r in self.waiting):
+            return head
+        held = self._blocks_by_tenant()
+        return min(self.waiting, key=lambda r: held.get(r.tenant, 0))  # (min keeps the first of equals)
+
+    def _blocks_by_tenant(self) -> dict[str, int]:
+        held: dict[str, int] = {}
+        for r in self.running:
+            held[r.tenant] = held.get(r.tenant, 0) + len(self.kv.block_table(r.request_id))
+        return held
+
+    def _victim(self) -> Request:
+        """Whom a preemption takes: the newest running request of the tenant holding the most blocks."""
+        newest = self.running[-1]
+        if len(self.tenants) == 1 or all(r.tenant == newest.tenant for r in self.running):
+            return newest
+        held = self._blocks_by_tenant()
+        largest = max(held, key=held.get)
+        return next(r for r in reversed(self.running) if r.tenant == largest)
+
+    def _displace_for(self, request: Request, scheduled: list[ScheduledRequest]) -> bool:
+        """Make room for a waiting request that found none by preempting the largest tenant's newest
+        request, when that is another tenant that would still hold more than the request's after the
+        move (the gap shrinks each time: no two tenants take turns for ever). True when it did."""
+        if not self.running or len(self.tenants) == 1:
+            return False
+        held = self._blocks_by_tenant()
+        largest = max(held, key=held.get)
+        need = -(-request.num_tokens // self.kv.block_size)
+        if largest == request.tenant or held.get(request.tenant, 0) + need >= held[largest]:
+            return False
+        self._preempt(next(r for r in reversed(self.running) if r.tenant == largest), scheduled)
+        return True
 
     def growth_plan(self) -> list[tuple[object, int]]:
         """(request id, tokens to hold) for each running request, as the next schedule() will
@@ -150,7 +204,7 @@ class Scheduler:
         if count <= 0:
             return None
         while not self.kv.append_slots(request.request_id, start + count):
-            victim = self.running[-1]
+            victim = self._victim()
             self._preempt(victim, scheduled)
             if victim is request:
                 return None
@@ -263,6 +317,9 @@ class Scheduler:
         request.status = Status.FINISHED
         request.finish_reason = reason
         del self.requests[request.request_id]
+        self.tenants[request.tenant] -= 1
+        if not self.tenants[request.tenant]:
+            del self.tenants[request.tenant]
 
     def _finish_reason(self, request: Request, last: int, produced: int) -> str | None:
         p = request.params

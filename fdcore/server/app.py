@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import hmac
 import time
 import uuid
@@ -160,6 +161,9 @@ class StatsSnapshot:
         return self.value
 
 
+# whom the request in hand is for: its peer's address. The engine's scheduler shares the KV cache fairly between
+# tenants, so one address's huge or unread requests cannot keep another's first token waiting.
+TENANT: contextvars.ContextVar[str] = contextvars.ContextVar("fdcore_tenant", default="")
 OFF_LOOP_BYTES = 64 << 10  # bodies larger than this are decoded on a thread, not on the event loop
 
 
@@ -199,6 +203,7 @@ class _Api:
         if (denied := self.check_key(request)) is not None:
             return denied
         try:
+            TENANT.set(request.client.host if request.client else "")  # (the tasks made from here on see it)
             return await self.unless_disconnected(request, endpoint(await self.body(request)))
         except BadRequest as exc:
             return error_response(str(exc), exc.status, exc.param, exc.code)
@@ -231,7 +236,7 @@ class _Api:
 
     async def start(self, prompt, params):
         """The request's output stream and its first output; an engine refusal becomes a BadRequest."""
-        stream = self.llm.generate(prompt, params)
+        stream = self.llm.generate(prompt, params, tenant=TENANT.get())
         try:
             first = await stream.__anext__()
         except asyncio.CancelledError:  # the client left before the first output
