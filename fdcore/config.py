@@ -75,6 +75,8 @@ Example (every key shown with its default)::
     default_max_tokens = 1024  # chat's max_tokens when the request and generation_config.json give none
                               # (0 = up to the context)
     reasoning_parser = ""     # "deepseek_r1" | "qwen3": chat answers' <think>...</think> as reasoning_content
+    processes = 1             # HTTP server processes sharing the port (SO_REUSEPORT; fdcore:api:0..N-1 when > 1):
+                              # one that dies loses only its own connections, the others keep serving
 """
 
 from __future__ import annotations
@@ -175,6 +177,7 @@ class ServerConfig(_Section):
     max_response_entries: int = 200000
     default_max_tokens: int = 1024
     reasoning_parser: Literal["", "deepseek_r1", "qwen3"] = ""  # chat: <think>...</think> as reasoning_content
+    processes: int = 1
 
 
 class Config(_Section):
@@ -204,7 +207,7 @@ _MINIMA = [
     ("server", "max_request_bytes", 1024), ("server", "timeout_keep_alive", 0.001),
     ("server", "header_timeout", 0.001), ("server", "body_timeout", 0.001), ("server", "max_connections", 1),
     ("server", "max_connections_per_peer", 1), ("server", "limit_concurrency", 0), ("server", "default_max_tokens", 0),
-    ("server", "max_response_entries", 1),
+    ("server", "max_response_entries", 1), ("server", "processes", 1),
 ]
 
 
@@ -308,6 +311,9 @@ def _check_ranges(config: Config, source: str) -> None:
                           "set workers.standby = false (or use the \"shm\" communicator)")
     if config.server.port > 65535:
         raise ConfigError(f"{source}: key 'server.port' is {config.server.port}, must be <= 65535")
+    if config.server.enabled and config.server.processes >= config.engine.max_clients:
+        raise ConfigError(f"{source}: key 'server.processes' is {config.server.processes}: each takes one of the "
+                          f"engine.max_clients = {config.engine.max_clients} client slots, and others need some")
 
 
 def _check_compute(model: "ModelConfig", cache: "CacheConfig", source: str) -> None:

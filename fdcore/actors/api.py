@@ -41,7 +41,8 @@ class ApiActor(Actor):
         self.app = build_app(self.llm, settings, ModelTokenizer(welcome.model),
                              lambda: check_health(self.tree, self.config.supervisor.hang_timeout),
                              self._restarts)
-        self.listener = listening_socket(server.host, server.port)  # bound before we count as ready
+        # bound before we count as ready; several processes share the port (the kernel spreads connections)
+        self.listener = listening_socket(server.host, server.port, reuse_port=server.processes > 1)
 
     def _restarts(self) -> dict[str, int]:
         ids = topology.child_ids(self.config)
@@ -114,7 +115,7 @@ def chat_max_tokens(sampling_defaults: dict, server) -> int | None:
     return sampling_defaults.get("max_tokens") or server.default_max_tokens or None
 
 
-def listening_socket(host: str, port: int) -> socket.socket:
+def listening_socket(host: str, port: int, reuse_port: bool = False) -> socket.socket:
     """The server's socket, bound and listening while the actor starts: "ready" then means a client
     can connect (its connection waits in the backlog until uvicorn accepts it), and a port in use
     fails the start with the reason instead of a running tree without its server."""
@@ -125,6 +126,8 @@ def listening_socket(host: str, port: int) -> socket.socket:
     sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if reuse_port:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         sock.bind((host, port))
         sock.listen(2048)
     except OSError:

@@ -54,9 +54,18 @@ def group_name(instance_id: str) -> str:
     return names.object_name(instance_id, "group")
 
 
+def api_ids(config: Config) -> list[str]:
+    """The HTTP server's processes: "api", or "api0".."apiN-1" where ``server.processes`` > 1 (they
+    share the port: one's death costs only its own connections)."""
+    if not config.server.enabled:
+        return []
+    count = config.server.processes
+    return ["api"] if count == 1 else [f"api{i}" for i in range(count)]
+
+
 def child_ids(config: Config) -> list[str]:
     """Start order of the children."""
-    return ["cache", *worker_ids(config), "scheduler", "engine", *(["api"] if config.server.enabled else [])]
+    return ["cache", *worker_ids(config), "scheduler", "engine", *api_ids(config)]
 
 
 def child_specs(config: Config) -> list[ChildSpec]:
@@ -69,13 +78,17 @@ def child_specs(config: Config) -> list[ChildSpec]:
 
 
 def kind_of(child_id: str) -> str:
-    return "worker" if child_id.startswith("worker") else child_id
+    for numbered in ("worker", "api"):
+        if child_id.startswith(numbered):
+            return numbered
+    return child_id
 
 
 def title_of(child_id: str) -> str:
-    """The process title: fdcore:engine, fdcore:worker:0, ..."""
-    if child_id.startswith("worker"):
-        return f"fdcore:worker:{child_id[len('worker'):]}"
+    """The process title: fdcore:engine, fdcore:worker:0, fdcore:api (fdcore:api:1 of several), ..."""
+    kind = kind_of(child_id)
+    if kind != child_id:
+        return f"fdcore:{kind}:{child_id[len(kind):]}"
     return f"fdcore:{child_id}"
 
 
