@@ -32,6 +32,7 @@ Example (every key shown with its default)::
     max_num_seqs = 128
     max_num_batched_tokens = 2048
     max_model_len = 2048
+    long_prefill_tokens = 512 # prompt tokens a step computes while other requests wait for their next token
 
     [engine]
     max_clients = 8           # client slots (each AsyncLLM / LLM / API server takes one)
@@ -68,7 +69,7 @@ Example (every key shown with its default)::
     header_timeout = 10.0     # seconds a connection has to send a whole request head, else closed
     body_timeout = 30.0       # seconds a connection has, after the head, to send the body it declared
     max_connections = 2048    # connections kept open; past it (or past max_connections_per_peer from one
-    max_connections_per_peer = 512  # address) a new one closes the oldest that is not serving a request
+    max_connections_per_peer = 2048  # address) a new one closes the oldest that is not serving a request
     limit_concurrency = 1024  # requests served at once; more get 503 (0 = no limit)
     max_response_entries = 200000  # tokens a response may list: per choice, each output token with its
                               # top logprobs, and the prompt's with echo / prompt_logprobs; more: 400
@@ -114,6 +115,7 @@ class CacheConfig(_Section):
 class SchedulerConfig(_Section):
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
+    long_prefill_tokens: int = 512
     max_model_len: int = 2048
 
 
@@ -172,7 +174,7 @@ class ServerConfig(_Section):
     header_timeout: float = 10.0
     body_timeout: float = 30.0
     max_connections: int = 2048
-    max_connections_per_peer: int = 512
+    max_connections_per_peer: int = 2048
     limit_concurrency: int = 1024
     max_response_entries: int = 200000
     default_max_tokens: int = 1024
@@ -196,7 +198,7 @@ _SECTIONS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerC
 # (section, key, lowest allowed value) for every number that must be positive
 _MINIMA = [
     ("cache", "block_size", 1), ("cache", "num_blocks", 1),
-    ("scheduler", "max_num_seqs", 1), ("scheduler", "max_num_batched_tokens", 1),
+    ("scheduler", "max_num_seqs", 1), ("scheduler", "max_num_batched_tokens", 1), ("scheduler", "long_prefill_tokens", 1),
     ("scheduler", "max_model_len", 1), ("engine", "max_clients", 1),
     ("engine", "max_pending_requests", 1), ("engine", "client_stall_timeout", 0.001),
     ("workers", "count", 1), ("workers", "tensor_parallel_size", 1), ("workers", "omp_threads", 0),

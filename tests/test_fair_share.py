@@ -25,7 +25,7 @@ def _step(scheduler: Scheduler) -> list[str]:
 def _first_token_step(tenants: tuple[str, str]) -> int:
     """Four greedy requests (n=16-like, long prompts, long answers) fill the cache; then a light one
     arrives. The step at which the light one is first computed."""
-    scheduler = Scheduler(BatchLimits(max_num_seqs=8, max_num_batched_tokens=512, max_model_len=2048),
+    scheduler = Scheduler(BatchLimits(max_num_seqs=8, max_num_batched_tokens=512, max_model_len=2048, kv_blocks=56),
                           KVCacheManager(num_blocks=56, block_size=BLOCK, enable_prefix_caching=False))
     greedy, light = tenants
     for i in range(8):
@@ -46,7 +46,7 @@ def test_a_light_tenant_runs_at_once_beside_a_tenant_that_holds_the_cache():
 
 
 def test_two_tenants_end_up_holding_about_the_same_and_do_not_take_turns_for_ever():
-    scheduler = Scheduler(BatchLimits(max_num_seqs=16, max_num_batched_tokens=1024, max_model_len=4096),
+    scheduler = Scheduler(BatchLimits(max_num_seqs=16, max_num_batched_tokens=1024, max_model_len=4096, kv_blocks=100),
                           KVCacheManager(num_blocks=100, block_size=BLOCK, enable_prefix_caching=False))
     for i in range(8):
         scheduler.add(_request(f"a{i}", "a", prompt=150, max_tokens=1000))
@@ -60,5 +60,5 @@ def test_two_tenants_end_up_holding_about_the_same_and_do_not_take_turns_for_eve
         held = scheduler._blocks_by_tenant()
         history.append((held.get("a", 0), held.get("b", 0), scheduler.num_preemptions))
     a, b, preemptions = history[-1]
-    assert abs(a - b) <= 12, history  # about one request's blocks apart
+    assert abs(a - b) <= 20, history  # a request or so apart (one needs 10-16 blocks here)
     assert preemptions <= 20, history  # a handful to even them out, then growth's own

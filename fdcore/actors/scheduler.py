@@ -116,6 +116,11 @@ class RemoteBlocks:
     def block_table(self, seq: int) -> list[int]:
         return self.tables[seq]
 
+    @property
+    def num_free_blocks(self) -> int:
+        """Free blocks as of the cache manager's last answer (each call brings its counts)."""
+        return self.stats.num_free
+
     def refresh_stats(self) -> CacheStats:
         return self._call(CacheStatsQuery(-1)).stats
 
@@ -137,7 +142,8 @@ class SchedulerActor(Actor):
         self.blocks = RemoteBlocks(self, c.cache.block_size, c.cache.enable_prefix_caching,
                                    c.supervisor.hang_timeout + c.supervisor.start_timeout)
         self.policy = Scheduler(BatchLimits(c.scheduler.max_num_seqs, c.scheduler.max_num_batched_tokens,
-                                                c.scheduler.max_model_len), self.blocks)
+                                            c.scheduler.max_model_len, c.cache.num_blocks,
+                                            c.scheduler.long_prefill_tokens), self.blocks)
         self.step_number = 0
         self.in_flight: deque[tuple[int, list[ScheduledRequest]]] = deque()
         self.unsent: dict[int, NewSeq] = {}      # sequences the worker has not been told about yet

@@ -10,13 +10,17 @@ recompute (blocks freed, computed count reset, back to the head of the queue),
 so nothing is lost: it simply catches up again later. Pure: no processes.
 
 Tenants (who a request is for: a client process, and behind the HTTP server a
-peer) share fairly: where several have requests, the next waiting request is the
-oldest of the tenant that holds the fewest KV blocks, a preemption takes the
-newest request of the tenant that holds the most, and a waiting request that
-finds no room (blocks or sequences) displaces that tenant's newest as long as
-its own tenant would still hold less. So clients that send huge requests and
-never read cannot keep another's first token waiting. With one tenant all of
-this is the plain order above.
+peer) share fairly: where several have requests, each has a max-min fair share
+of the cache's blocks (a tenant that wants less than an equal part leaves the
+rest to the others). The next waiting request is
+the oldest of the tenant that holds the fewest blocks; a tenant at its share is
+admitted only with blocks to spare for the running requests' growth; one below
+it that finds no room (blocks or sequences) displaces the newest request of the
+tenant furthest over its share; and a preemption for growth takes that
+tenant's newest too. So clients that send huge requests and
+never read cannot keep another's first token waiting, and tenants over their
+share do not preempt one another in turn. With one tenant all of this is the
+plain order above.
 """
 
 from __future__ import annotations
@@ -94,6 +98,8 @@ class BatchLimits:
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
     max_model_len: int = 2048
+    kv_blocks: int = 0  # the KV cache's blocks (the tenants' fair share is a part of them; 0: not shared out)
+    long_prefill_tokens: int = 0  # prompt tokens a step computes while others decode (0: the whole budget)
 
 
 class Scheduler:
@@ -105,6 +111,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0  # since start
         self.tenants: Counter[str] = Counter()  # unfinished requests by tenant
+        self._shares: dict[str, float] | None = None
 
     def add(self, request: Request) -> None:
         if request.request_id in self.requests:
@@ -122,17 +129,24 @@ class Scheduler:
         # scheduler actor's cost per sequence and step, which bounds the whole tree's step rate: they
         # read each attribute once into a local (64 sequences x 5 loops a step add up).
         budget = self.config.max_num_batched_tokens
+        prefill = self._prefill_budget(budget)
         scheduled: list[ScheduledRequest] = []
+        self._shares = None  # (the tenants' shares, worked out once a step where needed)
         for request in list(self.running):
             if request.status is not Status.RUNNING:  # preempted by an older one this step
                 continue
-            item = self._schedule_running(request, budget, scheduled)
+            catching_up = request.num_tokens - request.num_computed_tokens > 1
+            item = self._schedule_running(request, min(budget, prefill) if catching_up else budget, scheduled)
             if item is not None:
                 scheduled.append(item)
                 budget -= item.num_tokens
-        while self.waiting and budget > 0:
+                prefill -= item.num_tokens if catching_up else 0
+        while self.waiting and budget > 0 and prefill > 0:
             request = self._next_waiting()
-            item = self._schedule_waiting(request, budget) if len(self.running) < self.config.max_num_seqs else None
+            if not self._may_admit(request):
+                break
+            item = (self._schedule_waiting(request, min(budget, prefill))
+                    if len(self.running) < self.config.max_num_seqs else None)
             if item is None:
                 if self._displace_for(request, scheduled):
                     continue
@@ -141,7 +155,19 @@ class Scheduler:
             self.running.append(item.request)
             scheduled.append(item)
             budget -= item.num_tokens
+            prefill -= item.num_tokens
         return scheduled
+
+    def _prefill_budget(self, budget: int) -> int:
+        """Prompt tokens (any catch-up of more than one token) this step may compute: all of the budget,
+        but only ``long_prefill_tokens`` while some running request waits for its next token, so that a
+        long prompt (or a preempted request's recompute) never makes a step that keeps everyone else's
+        token waiting (chunks change no result: a row's bits are its own)."""
+        cap = self.config.long_prefill_tokens
+        if not cap or cap >= budget:
+            return budget
+        decoding = any(r.num_tokens - r.num_computed_tokens <= 1 for r in self.running if not r.final_pending)
+        return cap if decoding else budget
 
     # ---------------------------------------------------------------- tenants
     def _next_waiting(self) -> Request:
@@ -160,24 +186,61 @@ class Scheduler:
         return held
 
     def _victim(self) -> Request:
-        """Whom a preemption takes: the newest running request of the tenant holding the most blocks."""
+        """Whom a preemption takes: the newest running request of the tenant furthest over its share
+        (holding the most, where shares are not known)."""
         newest = self.running[-1]
         if len(self.tenants) == 1 or all(r.tenant == newest.tenant for r in self.running):
             return newest
-        held = self._blocks_by_tenant()
-        largest = max(held, key=held.get)
+        largest = self._most_over()
         return next(r for r in reversed(self.running) if r.tenant == largest)
 
+    def _most_over(self) -> str:
+        """The running tenant furthest over its fair share (or holding the most blocks)."""
+        held = self._blocks_by_tenant()
+        return max(held, key=lambda t: held[t] - (self._share(t) or 0.0))
+
+    def _share(self, tenant: str) -> float | None:
+        """A tenant's fair share of the cache's blocks (None with one tenant, or no known size): max-min
+        fair, each tenant's demand (what it holds and what its waiting requests need) filled from the
+        smallest up, so that a tenant wanting less than an equal part leaves the rest to the others."""
+        if len(self.tenants) == 1 or not self.config.kv_blocks:
+            return None
+        if self._shares is None:
+            demand = self._blocks_by_tenant()
+            for r in self.waiting:
+                demand[r.tenant] = demand.get(r.tenant, 0) + self._need(r)
+            self._shares, left = {}, float(self.config.kv_blocks)
+            for i, (t, wanted) in enumerate(sorted(demand.items(), key=lambda item: item[1])):
+                self._shares[t] = min(wanted, left / (len(demand) - i))
+                left -= self._shares[t]
+        return self._shares.get(tenant, 0.0)
+
+    def _need(self, request: Request) -> int:
+        return -(-request.num_tokens // self.kv.block_size)
+
+    def _may_admit(self, request: Request) -> bool:
+        """A tenant at its share (or beyond, with this request) comes in only while blocks remain for
+        every running request to grow by one: else its request would only be preempted again soon,
+        its work lost (recompute), over and over."""
+        share = self._share(request.tenant)
+        if share is None:
+            return True
+        held = self._blocks_by_tenant().get(request.tenant, 0)
+        if held + self._need(request) <= share:
+            return True
+        return self.kv.num_free_blocks - self._need(request) >= len(self.running)
+
     def _displace_for(self, request: Request, scheduled: list[ScheduledRequest]) -> bool:
-        """Make room for a waiting request that found none by preempting the largest tenant's newest
-        request, when that is another tenant that would still hold more than the request's after the
-        move (the gap shrinks each time: no two tenants take turns for ever). True when it did."""
-        if not self.running or len(self.tenants) == 1:
+        """Make room for a waiting request that found none and whose tenant stays within its share by
+        preempting the newest request of the tenant holding the most, when that one is over its share.
+        True when it did."""
+        share = self._share(request.tenant)
+        if share is None or not self.running:
             return False
         held = self._blocks_by_tenant()
-        largest = max(held, key=held.get)
-        need = -(-request.num_tokens // self.kv.block_size)
-        if largest == request.tenant or held.get(request.tenant, 0) + need >= held[largest]:
+        largest = self._most_over()
+        if (largest == request.tenant or held[largest] <= self._share(largest)
+                or held.get(request.tenant, 0) + self._need(request) > share):
             return False
         self._preempt(next(r for r in reversed(self.running) if r.tenant == largest), scheduled)
         return True
@@ -186,14 +249,17 @@ class Scheduler:
         """(request id, tokens to hold) for each running request, as the next schedule() will
         ask for them if blocks do not run out: lets a remote block manager grow them all at once."""
         budget, plan = self.config.max_num_batched_tokens, []
+        prefill = self._prefill_budget(budget)
         for request in self.running:
             if request.final_pending:
                 continue
             computed = request.num_computed_tokens
-            count = min(request.num_tokens - computed, budget)
+            behind = request.num_tokens - computed
+            count = min(behind, budget, prefill) if behind > 1 else min(behind, budget)
             if count > 0:
                 plan.append((request.request_id, computed + count))
                 budget -= count
+                prefill -= count if behind > 1 else 0
         return plan
 
     def _schedule_running(self, request: Request, budget: int, scheduled) -> ScheduledRequest | None:

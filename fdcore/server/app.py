@@ -112,10 +112,12 @@ def build_app(llm, settings: Settings, tokenizer, health, restarts) -> Starlette
                             status_code=200 if ok else 503)
 
     snapshot = StatsSnapshot(lambda: llm.stats(timeout=2.0))
+    observed = [None]
 
     async def metrics_endpoint(request: Request) -> Response:
         stats = await snapshot.get()
-        if stats is not None:
+        if stats is not None and stats is not observed[0]:
+            observed[0] = stats
             metrics.observe_stats(stats, restarts())
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 

@@ -29,8 +29,11 @@ class ServerMetrics:
                               registry=r, buckets=TOKEN_BUCKETS)
         self.e2e = Histogram("fdcore_e2e_request_latency_seconds", "Arrival to last token", registry=r,
                              buckets=LATENCY_BUCKETS)
+        self.changes = 0  # observations so far (render's cache key)
+        self._rendered: tuple[int, bytes] | None = None
 
     def finished(self, outcome: str, metrics) -> None:
+        self.changes += 1
         self.requests.labels(outcome).inc()
         if metrics is None or not metrics.first_token_time:
             return
@@ -41,6 +44,7 @@ class ServerMetrics:
                                   / (metrics.num_generated_tokens - 1)))
 
     def observe_stats(self, stats, restarts: dict[str, int]) -> None:
+        self.changes += 1
         self.running.set(stats.running)
         self.waiting.set(stats.waiting)
         self.kv_usage.set(stats.cache.usage)
@@ -50,4 +54,8 @@ class ServerMetrics:
             self.restarts.labels(actor).set(count)
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        """The exposition text, made again only when something was observed since the last (a flood of
+        scrapes between two requests costs one rendering)."""
+        if self._rendered is None or self._rendered[0] != self.changes:
+            self._rendered = (self.changes, generate_latest(self.registry))
+        return self._rendered[1]
