@@ -1645,10 +1645,33 @@ static void RmsScales(const float* const* x, int64_t E, float eps, float* scale)
     for (int r = 0; r < N; ++r) squares[r] += lanes[r][i];
   for (int r = 0; r < N; ++r) scale[r] = 1.f / std::sqrt(squares[r] / static_cast<float>(E) + eps);
 #else
+  // 8 lanes (AVX2's vector; the scalar build keeps the same order): lane i the FMA chain of elements i, 8 + i, ...
+  // over the whole 8-value chunks, the last E % 8 elements added to lane 0, then lanes 0 .. 7 in turn. Written out
+  // because GCC's `omp simd` reduction reassociates differently for one row and for four (a row's bits then depended
+  // on its neighbours: a chunked prefill's logits were not the whole prompt's).
+  const int64_t whole = E / 8 * 8;
+  alignas(32) float lanes[N][8];
+#if defined(__AVX2__) && defined(__FMA__)
+  __m256 acc[N];
+  for (int r = 0; r < N; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t e = 0; e < whole; e += 8)
+    for (int r = 0; r < N; ++r) {
+      const __m256 v = _mm256_loadu_ps(x[r] + e);
+      acc[r] = _mm256_fmadd_ps(v, v, acc[r]);
+    }
+  for (int r = 0; r < N; ++r) _mm256_store_ps(lanes[r], acc[r]);
+#else
+  for (int r = 0; r < N; ++r)
+    for (int i = 0; i < 8; ++i) {
+      float chain = 0.f;
+      for (int64_t e = i; e < whole; e += 8) chain = __builtin_fmaf(x[r][e], x[r][e], chain);
+      lanes[r][i] = chain;
+    }
+#endif
   for (int r = 0; r < N; ++r) {
+    for (int64_t e = whole; e < E; ++e) lanes[r][0] = __builtin_fmaf(x[r][e], x[r][e], lanes[r][0]);
     float squares = 0.f;
-#pragma omp simd reduction(+ : squares)
-    for (int64_t e = 0; e < E; ++e) squares += x[r][e] * x[r][e];
+    for (int i = 0; i < 8; ++i) squares += lanes[r][i];
     scale[r] = 1.f / std::sqrt(squares / static_cast<float>(E) + eps);
   }
 #endif
