@@ -1019,7 +1019,7 @@ def test_choices_started_before_their_client_left_are_aborted_and_counted():
         def __init__(self):
             self.answered = asyncio.Event()
 
-        def generate(self, prompt, index):
+        def generate(self, prompt, index, tenant=""):
             return self.stream(index)
 
         async def stream(self, index):
