@@ -15,8 +15,9 @@ once:
   wrong check word, one with an impossible length, a tail out of bounds, a record nested 100,000 deep
   and random bytes over its ring's header, greeting the engine again after each;
 - a /metrics flood: 30 scrapers as fast as they can;
-- four greedy clients, each from its own address: 16 choices of a 1,500-token prompt for 500 tokens,
-  streamed and never read.
+- four greedy clients, each from its own address: a request for 16 choices of a 1,500-token prompt for
+  500 tokens, streamed and never read (``--greedy-every S``: another every S seconds, every connection
+  kept open).
 
 Attackers speak from other loopback addresses (127.0.0.2 and up) than the honest clients
 (127.0.0.1), as they would from other hosts. It prints a table: honest streams complete and identical,
@@ -24,7 +25,8 @@ probe latency and light TTFT percentiles, requests each attacker got through, re
 the supervisor's log), and whether the tree is up at the end. Pass: 100 % identical, probe p99 < 1 s,
 light TTFT p99 < 2 s, 0 restarts, up.
 
-Usage: python benchmarks/bench_hostile.py [--minutes 10] [--model DIR] [--port 8431] [--without greedy,...]
+Usage: python benchmarks/bench_hostile.py [--minutes 10] [--model DIR] [--port 8431] [--greedy-every S]
+                                         [--without greedy,...]
 """
 
 from __future__ import annotations
@@ -117,21 +119,29 @@ async def slow_socket(port: int, body_variant: bool, stop: asyncio.Event, counte
             await asyncio.sleep(0.1)
 
 
-async def greedy_client(port: int, source: str, stop: asyncio.Event, counter: dict) -> None:
-    """Sends its huge streamed request and never reads; sends another once the server closes it."""
-    body = {"model": "tiny", "prompt": [5 + (j * 7) % 4000 for j in range(1500)], "n": 16, "max_tokens": 500,
-            "ignore_eos": True, "temperature": 1.0, "stream": True}
-    payload = json.dumps(body).encode()
-    while not stop.is_set():
+async def greedy_client(port: int, source: str, stop: asyncio.Event, counter: dict, every: float) -> None:
+    """Sends a huge streamed request (another every ``every`` s; 0: just one), each on a connection it never
+    reads from (all kept open)."""
+    writers = []
+    for k in range(1 << 30):
+        body = {"model": "tiny", "prompt": [5 + (j * 7 + k) % 4000 for j in range(1500)], "n": 16,
+                "max_tokens": 500, "ignore_eos": True, "temperature": 1.0, "stream": True}
+        payload = json.dumps(body).encode()
         try:
-            reader, writer = await asyncio.open_connection("127.0.0.1", port, local_addr=(source, 0))
+            _, writer = await asyncio.open_connection("127.0.0.1", port, local_addr=(source, 0))
             writer.write(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                          f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
+            writers.append(writer)
             counter["greedy requests"] = counter.get("greedy requests", 0) + 1
-            await stop.wait()  # never reads
-            writer.close()
         except OSError:
-            await asyncio.sleep(0.5)
+            counter["greedy requests failed"] = counter.get("greedy requests failed", 0) + 1
+        try:
+            await asyncio.wait_for(stop.wait(), every or None)
+            break
+        except asyncio.TimeoutError:
+            continue
+    for writer in writers:
+        writer.close()
 
 
 def ring_attacker(instance: str, stop: threading.Event, counter: dict) -> None:
@@ -202,7 +212,7 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
 
 
-async def run(port: int, minutes: float, instance: str, without: set[str]) -> dict:
+async def run(port: int, minutes: float, instance: str, without: set[str], greedy_every: float) -> dict:
     reference = await honest_round(port)
     assert all(done for _, done in reference), "the quiet round did not complete"
     stop, thread_stop, counter = asyncio.Event(), threading.Event(), {}
@@ -244,7 +254,7 @@ async def run(port: int, minutes: float, instance: str, without: set[str]) -> di
     if "slow" not in without:
         tasks += [asyncio.ensure_future(slow_socket(port, i % 2 == 1, stop, counter)) for i in range(1100)]
     if "greedy" not in without:
-        tasks += [asyncio.ensure_future(greedy_client(port, source, stop, counter)) for source in GREEDY]
+        tasks += [asyncio.ensure_future(greedy_client(port, source, stop, counter, greedy_every)) for source in GREEDY]
     ring = threading.Thread(target=ring_attacker, args=(instance, thread_stop, counter), daemon=True)
     if "rings" not in without:
         ring.start()
@@ -270,6 +280,8 @@ def main() -> int:
     parser.add_argument("--minutes", type=float, default=10.0)
     parser.add_argument("--model", default=None, help="what fdcore serve serves (default: the bundled tiny model)")
     parser.add_argument("--port", type=int, default=8431)
+    parser.add_argument("--greedy-every", type=float, default=0.0,
+                        help="seconds between each greedy client's requests (default 0: one request each)")
     parser.add_argument("--without", default="", help="attackers to leave out, comma-separated: heavy, slow, "
                         "rings, metrics, greedy (to see what each costs)")
     args = parser.parse_args()
@@ -278,7 +290,8 @@ def main() -> int:
     resource.setrlimit(resource.RLIMIT_NOFILE, (resource.getrlimit(resource.RLIMIT_NOFILE)[1],) * 2)
     proc, instance, log = start_server(args.port, args.model)
     try:
-        result = asyncio.run(run(args.port, args.minutes, instance, set(filter(None, args.without.split(",")))))
+        without = set(filter(None, args.without.split(",")))
+        result = asyncio.run(run(args.port, args.minutes, instance, without, args.greedy_every))
         up = proc.poll() is None
     finally:
         proc.send_signal(signal.SIGINT)

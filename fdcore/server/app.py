@@ -282,7 +282,9 @@ class _Api:
             async for out in self.outputs(*started[0]):
                 yield 0, out
             return
-        queue: asyncio.Queue = asyncio.Queue()
+        # bounded: while the reader is stuck (a client that does not read) the pumps wait, instead of
+        # turning every output of every choice into a chunk nobody sends yet
+        queue: asyncio.Queue = asyncio.Queue(maxsize=4 * len(started))
 
         async def pump(index, stream, first):
             try:
