@@ -4,6 +4,7 @@
                  [--max-model-len N] [--served-model-name NAME] [--api-key KEY] [--reasoning-parser NAME]
                  [--config FILE] [--check]
     fdcore generate PROMPT [PROMPT ...] [--model MODEL] [...]   (fdcore.generate's options)
+    fdcore build-kernels                                          (compile the C++ operators for this CPU)
 
 ``serve`` runs the OpenAI-compatible server over the whole actor tree: the supervisor of
 ``python -m fdcore.supervisor --config FILE`` (which stays), with a configuration made of ``--config``'s
@@ -42,6 +43,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="fdcore", description="fdcore: an LLM serving engine core on shared memory")
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("generate", help="generate text for prompts and exit (fdcore generate --help)")
+    commands.add_parser("build-kernels", help="compile fdcore's C++ operators for this CPU (a tree's supervisor does "
+                        "it before starting, once per CPU and source version)")
     serve = commands.add_parser("serve", help="the OpenAI-compatible HTTP server over the actor tree")
     serve.add_argument("model", nargs="?", default=None,
                        help="checkpoint directory, GGUF file, or smollm2 (default: --config's, else the tiny model)")
@@ -56,7 +59,51 @@ def main(argv=None) -> int:
     serve.add_argument("--reasoning-parser", help="server.reasoning_parser: deepseek_r1 or qwen3 (<think> as "
                        "reasoning_content)")
     serve.add_argument("--check", action="store_true", help="validate, print the effective configuration, exit")
+    if argv[:1] == ["build-kernels"]:
+        parser.parse_args(argv)
+        if os.environ.get("FDCORE_BUILD_FOR_PID"):  # a supervisor's build: it must not outlive that supervisor
+            _die_with(int(os.environ["FDCORE_BUILD_FOR_PID"]))
+        return build_kernels()
     return _serve(serve.parse_args(argv[1:]) if argv[:1] == ["serve"] else parser.parse_args(argv))
+
+
+def _die_with(parent: int) -> None:
+    """End this process group (the builder, Paddle's setup.py and the compilers it runs) when ``parent``
+    (the process that started it, as the group's leader) dies, however."""
+    import ctypes
+    import signal
+
+    import paddle  # noqa: F401 (first: Paddle installs its own SIGTERM handler when imported, which would replace ours)
+
+    signal.signal(signal.SIGTERM, lambda *_: os.killpg(0, signal.SIGKILL))
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent:
+        os.killpg(0, signal.SIGKILL)
+
+
+def build_kernels() -> int:
+    """Compile the operators (if not built), with progress on stderr; 1 with one line on failure."""
+    import time
+
+    from fdcore.models import kernels
+
+    started = time.monotonic()
+    isa = "avx2" if kernels.capped_at_avx2() or "avx512f" not in kernels.kernel_flags() else "avx512"
+
+    stderr = os.fdopen(os.dup(2), "w")  # (the build sends fd 2 to its log: progress goes to the real one)
+
+    def progress(done: int, total: int) -> None:
+        print(f"fdcore: compiling fdcore's operators for {isa}: {done}/{total}", file=stderr, flush=True)
+
+    try:
+        path = kernels.build(progress)
+    except kernels.KernelBuildError as exc:
+        print(f"fdcore: cannot build fdcore's C++ operators: {exc} (model.kernels = \"python\" runs without them, "
+              "slower)", file=sys.stderr)
+        return 1
+    print(f"fdcore: operators ready ({time.monotonic() - started:.0f} s): {path}", file=sys.stderr)
+    return 0
 
 
 def serve_config(opts: argparse.Namespace):

@@ -16,6 +16,8 @@ Example (every key shown with its default)::
                               # row and block of 32 with a float16 scale and minimum, llama.cpp's Q4_1; the LM head
                               # int8 as wint8; activations as wint8; AVX512-VNNI CPUs only)
     backend = "paddle"        # paddle | null (answers without computing: measures fdcore's own cost)
+    kernels = "compiled"      # compiled: fdcore's C++ operators, built before the tree starts (a failure stops
+                              # the start, naming the compiler's complaint) | python: without them (slower)
     generation_config = "auto"  # auto: the checkpoint's generation_config.json sampling values are the
                               # defaults of requests that leave them unset (as vLLM's "auto");
                               # none: fdcore's neutral defaults (temperature 1, max_tokens 16, ...)
@@ -100,6 +102,7 @@ class _Section(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 class ModelConfig(_Section):
     path: str = ""
     backend: Literal["paddle", "null"] = "paddle"
+    kernels: Literal["compiled", "python"] = "compiled"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     quantization: Literal["none", "wint8", "wint4"] = "none"
     generation_config: Literal["auto", "none"] = "auto"

@@ -28,6 +28,7 @@ import select
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import posix_ipc
@@ -111,6 +112,7 @@ class Supervisor:
                 self.placement = None
         self.janitor, janitor_pipe = janitor.start(self.instance)  # first: it removes what a killed supervisor left
         try:
+            self._build_kernels()
             self._create_ipc()
             self._start_all()
             log("ready", instance=self.instance, children=len(self.children),
@@ -132,6 +134,40 @@ class Supervisor:
             self._log_signals()  # (one received while stopping, with no wait after it)
             log("stopped", exit_code=self.exit_code, seconds=f"{time.monotonic() - stop_started:.2f}")
         return self.exit_code
+
+    def _build_kernels(self) -> None:
+        """The workers' C++ operators, built (once per CPU and source version) before any actor starts, so
+        that the build counts against no start timeout; in a process of its own (the supervisor never
+        imports Paddle), its progress on our stderr. A failure stops the start with the compiler's
+        complaint; ``model.kernels = "python"`` (or the null backend) needs none."""
+        if self.config.model.kernels == "python" or self.config.model.backend != "paddle":
+            return
+        started = time.monotonic()
+        env = {**self._child_env(), "FDCORE_BUILD_FOR_PID": str(os.getpid())}  # (it dies with us)
+        proc = subprocess.Popen([sys.executable, "-m", "fdcore.cli", "build-kernels"], env=env, process_group=0,
+                                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        lines: list[str] = []
+
+        def read() -> None:
+            for line in proc.stderr:
+                lines.append(line.rstrip())
+                if line.startswith("fdcore: compiling"):
+                    log("kernels", progress=line.rsplit(":", 1)[1].strip())
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        while proc.poll() is None:
+            self._wait_events(POLL)
+            if self.stopping:  # (a signal: the build is not finished for nothing)
+                _killpg(proc.pid, signal.SIGKILL)  # (the builder leads a group: its compilers too)
+                proc.wait()
+                raise ShutdownRequested()
+        reader.join()
+        if proc.returncode != 0:
+            failed = [line for line in lines if line.startswith("fdcore: cannot")]
+            raise StartFailure((failed or lines or ["the build of fdcore's operators failed"])[-1])
+        if any(line.startswith("fdcore: compiling") for line in lines):
+            log("kernels_built", seconds=f"{time.monotonic() - started:.0f}")
 
     def _notify_ready(self) -> None:
         """Tell whoever started us (an embedding client) the instance id, then close the pipe."""
@@ -369,6 +405,8 @@ class Supervisor:
             env.pop(placement.CPUS_ENV, None)  # (a tree started from within another's actor)
         package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
+        if self.config.model.kernels == "python":
+            env["FDCORE_NO_KERNELS"] = "1"
         if self.group_master:
             env[topology.GROUP_MASTER_ENV] = self.group_master
         return env

@@ -5,20 +5,25 @@ cache write folded in): the Python path gathers every decoding sequence's
 blocks into a contiguous copy per layer and then runs three Paddle ops, which at
 batch 64 cost ~2 ms per layer; the operator does it in ~0.2 ms. ``add_rms_norm``
 and ``silu_mul`` fuse the rest of a layer's small ops; ``gumbel_sample`` draws
-tokens (see fdcore.sampling). The build (~15 s, once per CPU model and source
-version) goes to ``$FDCORE_KERNEL_DIR`` (default ``~/.cache/fdcore-kernels``)
-under a file lock, so concurrent processes build it once. Anything that goes
-wrong (no compiler, no Paddle headers) is reported once and the model falls
-back to the Python path: slower, same results.
+tokens (see fdcore.sampling). The build (2-3 min of one core's time, once per
+CPU model and source version; ``fdcore build-kernels``, and a tree's supervisor
+before it starts any actor) goes to ``$FDCORE_KERNEL_DIR`` (default
+``~/.cache/fdcore-kernels``) under a file lock, so concurrent processes build it
+once, and atomically (a killed build leaves nothing behind). A build that fails
+is an error naming the compiler's complaint; the Python path (slower, the same
+results) runs only when asked for: ``model.kernels = "python"``
+(``FDCORE_NO_KERNELS=1`` in the workers' environment).
 """
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
+import glob
 import hashlib
 import os
 import sys
+import warnings
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SOURCES = [os.path.join(HERE, name) for name in ("paged_attention.cc", "linear_bf16.cc", "linear_int8.cc",
@@ -269,104 +274,188 @@ def _snapshot(sources: dict[str, bytes], directory: str) -> list[str]:
     return paths
 
 
+class KernelBuildError(RuntimeError):
+    """fdcore's C++ operators could not be built here (the message names the compiler's complaint)."""
+
+
+def library_path(directory: str) -> str:
+    return os.path.join(directory, "fdcore_kernels", "fdcore_kernels.so")
+
+
+def build(progress=None) -> str:
+    """Build the operators for this CPU unless built already; the library's path. Atomic: the build runs
+    in a directory of its own and is renamed into place only once whole, so a build killed half way
+    leaves nothing a later one trips over (that one starts afresh). Concurrent builders wait on one lock
+    (one builds, the others find it done). ``progress(done, total)`` is called as source files compile.
+    A failure raises :class:`KernelBuildError` with the compiler's first error line."""
+    sources = read_sources()
+    directory = kernel_dir(sources)
+    if os.path.exists(os.path.join(directory, "ready")):
+        return library_path(directory)
+    os.makedirs(os.path.dirname(directory), exist_ok=True)
+    with open(directory + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not os.path.exists(os.path.join(directory, "ready")):
+            _build_into(sources, directory, progress)
+    return library_path(directory)
+
+
+def _build_into(sources: dict[str, bytes], directory: str, progress) -> None:
+    """Compile in ``<directory>.building-<pid>``, then rename it to ``directory`` (under the caller's lock)."""
+    import shutil
+
+    # a directory of this builder's own: a killed builder's compilers may still write into theirs a while
+    building = f"{directory}.building-{os.getpid()}"
+    import psutil
+
+    for stale in glob.glob(directory + ".building-*"):
+        if not psutil.pid_exists(int(stale.rsplit("-", 1)[1])):
+            shutil.rmtree(stale, ignore_errors=True)
+    shutil.rmtree(directory, ignore_errors=True)  # (a directory of the old, unlocked scheme, never finished)
+    compiled = _snapshot(sources, building)
+    log = os.path.join(os.path.dirname(directory), os.path.basename(directory) + ".log")
+    watch = _ProgressWatch(building, len(compiled), progress)
+    try:
+        with open(log, "w") as output, _output_to(output.fileno()), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="No ccache found")
+            from paddle.utils.cpp_extension import load
+
+            load(name="fdcore_kernels", sources=compiled, build_directory=building,
+                 extra_cxx_cflags=["-O3", *_march(), "-fopenmp", "-fno-math-errno", "-fno-trapping-math"],
+                 extra_ldflags=["-fopenmp"], verbose=False)
+    except BaseException as exc:
+        shutil.rmtree(building, ignore_errors=True)
+        raise KernelBuildError(_complaint(log, exc)) from None
+    finally:
+        watch.stop()
+    _loaded["registered"] = True  # (load() registered them with this process's Paddle)
+    open(os.path.join(building, "ready"), "w").close()
+    os.rename(building, directory)
+    os.unlink(log)
+
+
+def _complaint(log: str, exc: BaseException) -> str:
+    """The compiler's first error line in the build's output, else the exception (one line)."""
+    try:
+        with open(log, errors="replace") as f:
+            lines = [line.strip() for line in f if "error" in line.lower()]
+    except OSError:
+        lines = []
+    return (lines[0] if lines else f"{type(exc).__name__}: {exc}".splitlines()[0])[:300] + f" (full output: {log})"
+
+
+class _ProgressWatch:
+    """Reports compiled object files as they appear in the build directory (a thread, once a second)."""
+
+    def __init__(self, directory: str, total: int, progress):
+        import threading
+
+        self.directory, self.total, self.progress = directory, total, progress
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True) if progress else None
+        if self.thread:
+            self.thread.start()
+
+    def _run(self) -> None:
+        reported = -1
+        while not self.done.wait(1.0):
+            count = sum(name.endswith(".o") for _, _, files in os.walk(self.directory) for name in files)
+            if count != reported:
+                reported = count
+                self.progress(min(count, self.total), self.total)
+
+    def stop(self) -> None:
+        self.done.set()
+        if self.thread:
+            self.thread.join()
+
+
 @contextlib.contextmanager
-def _stdout_to_stderr():
-    """Paddle's builder prints progress on stdout (and its compiler subprocess inherits fd 1):
-    keep the caller's stdout clean for its own output."""
+def _output_to(fd: int):
+    """The process's stdout and stderr (and so the compiler's) into ``fd`` for a while."""
     sys.stdout.flush()
-    saved = os.dup(1)
-    os.dup2(2, 1)
+    sys.stderr.flush()
+    saved = os.dup(1), os.dup(2)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
     try:
         yield
     finally:
         sys.stdout.flush()
-        os.dup2(saved, 1)
-        os.close(saved)
+        sys.stderr.flush()
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        for copy in saved:
+            os.close(copy)
 
 
 def _build():
+    """The operators, built here if need be and registered with Paddle; None under FDCORE_NO_KERNELS (the
+    Python path, asked for). A build that fails raises: a tree's supervisor builds them before any worker
+    starts and stops with the compiler's message, and nothing falls back to the slow path unasked."""
     if os.environ.get("FDCORE_NO_KERNELS"):
         return None
-    try:
-        sources = read_sources()
-        directory = kernel_dir(sources)
-        os.makedirs(directory, exist_ok=True)
-        with open(os.path.join(directory, ".lock"), "w") as lock, _stdout_to_stderr():
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            library = os.path.join(directory, "fdcore_kernels", "fdcore_kernels.so")
-            ready = os.path.join(directory, "ready")
-            if not os.path.exists(ready):
-                from paddle.utils.cpp_extension import load
+    library = build()
+    if not _loaded.get("registered"):  # (a build in this process registered the operators already)
+        # NOTE: registering the built library directly takes ~20 ms; paddle's load() re-runs its setup.py
+        # to decide there is nothing to build (~1.7 s of every worker start, i.e. of every restart's pause).
+        from paddle.utils.cpp_extension import load_op_meta_info_and_register_op
 
-                load(name="fdcore_kernels", sources=_snapshot(sources, directory), build_directory=directory,
-                     extra_cxx_cflags=["-O3", *_march(), "-fopenmp", "-fno-math-errno",
-                                       "-fno-trapping-math"], extra_ldflags=["-fopenmp"], verbose=False)
-                open(ready, "w").close()
-            else:
-                # NOTE: registering the built library directly takes ~20 ms; paddle's load() re-runs
-                # its setup.py to decide there is nothing to build (~1.7 s of every worker start,
-                # i.e. of every worker restart's pause).
-                from paddle.utils.cpp_extension import load_op_meta_info_and_register_op
+        load_op_meta_info_and_register_op(library)
+    import paddle
+    from paddle import _C_ops
 
-                load_op_meta_info_and_register_op(library)
-        import paddle
-        from paddle import _C_ops
+    every_token = paddle.empty([0], dtype="int32")
 
-        every_token = paddle.empty([0], dtype="int32")
+    def gumbel(logits, keys, inv_temperature, allowed=None):
+        """``allowed``: [rows, (vocab + 31) / 32] int32 bits of the tokens each row may draw, or None."""
+        return _C_ops._run_custom_op("fdcore_gumbel_sample", logits, keys, inv_temperature,
+                                     every_token if allowed is None else allowed)[0]
 
-        def gumbel(logits, keys, inv_temperature, allowed=None):
-            """``allowed``: [rows, (vocab + 31) / 32] int32 bits of the tokens each row may draw, or None."""
-            return _C_ops._run_custom_op("fdcore_gumbel_sample", logits, keys, inv_temperature,
-                                         every_token if allowed is None else allowed)[0]
+    def add_rms_norm(hidden, delta, weight, eps):
+        return _C_ops._run_custom_op("fdcore_add_rms_norm", hidden, delta, weight, float(eps))
 
-        def add_rms_norm(hidden, delta, weight, eps):
-            return _C_ops._run_custom_op("fdcore_add_rms_norm", hidden, delta, weight, float(eps))
+    def silu_mul(gate_up):
+        return _C_ops._run_custom_op("fdcore_silu_mul", gate_up)[0]
 
-        def silu_mul(gate_up):
-            return _C_ops._run_custom_op("fdcore_silu_mul", gate_up)[0]
+    def attention_block(qkv, cos, sin, slots, k_cache, v_cache, tables, lengths, q_norm, k_norm,
+                        num_heads, scale, window, norm_eps):
+        return _C_ops._run_custom_op("fdcore_attention_block", qkv, cos, sin, slots, k_cache, v_cache,
+                                     tables, lengths, q_norm, k_norm, int(num_heads), float(scale),
+                                     int(window), float(norm_eps))[0]
 
-        def attention_block(qkv, cos, sin, slots, k_cache, v_cache, tables, lengths, q_norm, k_norm,
-                            num_heads, scale, window, norm_eps):
-            return _C_ops._run_custom_op("fdcore_attention_block", qkv, cos, sin, slots, k_cache, v_cache,
-                                         tables, lengths, q_norm, k_norm, int(num_heads), float(scale),
-                                         int(window), float(norm_eps))[0]
+    def linear(x, packed, rows):
+        return _C_ops._run_custom_op("fdcore_linear_bf16", x, packed, int(rows))[0]
 
-        def linear(x, packed, rows):
-            return _C_ops._run_custom_op("fdcore_linear_bf16", x, packed, int(rows))[0]
+    def linear_swiglu(x, packed, bias, rows):
+        return _C_ops._run_custom_op("fdcore_linear_bf16_swiglu", x, packed, bias, int(rows))[0]
 
-        def linear_swiglu(x, packed, bias, rows):
-            return _C_ops._run_custom_op("fdcore_linear_bf16_swiglu", x, packed, bias, int(rows))[0]
+    def linear_q8(x, packed, scales, rows):
+        return _C_ops._run_custom_op("fdcore_linear_int8", x, packed, scales, int(rows))[0]
 
-        def linear_q8(x, packed, scales, rows):
-            return _C_ops._run_custom_op("fdcore_linear_int8", x, packed, scales, int(rows))[0]
+    def linear_q4(x, packed, rows):
+        return _C_ops._run_custom_op("fdcore_linear_int4", x, packed, int(rows))[0]
 
-        def linear_q4(x, packed, rows):
-            return _C_ops._run_custom_op("fdcore_linear_int4", x, packed, int(rows))[0]
+    def linear_f32(x, packed, rows):
+        return _C_ops._run_custom_op("fdcore_linear_f32", x, packed, int(rows))[0]
 
-        def linear_f32(x, packed, rows):
-            return _C_ops._run_custom_op("fdcore_linear_f32", x, packed, int(rows))[0]
+    no_group = paddle.empty([0], dtype="uint8")
 
-        no_group = paddle.empty([0], dtype="uint8")
+    no_head = [paddle.empty([0], dtype="float32")] * 3
 
-        no_head = [paddle.empty([0], dtype="float32")] * 3
+    def decoder(hidden, cos, sin, slots, tables, lengths, last_rows, k_caches, v_caches, weights, final_norm,
+                meta, kind, num_heads, scale, eps, group=None, head=None):
+        """(the final norm's output, the head's logits of ``last_rows`` or None). ``group``: (segment
+        tensor, rank, world, capacity, timeout) of a tensor-parallel rank, or None; ``head``: (its
+        [packed, scales, bias] tensors, kind, rows), or None: no logits."""
+        segment, rank, world, capacity, timeout = group or (no_group, 0, 1, 0, 0.0)
+        head_tensors, head_kind, head_rows = head or (no_head, -1, 0)
+        normed, logits = _C_ops._run_custom_op(
+            "fdcore_decoder_layers", hidden, cos, sin, slots, tables, lengths, last_rows, k_caches, v_caches,
+            weights, final_norm, head_tensors, segment, list(meta), int(kind), int(num_heads), float(scale),
+            float(eps), [int(rank), int(world), int(capacity)], float(timeout), int(head_kind), int(head_rows))
+        return normed, (logits if head else None)
 
-        def decoder(hidden, cos, sin, slots, tables, lengths, last_rows, k_caches, v_caches, weights, final_norm,
-                    meta, kind, num_heads, scale, eps, group=None, head=None):
-            """(the final norm's output, the head's logits of ``last_rows`` or None). ``group``: (segment
-            tensor, rank, world, capacity, timeout) of a tensor-parallel rank, or None; ``head``: (its
-            [packed, scales, bias] tensors, kind, rows), or None: no logits."""
-            segment, rank, world, capacity, timeout = group or (no_group, 0, 1, 0, 0.0)
-            head_tensors, head_kind, head_rows = head or (no_head, -1, 0)
-            normed, logits = _C_ops._run_custom_op(
-                "fdcore_decoder_layers", hidden, cos, sin, slots, tables, lengths, last_rows, k_caches, v_caches,
-                weights, final_norm, head_tensors, segment, list(meta), int(kind), int(num_heads), float(scale),
-                float(eps), [int(rank), int(world), int(capacity)], float(timeout), int(head_kind), int(head_rows))
-            return normed, (logits if head else None)
-
-        _loaded["library"] = library
-        return (gumbel, add_rms_norm, silu_mul, attention_block, linear, linear_q8, linear_q4, linear_f32,
-                decoder, linear_swiglu)
-    except Exception as exc:  # a missing compiler must not stop serving
-        sys.stderr.write(f"fdcore: C++ operators unavailable ({type(exc).__name__}: {exc}); "
-                         "using the slower Python path\n")
-        return None
+    _loaded["library"] = library
+    return (gumbel, add_rms_norm, silu_mul, attention_block, linear, linear_q8, linear_q4, linear_f32,
+            decoder, linear_swiglu)
