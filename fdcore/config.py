@@ -78,6 +78,8 @@ Example (every key shown with its default)::
     default_max_tokens = 1024  # chat's max_tokens when the request and generation_config.json give none
                               # (0 = up to the context)
     reasoning_parser = ""     # "deepseek_r1" | "qwen3": chat answers' <think>...</think> as reasoning_content
+    drain_timeout = 30.0      # on stop: seconds the open requests may run out while new ones get 503; then
+                              # what is left ends with finish_reason "abort", an error event and [DONE]
     processes = 1             # HTTP server processes sharing the port (SO_REUSEPORT; fdcore:api:0..N-1 when > 1):
                               # one that dies loses only its own connections, the others keep serving
 """
@@ -183,6 +185,7 @@ class ServerConfig(_Section):
     default_max_tokens: int = 1024
     reasoning_parser: Literal["", "deepseek_r1", "qwen3"] = ""  # chat: <think>...</think> as reasoning_content
     processes: int = 1
+    drain_timeout: float = 30.0
 
 
 class Config(_Section):
@@ -212,7 +215,7 @@ _MINIMA = [
     ("server", "max_request_bytes", 1024), ("server", "timeout_keep_alive", 0.001),
     ("server", "header_timeout", 0.001), ("server", "body_timeout", 0.001), ("server", "max_connections", 1),
     ("server", "max_connections_per_peer", 1), ("server", "limit_concurrency", 0), ("server", "default_max_tokens", 0),
-    ("server", "max_response_entries", 1), ("server", "processes", 1),
+    ("server", "max_response_entries", 1), ("server", "processes", 1), ("server", "drain_timeout", 0.0),
 ]
 
 

@@ -424,6 +424,8 @@ class Supervisor:
         apart. A child that is gone already is not sent the message: its successor would read it."""
         t0 = time.monotonic()
         timeout = child.spec.shutdown_timeout
+        if child.spec.kind == "api" and not (message and message.restart):  # it drains its requests first
+            timeout += self.config.server.drain_timeout
         how = "stop message" if child.proc.poll() is None else "exited before"
         if not self._kill_now and child.proc.poll() is None:
             self._send(child.spec.id, message or Stop(self.stop_reason))

@@ -600,7 +600,7 @@ def _stand_in_app(default_max_tokens=None, reasoning_parser="", pieces=("ok",)):
     seen = []
 
     class Engine:
-        async def generate(self, prompt, params, tenant=""):
+        async def generate(self, prompt, params, request_id=None, tenant=""):
             seen.append((prompt, params))
             TENANTS_SEEN.append(tenant)
             for i, piece in enumerate(pieces):
@@ -1019,7 +1019,7 @@ def test_choices_started_before_their_client_left_are_aborted_and_counted():
         def __init__(self):
             self.answered = asyncio.Event()
 
-        def generate(self, prompt, index, tenant=""):
+        def generate(self, prompt, index, request_id=None, tenant=""):
             return self.stream(index)
 
         async def stream(self, index):

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+import sys
 import threading
 
 from fdcore.actors import health, topology
@@ -65,6 +66,7 @@ class ApiActor(Actor):
         asyncio.run(self._serve())
 
     async def _serve(self) -> None:
+        self.loop = asyncio.get_running_loop()
         beat = asyncio.ensure_future(self._heartbeat())
         try:
             await self.server.serve(sockets=[self.listener])
@@ -89,9 +91,24 @@ class ApiActor(Actor):
                 continue
             for message in messages:
                 if isinstance(message, Stop):
-                    self.server.should_exit = True
+                    self._stop(message)
+                    return
                 elif isinstance(message, Ping):
                     self.send(topology.SUPERVISOR, Pong(message.nonce, self.child_id))
+
+
+    def _stop(self, stop: Stop) -> None:
+        """The supervisor's Stop. Stopping the tree: drain first (new requests 503, /health 503, the open
+        ones run out for up to ``server.drain_timeout``, what is left ends with abort, an error event and
+        [DONE]), then close. Stopped to be restarted with a sibling: at once."""
+        timeout = 0.0 if stop.restart else self.config.server.drain_timeout
+        if timeout > 0:
+            drained = asyncio.run_coroutine_threadsafe(self.app.state.api.drain(timeout), self.loop)
+            try:
+                drained.result(timeout + 10.0)
+            except Exception as exc:  # (the loop is stopping or wedged: close anyway)
+                sys.stderr.write(f"fdcore: {self.child_id} could not drain: {exc!r}\n")
+        self.server.should_exit = True
 
 
 def _descriptors() -> int:

@@ -77,9 +77,14 @@ class Settings:
     completion_max_tokens: int = 16  # completions' max_tokens when a request gives none (the engine's default)
 
 
-def error_response(message: str, status: int, param: str | None = None, code: str | None = None) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": ERROR_TYPES.get(status, "api_error"),
-                                   "param": param, "code": code}}, status_code=status)
+def error_response(message: str, status: int, param: str | None = None, code: str | None = None,
+                   headers: dict | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, status, param, code), status_code=status, headers=headers)
+
+
+def error_body(message: str, status: int, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "api_error"), "param": param,
+                      "code": code}}
 
 
 def build_app(llm, settings: Settings, tokenizer, health, restarts) -> Starlette:
@@ -107,6 +112,8 @@ def build_app(llm, settings: Settings, tokenizer, health, restarts) -> Starlette
              "max_model_len": settings.max_model_len}]})
 
     async def health_check(request: Request) -> Response:
+        if api.draining:  # (a load balancer moves away)
+            return JSONResponse({"status": "unhealthy", "reason": "shutting down"}, status_code=503)
         ok, reason = health()
         return JSONResponse({"status": "ok"} if ok else {"status": "unhealthy", "reason": reason},
                             status_code=200 if ok else 503)
@@ -124,7 +131,7 @@ def build_app(llm, settings: Settings, tokenizer, health, restarts) -> Starlette
     async def http_error(request: Request, exc: HTTPException) -> Response:
         return error_response(f"{request.method} {request.url.path}: {exc.detail}", exc.status_code)
 
-    return Starlette(routes=[
+    app = Starlette(routes=[
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
@@ -133,6 +140,8 @@ def build_app(llm, settings: Settings, tokenizer, health, restarts) -> Starlette
         Route("/health", health_check, methods=["GET"]),
         Route("/metrics", metrics_endpoint, methods=["GET"]),
     ], exception_handlers={HTTPException: http_error})
+    app.state.api = api  # (the actor drains it when it stops)
+    return app
 
 
 class StatsSnapshot:
@@ -173,6 +182,9 @@ class _Api:
     def __init__(self, llm, settings: Settings, tokenizer, metrics: ServerMetrics):
         self.llm, self.settings, self.tokenizer, self.metrics = llm, settings, tokenizer, metrics
         self.started = int(time.time())
+        self.open: set[str] = set()  # the engine requests of this server that have not ended
+        self.draining = False        # stopping: new requests get 503, the open ones run out (drain())
+        self.drain_over = False      # the drain's time ran out: what is left was aborted
         # every token's text, made once: a response with logprobs names tens of thousands of tokens
         self.texts = [] if tokenizer is None else tokenizer.tokenizer.decode_batch(
             [[t] for t in range(tokenizer.tokenizer.get_vocab_size())])
@@ -204,6 +216,9 @@ class _Api:
     async def handle(self, request: Request, endpoint) -> Response:
         if (denied := self.check_key(request)) is not None:
             return denied
+        if self.draining:
+            return error_response("The server is shutting down; retry on another", 503,
+                                  code="shutting_down", headers={"Retry-After": "1"})
         try:
             TENANT.set(request.client.host if request.client else "")  # (the tasks made from here on see it)
             return await self.unless_disconnected(request, endpoint(await self.body(request)))
@@ -236,9 +251,36 @@ class _Api:
             raise BadRequest(f"The model '{model}' does not exist; this server serves "
                              f"'{self.settings.model_name}'", "model", 404, code="model_not_found")
 
+    async def drain(self, timeout: float) -> int:
+        """Stop taking requests and let the open ones run out, for up to ``timeout`` seconds; then abort
+        what is left (each stream still ends: its last chunk says abort, then an error event and
+        [DONE]). Returns how many were aborted."""
+        self.draining = True
+        deadline = time.monotonic() + timeout
+        while self.open and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        left = list(self.open)
+        if left:
+            self.drain_over = True
+            for request_id in left:
+                await self.llm.abort(request_id)
+            while self.open and time.monotonic() < deadline + 5.0:  # their last outputs reach their streams
+                await asyncio.sleep(0.02)
+        return len(left)
+
     async def start(self, prompt, params):
         """The request's output stream and its first output; an engine refusal becomes a BadRequest."""
-        stream = self.llm.generate(prompt, params, tenant=TENANT.get())
+        request_id = uuid.uuid4().hex
+        self.open.add(request_id)
+        try:
+            return await self._start(request_id, prompt, params)
+        except BaseException:
+            self.open.discard(request_id)
+            raise
+
+    async def _start(self, request_id: str, prompt, params):
+        stream = self._tracked(request_id, self.llm.generate(prompt, params, request_id=request_id,
+                                                             tenant=TENANT.get()))
         try:
             first = await stream.__anext__()
         except asyncio.CancelledError:  # the client left before the first output
@@ -251,6 +293,15 @@ class _Api:
             raise BadRequest(first.error_msg, field, first.error_code or 500,
                              code="rate_limit_exceeded" if first.error_code == 429 else None)
         return stream, first
+
+    async def _tracked(self, request_id: str, stream):
+        """``stream``, counted open (drain()) until it ends or is closed."""
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            self.open.discard(request_id)
+            await stream.aclose()
 
     async def start_all(self, requests: list) -> list:
         """start() for each (prompt, params) at once (each choice's first token is not waited for before
@@ -454,7 +505,8 @@ class _Api:
         if body.stream:
             usage = _include_usage(body)
             echo_scored = body.logprobs if body.echo else None
-            return _sse(self._completion_chunks(started, rid, created, body.model, usage, body.n, echoed, echo_scored))
+            return _sse(self._completion_chunks(started, rid, created, body.model, usage, body.n, echoed, echo_scored),
+                        self)
         results = await self.collect_all(started)
 
         def answer() -> bytes:  # (on a thread: a large answer takes its time, the event loop does not wait)
@@ -557,7 +609,7 @@ class _Api:
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         if body.stream:
             usage = _include_usage(body)
-            return _sse(self._chat_chunks(started, rid, created, body.model, usage, body.logprobs, body.n, plan))
+            return _sse(self._chat_chunks(started, rid, created, body.model, usage, body.logprobs, body.n, plan), self)
         results = await self.collect_all(started)
         return Response(await asyncio.to_thread(self._chat_answer, body, plan, results, started, rid, created),
                         media_type="application/json")
@@ -683,11 +735,14 @@ def _usage(started: list, n: int, produced: list[int]) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def _sse(chunks) -> StreamingResponse:
+def _sse(chunks, api: _Api) -> StreamingResponse:
     async def events():
         try:
             async for chunk in chunks:
                 yield b"data: " + _JSON(chunk) + b"\n\n"
+            if api.drain_over:  # cut short by the server's stop: say so before the end
+                yield b"data: " + _JSON(error_body("The server shut down before this stream ended", 503,
+                                                   code="shutting_down")) + b"\n\n"
             yield b"data: [DONE]\n\n"
         except asyncio.CancelledError:  # the client went away: the request is aborted upstream
             raise
