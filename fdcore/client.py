@@ -54,7 +54,7 @@ from fdcore.actors import health, topology
 from fdcore.actors.health import HealthBoard, State
 from fdcore.config import Config, ConfigError, config_memfd, fd_path, load_config
 from fdcore.core import placement
-from fdcore.ipc import Inbox, Receiver, Ring, RingEmpty, RingFull, Sender, names
+from fdcore.ipc import Inbox, Receiver, Ring, RingCorrupted, RingEmpty, RingFull, Sender, names
 from fdcore.protocol import (
     AbortRequest,
     AddRequest,
@@ -76,6 +76,7 @@ _ENCODE = msgspec.msgpack.Encoder().encode
 ENGINE_CHECK_INTERVAL = 0.2  # seconds between looks at whether the engine (and the tree) still live
 RECOVERY_TIMEOUT = 300.0     # how long a restarted engine may take to answer
 HELLO_RESEND = 1.0           # a Hello unanswered this long is sent again
+RESYNC_PAUSE = 0.01          # a Hello our own link refused (its words contradict each other) is retried after this
 SEND_TIMEOUT = 30.0          # how long a send waits for room in the engine's link before RingFull
 INITIAL_WINDOW = 4096        # requests LLM.generate keeps in flight before the engine says how many fit
 
@@ -280,8 +281,12 @@ class Connection:
         deadline = time.monotonic() + timeout
         while True:
             self._resync()
-            self.send(Hello(self.slot, session))
-            welcome = self._await_welcome(session, min(deadline, time.monotonic() + HELLO_RESEND))
+            try:
+                self.send(Hello(self.slot, session))
+                resend = HELLO_RESEND
+            except RingCorrupted:  # words this process wrote over, read as the engine repaired them: again
+                resend = RESYNC_PAUSE
+            welcome = self._await_welcome(session, min(deadline, time.monotonic() + resend))
             if welcome is not None:
                 self.welcome = welcome
                 return welcome

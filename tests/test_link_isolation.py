@@ -240,6 +240,26 @@ def first_update(conn: Connection, request_id: str, timeout: float = 20.0) -> Up
             return message
 
 
+def handshake_across_a_head_republished(conn: Connection) -> None:
+    """A client whose own scribbling left its link's head word garbage: its resync adopts that garbage as
+    its tail, and the engine republishes its real head while resync reads the words, so that the Hello
+    finds a head and a tail that contradict each other. The handshake must resync again, not fail."""
+    from fdcore.ipc.ring import TAIL
+
+    ring, real_resync = conn.sender.ring, conn._resync
+
+    def resync_then_republish() -> None:
+        conn._resync = real_resync
+        head = int(ring._words[ring._head_word])
+        ring._words[ring._head_word] = 1 << 60
+        real_resync()
+        assert ring._tail == 1 << 60 and int(ring._words[TAIL]) == 1 << 60
+        ring._words[ring._head_word] = ring._head_seen = head  # the engine's head, published as resync read it
+
+    conn._resync = resync_then_republish
+    conn.handshake(10.0)
+
+
 def test_a_client_that_corrupts_its_own_ring_is_disconnected_not_the_engine(model_dir):
     """Record headers with a wrong check word or an impossible length, a tail out of bounds, a record
     nested 100,000 deep, random bytes over the ring's header and lines: each disconnects the attacker
@@ -266,6 +286,7 @@ def test_a_client_that_corrupts_its_own_ring_is_disconnected_not_the_engine(mode
             engine = actor_pid(client._tree.proc.pid, "engine")
             attacker = Connection(client._tree)
             try:
+                await asyncio.to_thread(handshake_across_a_head_republished, attacker)
                 streams = asyncio.ensure_future(stream_all(client, prompts, params))
                 for case, kind in enumerate(cases):
                     await asyncio.to_thread(one, attacker, case, kind)
