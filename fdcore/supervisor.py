@@ -292,6 +292,22 @@ class Supervisor:
         self.started = True  # spares load only now, not competing with the tree's own start
         for spec in self.specs:
             self._spawn_standby(spec)
+        self._wait_for_spares()
+
+    def _wait_for_spares(self) -> None:
+        """Ready means ready: the first spares warm before the tree says so, so that no request of the
+        first minutes shares the CPUs with a spare's load (a spare that loads later, after a promotion,
+        does so at idle priority). One that fails to load is the standby check's business, not a failed
+        start; one that takes longer than start_timeout is waited for no more."""
+        started, deadline = time.monotonic(), time.monotonic() + self.config.supervisor.start_timeout
+        while any(proc.poll() is None and self.board.spare(self.slots[cid]) != health.SPARE_WARM
+                  for cid, proc in self.standbys.items()) and time.monotonic() < deadline:
+            self._wait_events(POLL)
+            if self.stopping:
+                raise ShutdownRequested()
+        if self.standbys:
+            log("spares_warm", count=sum(self.board.spare(self.slots[cid]) == health.SPARE_WARM
+                                         for cid in self.standbys), seconds=f"{time.monotonic() - started:.2f}")
 
     def _start_child(self, spec: ChildSpec) -> None:
         slot = self.slots[spec.id]
@@ -352,6 +368,7 @@ class Supervisor:
         for cid, proc in list(self.standbys.items()):
             if proc.poll() is not None:
                 del self.standbys[cid]
+                self.board.set_spare(self.slots[cid], health.SPARE_NONE)
                 delay = self._backoff(cid).failed()
                 log("standby_exited", id=cid, pid=proc.pid, reason=_exit_reason(proc.returncode),
                     respawn_in=f"{delay:g}s")
@@ -685,6 +702,7 @@ def _supervise(args: argparse.Namespace) -> int:
         return 2
     if args.check:
         print(render_config(config))
+        print(_describe_spares(config))
         return max(_check_shared_memory(config), _check_model(config))
     import setproctitle
 
@@ -708,6 +726,14 @@ def _check_model(config: Config) -> int:
         print(f"fdcore: checkpoint error: {exc}", file=sys.stderr)
         return 2
     return 0
+
+
+def _describe_spares(config: Config) -> str:
+    """--check's line on the warm spares."""
+    if not config.workers.standby:
+        return "# warm spare workers: off (workers.standby = false): a crashed worker is started afresh"
+    return ("# warm spare workers: on (workers.standby): the tree says ready once each spare is loaded and warm "
+            "(a spare that loads later, after a promotion, loads at idle priority); /health says whether it is warm")
 
 
 def _check_shared_memory(config: Config) -> int:

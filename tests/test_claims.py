@@ -216,3 +216,36 @@ def test_actors_talk_only_through_shared_memory(start_tree):
     assert offenders == {"actors/api.py": ["socket"], "models/tensor_parallel.py": ["socket"]}, offenders
     os.kill(tree.proc.pid, signal.SIGTERM)
     assert tree.exit_code() == 0
+
+
+def test_a_spare_loads_at_idle_priority_and_serves_at_the_normal_one(start_tree):
+    """The standby worker takes only CPU time nothing else wants while it loads (SCHED_IDLE, every thread),
+    the tree says ready only once it is warm (the health board says so too), and once promoted every thread
+    of it runs at the normal policy again (OpenMP's, made while it loaded, among them)."""
+    from fdcore.actors import health
+    from fdcore.actors.health import HealthBoard
+    from fdcore.actors import topology
+
+    tree = start_tree("[workers]\nstandby = true\n")
+    spare = int(tree.wait("standby", id="worker0")["pid"])
+    deadline = time.monotonic() + 60
+    while os.sched_getscheduler(spare) != os.SCHED_IDLE:  # (set first thing in its start-up)
+        assert time.monotonic() < deadline, "the spare never went to idle priority"
+        time.sleep(0.01)
+    tree.wait("spares_warm", count=1)  # before "ready": the first requests share no CPU with a loading spare
+    tree.wait("ready")
+    board = HealthBoard.attach(topology.health_name(tree.instance))
+    try:
+        assert board.spare(1) == health.SPARE_WARM  # (slot 1: worker0, after the cache manager)
+        policies = {os.sched_getscheduler(int(task)) for task in os.listdir(f"/proc/{spare}/task")}
+        assert policies == {os.SCHED_IDLE}, policies
+        tree.kill_child("worker0")
+        assert int(tree.wait("promoted", id="worker0")["pid"]) == spare
+        deadline = time.monotonic() + 10
+        while {os.sched_getscheduler(int(t)) for t in os.listdir(f"/proc/{spare}/task")} != {os.SCHED_OTHER}:
+            assert time.monotonic() < deadline, "the promoted worker kept idle-priority threads"
+            time.sleep(0.01)
+    finally:
+        board.close()
+    os.kill(tree.proc.pid, signal.SIGTERM)
+    assert tree.exit_code() == 0

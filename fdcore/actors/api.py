@@ -41,9 +41,17 @@ class ApiActor(Actor):
                             welcome.sampling_defaults.get("max_tokens") or 16)
         self.app = build_app(self.llm, settings, ModelTokenizer(welcome.model),
                              lambda: check_health(self.tree, self.config.supervisor.hang_timeout),
-                             self._restarts)
+                             self._restarts, self._spares)
         # bound before we count as ready; several processes share the port (the kernel spreads connections)
         self.listener = listening_socket(server.host, server.port, reuse_port=server.processes > 1)
+
+    def _spares(self) -> dict[str, str]:
+        """How each worker's warm spare stands: none, loading or warm (none at all without workers.standby)."""
+        if not self.config.workers.standby:
+            return {}
+        ids = topology.child_ids(self.config)
+        return {cid: health.SPARE_NAMES.get(self.board.spare(slot), "none") for slot, cid in enumerate(ids)
+                if topology.kind_of(cid) == "worker"}
 
     def _restarts(self) -> dict[str, int]:
         ids = topology.child_ids(self.config)

@@ -12,6 +12,10 @@ first)::
 ``heartbeat_interval`` when idle); ``progress`` moves whenever it finishes a
 unit of work. The supervisor calls an actor hung when the heartbeat stops, or
 when it is busy and progress stops (:class:`StallWatch`).
+
+After the slots, one word per slot says how its warm spare stands (a worker's
+standby writes it, the slot's own words being the active actor's): none,
+loading or warm (``SPARE_*``).
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ from fdcore.ipc.shm import map_segment, unlink_quietly
 
 WORDS_PER_SLOT = 8
 PID, STATE, HEARTBEAT, PROGRESS, BUSY, GENERATION, LOADING, RESTARTS = range(8)
+SPARE_NONE, SPARE_LOADING, SPARE_WARM = 0, 1, 2
+SPARE_NAMES = {SPARE_NONE: "none", SPARE_LOADING: "loading", SPARE_WARM: "warm"}
 
 
 class State(enum.IntEnum):
@@ -43,11 +49,11 @@ class HealthBoard:
         self.owner = owner
         self._mm = mm
         self._words = memoryview(mm).cast("Q")
-        self.slots = len(self._words) // WORDS_PER_SLOT
+        self.slots = len(self._words) // (WORDS_PER_SLOT + 1)
 
     @classmethod
     def create(cls, name: str, slots: int) -> "HealthBoard":
-        return cls(name, map_segment(name, slots * WORDS_PER_SLOT * 8), owner=True)
+        return cls(name, map_segment(name, slots * (WORDS_PER_SLOT + 1) * 8), owner=True)
 
     @classmethod
     def attach(cls, name: str) -> "HealthBoard":
@@ -58,6 +64,13 @@ class HealthBoard:
 
     def write(self, slot: int, word: int, value: int) -> None:
         self._words[slot * WORDS_PER_SLOT + word] = value
+
+    def spare(self, slot: int) -> int:
+        """How the slot's warm spare stands (SPARE_NONE, SPARE_LOADING, SPARE_WARM)."""
+        return self._words[self.slots * WORDS_PER_SLOT + slot]
+
+    def set_spare(self, slot: int, state: int) -> None:
+        self._words[self.slots * WORDS_PER_SLOT + slot] = state
 
     def reset(self, slot: int, generation: int) -> None:
         for word in range(WORDS_PER_SLOT):

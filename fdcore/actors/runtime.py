@@ -242,9 +242,15 @@ def main(actor_cls, argv=None) -> int:
     faults.install(actor)
     inbox = None
     try:
+        if standby:  # a spare loads at idle priority: it may only use a CPU nothing else wants
+            board.set_spare(args.slot, health.SPARE_LOADING)
+            _set_idle(True)
         actor.on_start()
         if standby:  # loaded and warm: wait to replace the actor when it dies
+            board.set_spare(args.slot, health.SPARE_WARM)
             _wait_for_promotion(args.standby)
+            board.set_spare(args.slot, health.SPARE_NONE)  # (the supervisor starts the next one loading)
+            _set_idle(False)
             _set_title(topology.title_of(args.id))
             board.write(args.slot, health.PID, os.getpid())
             actor.standby = False
@@ -281,6 +287,19 @@ def main(actor_cls, argv=None) -> int:
         board.write(args.slot, health.STATE, State.STOPPED)
     board.close()
     return 0
+
+
+def _set_idle(idle: bool) -> None:
+    """Every thread of this process at SCHED_IDLE (a spare that loads beside the tree), or back to the normal
+    policy (promoted: the threads it made while loading, OpenMP's among them, run requests now)."""
+    policy = os.SCHED_IDLE if idle else os.SCHED_OTHER
+    for task in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setscheduler(int(task), policy, os.sched_param(0))
+        except ProcessLookupError:
+            pass  # (a thread that ended meanwhile)
+        except OSError as exc:  # (RLIMIT_NICE forbids the way back: the worker would serve at idle priority)
+            sys.stderr.write(f"fdcore: cannot set thread {task} to {'SCHED_IDLE' if idle else 'SCHED_OTHER'}: {exc}\n")
 
 
 def _wait_for_promotion(semaphore_name: str) -> None:

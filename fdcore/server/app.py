@@ -87,8 +87,9 @@ def error_body(message: str, status: int, param: str | None = None, code: str | 
                       "code": code}}
 
 
-def build_app(llm, settings: Settings, tokenizer, health, restarts) -> Starlette:
-    """``llm``: an AsyncLLM; ``health()`` -> (ok, reason); ``restarts()`` -> {actor: count}."""
+def build_app(llm, settings: Settings, tokenizer, health, restarts, spares=dict) -> Starlette:
+    """``llm``: an AsyncLLM; ``health()`` -> (ok, reason); ``restarts()`` -> {actor: count}; ``spares()`` ->
+    {worker: none | loading | warm}."""
     metrics = ServerMetrics()
     api = _Api(llm, settings, tokenizer, metrics)
 
@@ -115,8 +116,9 @@ def build_app(llm, settings: Settings, tokenizer, health, restarts) -> Starlette
         if api.draining:  # (a load balancer moves away)
             return JSONResponse({"status": "unhealthy", "reason": "shutting down"}, status_code=503)
         ok, reason = health()
-        return JSONResponse({"status": "ok"} if ok else {"status": "unhealthy", "reason": reason},
-                            status_code=200 if ok else 503)
+        answer = {"status": "ok"} if ok else {"status": "unhealthy", "reason": reason}
+        warm = spares()
+        return JSONResponse({**answer, "spares": warm} if warm else answer, status_code=200 if ok else 503)
 
     snapshot = StatsSnapshot(lambda: llm.stats(timeout=2.0))
     observed = [None]
