@@ -21,10 +21,13 @@ def config(tmp_path_factory):
 
 
 class _Board:
-    """The one health word an actor reads at start-up (the restart generation)."""
+    """The health words an actor reads (the restart generation) and writes (its load's progress)."""
 
     def read(self, slot: int, word: int) -> int:
         return 0
+
+    def write(self, slot: int, word: int, value: int) -> None:
+        pass
 
 
 def test_the_engine_makes_its_detokenizer_table_at_start(config):
@@ -50,3 +53,23 @@ def test_a_cache_reset_does_not_read_the_checkpoint(config, monkeypatch):
         actor.handle(CacheReset(epoch))
     assert len(reads) == 1
     assert actor.kv.enable_prefix_caching is True
+
+
+def test_the_worker_runs_a_prompt_and_decode_steps_before_it_is_ready(config, monkeypatch):
+    """The first forward passes pay one-time costs (OpenMP's threads, operators' first calls: ~0.7 s of
+    SmolLM2's first time to first token): the worker pays them in its start-up, on a prompt and then
+    one-token steps, in block 0 of its own new cache."""
+    from fdcore.actors.worker import WorkerActor
+    from fdcore.models.llama import LlamaModel
+
+    passes = []
+    real = LlamaModel.forward
+    monkeypatch.setattr(LlamaModel, "forward", lambda self, batch, cache: passes.append(
+        ([len(t) for t in batch.token_ids], batch.block_tables)) or real(self, batch, cache))
+    worker = WorkerActor("worker0", "test", config, _Board(), 1)
+    worker.on_start()
+    try:
+        assert passes[0][0][0] > 1 and passes[1:] and all(rows == [1] for rows, _ in passes[1:]), passes
+        assert all(tables == [[0]] for _, tables in passes)
+    finally:
+        worker.masks.shutdown()

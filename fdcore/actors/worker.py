@@ -120,6 +120,20 @@ class WorkerActor(Actor):
         self.cache = self.model.new_cache(cache.num_blocks, cache.block_size, cache.dtype)
         sys.stderr.write(f"{self.child_id}: KV cache in {self.cache.dtype}: {cache.num_blocks} blocks of "
                          f"{cache.block_size} tokens\n")
+        if self.world == 1:
+            self._warm_up()
+
+    def _warm_up(self) -> None:
+        """A short prompt and a few decode steps before the worker counts as ready: the first forward
+        passes pay one-time costs (OpenMP's threads started, operators' first calls, buffers made), which
+        the first requests after start-up would otherwise pay, at a fraction of the steady rate. They
+        write block 0 only, which every sequence overwrites before it reads it. (A rank of a group
+        cannot: its peers start after it, and a forward waits for them.)"""
+        size = self.config.cache.block_size
+        tokens = list(range(1, min(size, 8) + 1))
+        self.model.forward(BatchInput([tokens], [0], [[0]]), self.cache)
+        for position in range(len(tokens), min(len(tokens) + 4, size)):
+            self.model.forward(BatchInput([[1]], [position], [[0]]), self.cache)
 
     def _place_threads(self) -> None:
         """The main thread alone on its CPU, every other thread (OpenMP's, the grammar masks') on the
