@@ -18,8 +18,6 @@ import os
 import sys
 import time
 
-os.environ.setdefault("OMP_NUM_THREADS", "1")
-
 
 def _smollm2() -> str:
     from fdcore.models.fetch import fetch_smollm2

@@ -115,7 +115,7 @@ class Supervisor:
             self._build_kernels()
             self._create_ipc()
             self._start_all()
-            log("ready", instance=self.instance, children=len(self.children),
+            log("ready", instance=self.instance, children=len(self.children), math_threads=self.worker_threads,
                 seconds=f"{time.monotonic() - started:.2f}")
             self._notify_ready()
             self._loop()

@@ -41,10 +41,11 @@ class Tree:
     in a session of its own, its events parsed from stderr."""
 
     def __init__(self, config_path: str | None, env: dict | None = None, command: list[str] | None = None):
+        """``env``: variables over ours (None: unset)."""
         self.proc = subprocess.Popen(
             command or [sys.executable, "-m", "fdcore.supervisor", "--config", config_path],
             stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, cwd=ROOT,
-            start_new_session=True, env={**os.environ, **(env or {})})
+            start_new_session=True, env={k: v for k, v in {**os.environ, **(env or {})}.items() if v is not None})
         self.events: queue.Queue = queue.Queue()
         self.log: list[str] = []
         self.pids: dict[str, int] = {}

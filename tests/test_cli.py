@@ -24,19 +24,22 @@ def _fdcore(*args: str, env: dict | None = None, timeout: float = 120) -> subpro
 
 def test_serve_runs_the_server_with_the_flags_and_leaves_nothing(tmp_path):
     """The flags reach the server (port, the served model's name, the API key); SIGINT stops it cleanly.
-    No configuration file (it holds the key) is ever written: the tree reads it from memory."""
+    No configuration file (it holds the key) is ever written: the tree reads it from memory. Without
+    OMP_NUM_THREADS the worker gets a math thread per core (as LLM's tree does), not the one thread a
+    module of the command line once set for every child."""
     from fdcore.models import tiny
 
     model = tiny.make_tiny_model(str(tmp_path / "model"))
     private = tmp_path / "tmp"
     private.mkdir()
     port = free_port()
-    tree = Tree(None, env={"TMPDIR": str(private)},
+    tree = Tree(None, env={"TMPDIR": str(private), "OMP_NUM_THREADS": None},
                 command=[FDCORE, "serve", model, "--port", str(port), "--served-model-name", "little",
                          "--api-key", "sk-cli", "--max-model-len", "512"])
     try:
-        tree.wait("ready", timeout=120)
+        ready = tree.wait("ready", timeout=120)
         assert list(private.iterdir()) == []
+        assert int(ready["math_threads"]) == len(os.sched_getaffinity(0))  # (each worker's OMP_NUM_THREADS)
         base, auth = f"http://127.0.0.1:{port}", {"Authorization": "Bearer sk-cli"}
         assert httpx.get(f"{base}/v1/models", timeout=10).status_code == 401
         models = httpx.get(f"{base}/v1/models", headers=auth, timeout=10).json()
