@@ -379,7 +379,8 @@ def _output(request_id: str, prompt, update: Update, prompt_token_ids) -> Reques
 
 
 def check_health(tree: _Tree, stale_after: float = 10.0) -> tuple[bool, str]:
-    """(True, "") while the supervisor lives and every actor is READY with a fresh heartbeat."""
+    """(True, "") once the tree is ready, while the supervisor lives and every actor is READY with a fresh
+    heartbeat."""
     if not tree.alive():
         return False, f"the supervisor of {tree.instance} is gone"
     try:
@@ -387,6 +388,8 @@ def check_health(tree: _Tree, stale_after: float = 10.0) -> tuple[bool, str]:
     except Exception as exc:
         return False, f"no health board ({exc})"
     try:
+        if not board.tree_ready():  # (fdcore serve answers before: while the first warm spares load)
+            return False, "starting: the tree is not ready yet"
         now = time.monotonic_ns()
         for slot in range(board.slots):
             state = board.read(slot, health.STATE)

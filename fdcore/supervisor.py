@@ -115,6 +115,7 @@ class Supervisor:
             self._build_kernels()
             self._create_ipc()
             self._start_all()
+            self.board.set_tree_ready()
             log("ready", instance=self.instance, children=len(self.children), math_threads=self.worker_threads,
                 seconds=f"{time.monotonic() - started:.2f}")
             self._notify_ready()
@@ -356,6 +357,7 @@ class Supervisor:
                 semaphore.acquire(0)
             except posix_ipc.BusyError:
                 break
+        self.board.set_spare(self.slots[spec.id], health.SPARE_LOADING)  # (from now: /health says so at once)
         self.standbys[spec.id] = subprocess.Popen(self._command(spec, semaphore.name), process_group=0,
                                                   env=self._child_env(), stdin=subprocess.DEVNULL,
                                                   pass_fds=(self.config_fd,))

@@ -116,8 +116,11 @@ class Tree:
                 pass
         self.proc.wait(10)
         psutil.wait_procs([p for p in procs if p.is_running()], timeout=5)
-        if self.instance and killed_supervisor:
-            names.unlink_instance(self.instance)
+        if killed_supervisor:  # (before "ready" the instance is known only by the supervisor's pid in its name)
+            instances = {self.instance} if self.instance else {
+                e.instance_id for e in names.list_entries() if e.instance_id.endswith(f".{self.proc.pid}")}
+            for instance in instances:
+                names.unlink_instance(instance)
 
     def alive_children(self) -> list[int]:
         return [pid for pid in self.seen_pids if psutil.pid_exists(pid)

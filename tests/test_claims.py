@@ -126,6 +126,31 @@ def test_the_server_takes_its_key_from_the_environment_its_name_from_the_config_
     assert tree.exit_code() == 0
 
 
+def test_health_says_starting_until_the_first_spares_are_warm(start_tree):
+    """The API answers before the tree is ready (it starts before the warm spares load): /health is 503,
+    "starting", until the supervisor says ready, so that a load balancer (or a benchmark) waits for a tree
+    whose first requests do not share the CPUs with a loading spare."""
+    import httpx
+
+    port = _free_port()
+    tree = start_tree(f"[server]\nenabled = true\nport = {port}\n[workers]\nstandby = true\n")
+    spare = int(tree.wait("standby", id="worker0")["pid"])  # (spawned once every actor, the API too, started)
+    os.kill(spare, signal.SIGSTOP)  # it cannot become warm until we say so
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10) as http:
+            answer = http.get("/health")
+            assert answer.status_code == 503 and answer.json()["reason"].startswith("starting"), answer.text
+            assert answer.json()["spares"] == {"worker0": "loading"}
+            os.kill(spare, signal.SIGCONT)
+            tree.wait("ready")
+            answer = http.get("/health")
+            assert answer.status_code == 200 and answer.json()["spares"] == {"worker0": "warm"}, answer.text
+    finally:
+        os.kill(spare, signal.SIGCONT)
+    os.kill(tree.proc.pid, signal.SIGTERM)
+    assert tree.exit_code() == 0
+
+
 def test_breaking_out_of_async_for_aborts_the_request(start_tree):
     """README: breaking out of the `async for` aborts the request (its blocks are freed)."""
     import asyncio

@@ -15,7 +15,8 @@ when it is busy and progress stops (:class:`StallWatch`).
 
 After the slots, one word per slot says how its warm spare stands (a worker's
 standby writes it, the slot's own words being the active actor's): none,
-loading or warm (``SPARE_*``).
+loading or warm (``SPARE_*``); then one word the supervisor sets once the tree
+is ready (its first spares warm among it), which ``/health`` waits for.
 """
 
 from __future__ import annotations
@@ -41,6 +42,11 @@ class State(enum.IntEnum):
     STOPPED = 4
 
 
+def board_bytes(slots: int) -> int:
+    """The board's size: the slots, a spare word per slot, the tree's ready word."""
+    return (slots * (WORDS_PER_SLOT + 1) + 1) * 8
+
+
 class HealthBoard:
     """The shared array of slots (the supervisor creates and unlinks it)."""
 
@@ -53,7 +59,7 @@ class HealthBoard:
 
     @classmethod
     def create(cls, name: str, slots: int) -> "HealthBoard":
-        return cls(name, map_segment(name, slots * (WORDS_PER_SLOT + 1) * 8), owner=True)
+        return cls(name, map_segment(name, board_bytes(slots)), owner=True)
 
     @classmethod
     def attach(cls, name: str) -> "HealthBoard":
@@ -71,6 +77,13 @@ class HealthBoard:
 
     def set_spare(self, slot: int, state: int) -> None:
         self._words[self.slots * WORDS_PER_SLOT + slot] = state
+
+    def tree_ready(self) -> bool:
+        """Whether the supervisor has said the tree is ready (set once, at its start)."""
+        return bool(self._words[self.slots * (WORDS_PER_SLOT + 1)])
+
+    def set_tree_ready(self) -> None:
+        self._words[self.slots * (WORDS_PER_SLOT + 1)] = 1
 
     def reset(self, slot: int, generation: int) -> None:
         for word in range(WORDS_PER_SLOT):

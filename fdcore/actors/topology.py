@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 
+from fdcore.actors import health
 from fdcore.config import Config
 from fdcore.ipc import names
 from fdcore.supervision import ChildSpec
@@ -180,7 +181,7 @@ def shared_memory_need(config: Config, group_bytes: int = 0) -> tuple[int, int]:
     objects = {"doorbells": (2 * page, len(inboxes)), "rings": (ring + page, links),
                "steps": (segment_bytes(broadcast_bytes(round_capacity(config.supervisor.ring_capacity),
                                                        len(worker_ids(config)))) + page, 1),
-               "health": (segment_bytes(72 * len(specs)), 1), "owner": (page, 1),
+               "health": (segment_bytes(health.board_bytes(len(specs))), 1), "owner": (page, 1),
                "spares": (page, len(worker_ids(config)) if config.workers.standby else 0),
                "group": (segment_bytes(group_bytes), 1 if group_bytes else 0)}
     return (sum(size * count for size, count in objects.values()),
