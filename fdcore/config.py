@@ -48,6 +48,8 @@ Example (every key shown with its default)::
     omp_threads = 0           # a worker's math threads; 0: $OMP_NUM_THREADS when set, else the cores shared out
     standby = true            # keep a loaded spare per worker: a crashed worker is replaced in ~0.1 s
                               # instead of a fresh start (import + weights); costs its memory
+    shared_weights = "auto"   # the packed weights once in shared memory for a rank's worker, spare and restarts:
+                              # "on", "off", or "auto": on unless shared pages measure >20% slower here
 
     [supervisor]
     strategy = "one_for_one"  # one_for_one | one_for_all | rest_for_one
@@ -137,6 +139,7 @@ class WorkersConfig(_Section):
     omp_threads: int = 0  # 0: see worker_threads()
     pin_cpus: bool = True  # each rank's main thread alone on a CPU, the control plane beside (fdcore.core.placement)
     standby: bool = True
+    shared_weights: Literal["auto", "on", "off"] = "auto"  # fdcore.models.shared_weights
 
 
 def worker_threads(workers: WorkersConfig, environ=os.environ) -> int:

@@ -71,6 +71,7 @@ class Supervisor:
         self.config = config
         self.config_fd = config_memfd(config)  # what every child reads (restarts too): the effective configuration
         self.instance = names.new_instance_id()
+        self.weight_fds = self._weight_files()
         sup = config.supervisor
         self.specs = topology.child_specs(config)
         self.slots = {spec.id: i for i, spec in enumerate(self.specs)}
@@ -324,7 +325,7 @@ class Supervisor:
             if standby is not None:
                 standby.wait()
             proc = subprocess.Popen(self._command(spec), process_group=0, env=self._child_env(),
-                                    stdin=subprocess.DEVNULL, pass_fds=(self.config_fd,))
+                                    stdin=subprocess.DEVNULL, pass_fds=self._pass_fds(spec))
         child = self.children[spec.id] = Child(spec, slot, proc)
         try:
             self._wait_ready(child)
@@ -338,7 +339,26 @@ class Supervisor:
         cmd = [sys.executable, "-m", "fdcore.actors", spec.kind, "--id", spec.id,
                "--instance", self.instance, "--slot", str(self.slots[spec.id]), "--config", fd_path(self.config_fd),
                "--parent", str(os.getpid())]
+        weights = self._weights_fd(spec)
+        cmd += ["--weights-fd", str(weights)] if weights is not None else []
         return cmd + ["--standby", standby] if standby else cmd
+
+    def _pass_fds(self, spec: ChildSpec) -> tuple[int, ...]:
+        weights = self._weights_fd(spec)
+        return (self.config_fd,) if weights is None else (self.config_fd, weights)
+
+    def _weights_fd(self, spec: ChildSpec) -> int | None:
+        return self.weight_fds.get(topology.worker_rank(spec.id)) if spec.kind == "worker" else None
+
+    def _weight_files(self) -> dict[int, int]:
+        """One empty shared-memory file per tensor-parallel rank for its packed weights, which the rank's first
+        worker fills and its spare, its restarts and the other groups' same rank map (fdcore.models.shared_weights).
+        A memfd: no name in /dev/shm, gone with the last process that holds it."""
+        workers = self.config.workers
+        if self.config.model.backend == "null" or workers.shared_weights == "off":
+            return {}
+        return {rank: os.memfd_create(f"fdcore-{self.instance}-weights.r{rank}", os.MFD_CLOEXEC)
+                for rank in range(workers.tensor_parallel_size)}
 
     # ------------------------------------------------------------- standbys
     def _spawn_standby(self, spec: ChildSpec) -> None:
@@ -360,7 +380,7 @@ class Supervisor:
         self.board.set_spare(self.slots[spec.id], health.SPARE_LOADING)  # (from now: /health says so at once)
         self.standbys[spec.id] = subprocess.Popen(self._command(spec, semaphore.name), process_group=0,
                                                   env=self._child_env(), stdin=subprocess.DEVNULL,
-                                                  pass_fds=(self.config_fd,))
+                                                  pass_fds=self._pass_fds(spec))
         log("standby", id=spec.id, pid=self.standbys[spec.id].pid)
 
     def _check_standbys(self) -> None:
@@ -705,6 +725,7 @@ def _supervise(args: argparse.Namespace) -> int:
     if args.check:
         print(render_config(config))
         print(_describe_spares(config))
+        print(_describe_shared_weights(config))
         return max(_check_shared_memory(config), _check_model(config))
     import setproctitle
 
@@ -736,6 +757,16 @@ def _describe_spares(config: Config) -> str:
         return "# warm spare workers: off (workers.standby = false): a crashed worker is started afresh"
     return ("# warm spare workers: on (workers.standby): the tree says ready once each spare is loaded and warm "
             "(a spare that loads later, after a promotion, loads at idle priority); /health says whether it is warm")
+
+
+def _describe_shared_weights(config: Config) -> str:
+    """--check's line on where the packed weights live."""
+    mode = config.workers.shared_weights
+    if mode == "off" or config.model.backend == "null":
+        return "# shared weights: off: every worker process packs a private copy of its weights"
+    return (f"# shared weights: {mode}: each rank's packed weights once in shared memory (a memfd), mapped read-only "
+            "by its spare and its restarts" + (" unless shared pages measure over 20% slower at load"
+                                                if mode == "auto" else ""))
 
 
 def _check_shared_memory(config: Config) -> int:

@@ -274,3 +274,43 @@ def test_a_spare_loads_at_idle_priority_and_serves_at_the_normal_one(start_tree)
         board.close()
     os.kill(tree.proc.pid, signal.SIGTERM)
     assert tree.exit_code() == 0
+
+
+def _weight_file_inodes(pid: int) -> set[str]:
+    """The inodes of the shared weight files (fdcore.models.shared_weights) that process maps."""
+    with open(f"/proc/{pid}/maps") as maps:
+        return {line.split()[4] for line in maps if "fdcore-" in line and "-weights.r0" in line}
+
+
+def test_a_spare_maps_the_weights_its_worker_packed(start_tree):
+    """Weights that exist once: the worker packs them into the rank's shared file and its warm spare maps
+    the same pages (one file in both processes' maps); the spare reads no checkpoint and packs nothing."""
+    tree = start_tree("[workers]\nstandby = true\n")
+    spare = int(tree.wait("standby", id="worker0")["pid"])
+    tree.wait("ready")
+    worker = tree.pids["worker0"]
+    assert _weight_file_inodes(worker) and _weight_file_inodes(worker) == _weight_file_inodes(spare)
+    log = "\n".join(tree.log)
+    assert log.count("weights packed into the rank's shared memory") == 1, log
+    assert log.count("weights mapped from the rank's shared memory") == 1, log
+    assert log.count("loading weights 2/2") == 1, log  # (the tiny model's two shards, read once)
+    os.kill(tree.proc.pid, signal.SIGTERM)
+    assert tree.exit_code() == 0
+
+
+def test_a_restarted_worker_maps_the_weights_instead_of_loading_them(start_tree):
+    """With no spare, a SIGKILLed worker's successor maps what its predecessor packed: no load, no packing
+    (and the file outlives the worker that packed it: the supervisor holds it)."""
+    tree = start_tree("[workers]\nstandby = false\n")
+    tree.wait("ready")
+    first = tree.pids["worker0"]
+    inodes = _weight_file_inodes(first)
+    tree.kill_child("worker0")
+    successor = int(tree.wait("restarted", id="worker0")["pid"])
+    assert successor != first and _weight_file_inodes(successor) == inodes
+    log = "\n".join(tree.log)
+    assert log.count("weights packed into the rank's shared memory") == 1, log
+    assert log.count("weights mapped from the rank's shared memory") == 1, log
+    assert log.count("loading weights 2/2") == 1, log
+    os.kill(tree.proc.pid, signal.SIGTERM)
+    assert tree.exit_code() == 0

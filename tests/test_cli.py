@@ -65,6 +65,7 @@ def test_flags_override_the_config_file_and_are_checked_as_its_keys(tmp_path):
     assert "max_num_seqs = 7" in done.stdout and "port = 9001" in done.stdout
     assert 'model_name = "base"' in done.stdout and "enabled = true" in done.stdout
     assert "# warm spare workers: on" in done.stdout  # (the default; what ready waits for)
+    assert "# shared weights: auto" in done.stdout
     bad = _fdcore("serve", "--dtype", "float64", "--check")
     assert bad.returncode == 2 and "key 'model.dtype'" in bad.stderr and "float64" in bad.stderr
     far = _fdcore("serve", "--port", "70000", "--check")

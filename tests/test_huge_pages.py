@@ -78,3 +78,44 @@ def test_the_kernel_backs_them_with_huge_pages():
     array[::4096] = 1  # touch every page
     # at least one huge page (on a fragmented machine the kernel may fall back to small ones for some)
     assert _anon_huge_kb() - before >= 2048
+
+
+def _rss_kb_of(array: np.ndarray) -> int:
+    """Resident kB of the mapping that holds ``array``'s first byte."""
+    address, rss, inside = array.ctypes.data, 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                start, end = (int(x, 16) for x in head.split("-"))
+                inside = start <= address < end
+            elif inside and head == "Rss:":
+                rss = int(line.split()[1])
+    return rss
+
+
+def test_a_released_kv_cache_reads_zeros_and_holds_no_memory():
+    """A warm spare's cache after its warm-up (PagedKVCache.release): every array's pages go back to the
+    kernel (what its head-major layout and huge pages made resident by one block's writes), it reads as
+    zeros, and it is writable again; an array sharing its region with others is left alone."""
+    from fdcore.models.llama import PagedKVCache
+    from fdcore.models.loader import ModelArgs
+    from fdcore.models.tensors import release_pages
+
+    args = ModelArgs.from_config({"architectures": ["LlamaForCausalLM"], "hidden_size": 256, "num_attention_heads": 4,
+                                  "num_key_value_heads": 2, "num_hidden_layers": 2, "intermediate_size": 512,
+                                  "vocab_size": 1000}, "test")
+    cache = PagedKVCache(args, 512, 16)
+    for array in cache.k + cache.v:
+        array[:, 0] = 1.0  # block 0 of each head, as the warm-up writes
+        assert _rss_kb_of(array) * 1024 >= array.nbytes // 2
+    cache.release()
+    for array in cache.k + cache.v:
+        assert _rss_kb_of(array) == 0
+        assert not array.any()
+    cache.k[0][:, 3] = 2.0
+    assert cache.k[0][:, 3].min() == 2.0
+    with packing_weights():
+        shared_region = zeros_on_huge_pages((1024,), np.float32)
+    shared_region[:] = 1.0
+    assert not release_pages(shared_region) and shared_region.min() == 1.0

@@ -68,6 +68,7 @@ class Actor:
         self.stopping = False
         self.standby = False  # a warm spare that has not taken over yet: it must not touch the slot
         self.placement: placement.Placement | None = None  # the tree's CPU plan, where the supervisor set one
+        self.weights_fd: int | None = None  # a worker's: its rank's shared weight file (fdcore.models.shared_weights)
         self.stop_reason = "stopped"
         self.restarting = False  # stopped only to be started again: open work goes to the successor
         self.receiver: Receiver | None = None  # set by run()
@@ -239,6 +240,7 @@ def main(actor_cls, argv=None) -> int:
     actor = actor_cls(args.id, args.instance, config, board, args.slot)
     actor.standby = standby
     actor.placement = _take_place(args.id, config)
+    actor.weights_fd = args.weights_fd
     faults.install(actor)
     inbox = None
     try:
@@ -328,6 +330,8 @@ def _parse_args(argv):
     parser.add_argument("--parent", type=int, required=True, help="the supervisor's pid")
     parser.add_argument("--standby", default=None,
                         help="load, then wait on this semaphore before taking over the actor's place")
+    parser.add_argument("--weights-fd", type=int, default=None,
+                        help="an inherited descriptor: the rank's shared weight file")
     return parser.parse_args(argv)
 
 

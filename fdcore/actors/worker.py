@@ -18,6 +18,7 @@ the forward runs, applied before sampling, and each drawn token advances it.
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -85,7 +86,7 @@ class WorkerActor(Actor):
     suspects_to = "scheduler"  # it forwards the report to the engine
 
     def on_start(self) -> None:
-        from fdcore.models.loader import load_checkpoint
+        from fdcore.models.loader import Checkpoint, inspect_checkpoint, load_checkpoint
 
         self.seqs: dict[int, SeqState] = {}
         self.epoch: int | None = None  # no step is run before the scheduler's WorkerSync
@@ -104,10 +105,22 @@ class WorkerActor(Actor):
             return
         from fdcore.models.llama import LlamaModel
 
-        checkpoint = load_checkpoint(model_path(self.config), progress=self._loading)
-        checkpoint, group = self._join_group(checkpoint) if self.world > 1 else (checkpoint, None)
-        dtype = "float32" if self.config.model.dtype == "auto" else self.config.model.dtype
-        self.model = LlamaModel(checkpoint, dtype, self.config.model.quantization, group)
+        path, started = model_path(self.config), time.monotonic()
+        shared = self._shared_weights(inspect_checkpoint(path))
+        if shared is not None and shared.manifest is not None:  # mapped, not read: only the architecture
+            checkpoint = Checkpoint(path, inspect_checkpoint(path), (), {})  # (the rank's shard: _join_group)
+        else:
+            checkpoint = load_checkpoint(path, progress=self._loading)
+        try:
+            checkpoint, group = self._join_group(checkpoint) if self.world > 1 else (checkpoint, None)
+            dtype = "float32" if self.config.model.dtype == "auto" else self.config.model.dtype
+            self.model = LlamaModel(checkpoint, dtype, self.config.model.quantization, group, shared)
+        finally:
+            if shared is not None and shared.manifest is None:  # we built it (or failed to: the next one will)
+                if shared.full is not None:
+                    shared.keep_private(shared.full)
+                shared.unlock()
+        self._say_where_the_weights_are(shared, time.monotonic() - started)
         timing = self.model.prefetch_timing
         if timing:  # (measured at load: fdcore.models.llama.LlamaModel.tune_weight_prefetch), then re-tried
             from fdcore.models.kernels import weight_prefetch
@@ -122,6 +135,45 @@ class WorkerActor(Actor):
                          f"{cache.block_size} tokens\n")
         if self.world == 1:
             self._warm_up()
+        if self.standby:  # its cache costs nothing until it takes over (the warm-up touched it all: huge pages)
+            self.cache.release()
+
+    def _shared_weights(self, args):
+        """The rank's shared weight file (fdcore.models.shared_weights) attached, or locked for us to pack the
+        weights into; None where this rank's processes keep private copies (``workers.shared_weights``,
+        the file's PRIVATE state, or no file: a worker started without a supervisor)."""
+        from fdcore.models.llama import shared_pages_slowdown
+        from fdcore.models.shared_weights import EMPTY, PUBLISHED, SLOWER_MARGIN, WeightFile
+
+        if self.weights_fd is None or self.config.workers.shared_weights == "off":
+            return None
+        shared = WeightFile(self.weights_fd)
+        shared.lock()  # (held while another process of the rank packs: then we map what it packed)
+        state, reason = shared.state()
+        if state == PUBLISHED:
+            shared.attach()
+            shared.unlock()
+            return shared
+        if state == EMPTY and self.config.workers.shared_weights == "auto":
+            slowdown = shared_pages_slowdown(args)
+            if slowdown is not None and slowdown > SLOWER_MARGIN:
+                shared.keep_private(f"shared pages streamed {slowdown:.0%} slower than private huge pages here")
+                state, reason = shared.state()
+        if state != EMPTY:
+            sys.stderr.write(f"{self.child_id}: weights kept private: {reason}\n")
+            shared.unlock()
+            shared.close()
+            return None
+        shared.begin(_physical_memory())
+        return shared
+
+    def _say_where_the_weights_are(self, shared, seconds: float) -> None:
+        if shared is None:
+            return
+        how = ("mapped from" if shared.manifest is not None else
+               "packed into" if shared.full is None else f"kept private ({shared.full}), partly in")
+        sys.stderr.write(f"{self.child_id}: weights {how} the rank's shared memory ({shared.used >> 20} MiB) "
+                         f"in {seconds:.2f} s\n")
 
     def _warm_up(self) -> None:
         """A short prompt and a few decode steps before the worker counts as ready: the first forward
@@ -351,3 +403,8 @@ def _constrain(requests: list, sampling: list, masks: np.ndarray) -> None:
     for request, (_, _, state) in zip(requests, sampling, strict=True):
         if state.grammar is not None:
             request.allowed = next(rows)
+
+
+def _physical_memory() -> int:
+    """The machine's memory in bytes: a weight file's address-space reserve (nothing packed can be larger)."""
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")

@@ -24,6 +24,7 @@ q/k/v (Qwen2, ``attention_bias``), on o (``attention_bias``) and on the MLP
 
 from __future__ import annotations
 
+import msgspec
 import numpy as np
 
 from fdcore.models import cpu_env  # noqa: F401  (before paddle: math-library settings)
@@ -32,8 +33,10 @@ import paddle  # noqa: E402
 from fdcore.core.batch import BatchInput
 from fdcore.models.loader import Checkpoint, ModelArgs
 from fdcore.models.quantized import Blocks, concatenate_rows
+from fdcore.models.shared_weights import Stored, WeightFile, shared_pages_cost
 from fdcore.models.tensor_parallel import GATHER_ROWS, TensorGroup
-from fdcore.models.tensors import StepInputs, as_paddle, on_huge_pages, packing_weights, zeros_on_huge_pages
+from fdcore.models.tensors import (StepInputs, as_paddle, on_huge_pages, packing_weights, release_pages,
+                                   zeros_on_huge_pages)
 
 
 class PagedKVCache:
@@ -57,6 +60,12 @@ class PagedKVCache:
         self.v = [zeros_on_huge_pages(shape, storage) for _ in range(args.num_layers)]
         self._k_buffer = self._v_buffer = self._kt_buffer = np.empty(0, dtype=storage)
         self._views: tuple[list[paddle.Tensor], list[paddle.Tensor]] | None = None
+
+    def release(self) -> None:
+        """The arrays' memory back to the kernel until they are written again (a warm spare's cache, which
+        its warm-up touched): their contents are lost, which no sequence reads before it writes them."""
+        for array in self.k + self.v:
+            release_pages(array)
 
     def all_tensors(self) -> tuple[list[paddle.Tensor], list[paddle.Tensor]]:
         """Paddle views (no copy, made once) of every layer's K arrays, and of its V arrays."""
@@ -122,9 +131,12 @@ class LlamaModel:
     """
 
     def __init__(self, checkpoint: Checkpoint, dtype: str = "float32", quantization: str = "none",
-                 group: TensorGroup | None = None):
+                 group: TensorGroup | None = None, shared: WeightFile | None = None):
         """``group``: this rank's place in a tensor-parallel worker group (its shard of a checkpoint cut by
-        fdcore.models.tensor_parallel, and the group's communicator); None: the whole model here."""
+        fdcore.models.tensor_parallel, and the group's communicator); None: the whole model here.
+        ``shared``: the rank's weight file (fdcore.models.shared_weights): attached, the weights are mapped
+        from it (``checkpoint.tensors`` unused); else they are packed into it and published there, as far
+        as it has room (``shared.full`` says where it had none)."""
         self.args = args = checkpoint.args
         self.group = group
         self.dtype = paddle.float32
@@ -132,8 +144,13 @@ class LlamaModel:
         self.f32_kernel = self.matrix_dtype == "float32" and _f32_kernel()  # float32 as F32Matrix
         # NOTE: the checkpoint's arrays are taken (popped) as they become the model's tensors, so
         # loading peaks at the weights plus one layer, not two copies of everything.
-        with packing_weights():  # the packed matrices share huge pages (fdcore.models.tensors)
-            self._take_weights(checkpoint)
+        if shared is not None and shared.manifest is not None:
+            self._map_weights(shared)
+        else:
+            with packing_weights(None if shared is None else shared.take):  # (fdcore.models.tensors)
+                self._take_weights(checkpoint)
+            if shared is not None and shared.full is None:
+                shared.publish(msgspec.msgpack.encode(self._weights_manifest(shared)))
         self.windows = tuple(sorted({layer["window"] for layer in self.layers}))  # the masks a step needs
         self.scale = args.head_dim ** -0.5
         from fdcore.models.kernels import fused_ops
@@ -141,10 +158,10 @@ class LlamaModel:
         self.fused = fused_ops()  # (add_rms_norm, silu_mul, attention_block), or None: the Python path
         self.no_tensor = paddle.empty([0], dtype=paddle.float32)
         if self.fused is not None:
-            self.norm_t = self._tensor(self.norm)
+            self.norm_t = as_paddle(self.norm)
             for layer in self.layers:
-                layer["in_norm_t"] = self._tensor(layer["in_norm"])
-                layer["post_norm_t"] = self._tensor(layer["post_norm"])
+                layer["in_norm_t"] = as_paddle(layer["in_norm"])
+                layer["post_norm_t"] = as_paddle(layer["post_norm"])
         # the one-call decoder sums a rank's o and down products itself through a shared-memory communicator;
         # a rank of another communicator (paddle.distributed) runs the layers one by one
         self.decoder_group = group.decoder_args() if group is not None else None
@@ -222,13 +239,13 @@ class LlamaModel:
             self.embed = self.lm_head = self._matrix(embed)
             self.embed_rows = None if isinstance(self.embed, F32Matrix) else np.from_dlpack(self.embed)
         else:
-            self.embed_rows = _float32(embed)  # (what _embed_rows gathers from: the tensor's memory)
+            self.embed_rows = _weight32(embed)  # (what _embed_rows gathers from: the tensor's memory)
             self.embed = as_paddle(self.embed_rows)
             head_name = "model.embed_tokens.weight" if args.tie_word_embeddings else "lm_head.weight"
             self.lm_head = self._matrix(embed if args.tie_word_embeddings else t.pop(head_name), head_kind,
                                         _blocks_of(file_blocks, head_name))
         del embed
-        self.norm = _float32(t.pop("model.norm.weight"))
+        self.norm = _weight32(t.pop("model.norm.weight"))
         self.layers = [self._layer(t, file_blocks, i) for i in range(args.num_layers)]
 
     def _decoder_plan(self):
@@ -266,9 +283,50 @@ class LlamaModel:
         none = self.no_tensor
         return [head.packed, getattr(head, "scales", none), none], _KIND_CODES[type(head)], head.rows
 
-    def _tensor(self, array: np.ndarray) -> paddle.Tensor:
-        """A Paddle tensor sharing the float32 array's memory (no second copy of the weights)."""
-        return as_paddle(_float32(array))
+    def _weights_manifest(self, shared: WeightFile) -> "WeightsManifest":
+        """Where each of the weights lies in ``shared``, into which they were packed (see _map_weights)."""
+        def entry(value):
+            if value is None or isinstance(value, (int, np.ndarray, paddle.Tensor)):
+                return _stored(shared, value)
+            return StoredMatrix(type(value).__name__, [_stored(shared, part) for part in _PARTS[type(value)](value)],
+                                value.rows, getattr(value, "gated", False))
+
+        tied = self.embed is self.lm_head
+        return WeightsManifest(self._packed_for(), tied, entry(self.embed), None if self.embed_rows is None or tied else
+                               _stored(shared, self.embed_rows), entry(self.lm_head), _stored(shared, self.norm),
+                               [{name: entry(value) for name, value in layer.items()} for layer in self.layers])
+
+    def _packed_for(self) -> str:
+        return f"{self.matrix_dtype} (float32 kernel: {self.f32_kernel}) {self.args!r}"
+
+    def _map_weights(self, shared: WeightFile) -> None:
+        """The weights as another process packed them into ``shared`` (_weights_manifest), mapped where they lie."""
+        manifest = msgspec.msgpack.decode(shared.manifest, type=WeightsManifest)
+        if manifest.model != self._packed_for():
+            raise RuntimeError(f"the shared weights were packed for {manifest.model}, not {self._packed_for()}")
+
+        def value(entry):
+            if entry is None or isinstance(entry, int):
+                return entry
+            if isinstance(entry, Stored):
+                array = shared.array(entry)
+                return as_paddle(array) if entry.tensor else array
+            parts = [shared.array(part) for part in entry.parts]
+            if entry.kind == "F32Matrix":
+                return F32Matrix(parts[0], entry.rows)
+            tensors = [as_paddle(part) for part in parts]
+            if entry.kind == "Bf16Matrix":
+                return Bf16Matrix(tensors[0].view(paddle.bfloat16), entry.rows, entry.gated)
+            return (Int8Matrix if entry.kind == "Int8Matrix" else Int4Matrix)(*tensors, entry.rows)
+
+        self.embed = value(manifest.embed)
+        self.lm_head = self.embed if manifest.tied else value(manifest.lm_head)
+        if manifest.embed_rows is not None:
+            self.embed_rows = shared.array(manifest.embed_rows)
+        else:
+            self.embed_rows = None if isinstance(self.embed, F32Matrix) else np.from_dlpack(self.embed)
+        self.norm = shared.array(manifest.norm)
+        self.layers = [{name: value(entry) for name, entry in layer.items()} for layer in manifest.layers]
 
     def _matrix(self, array: np.ndarray, kind: str | None = None, blocks: Blocks | None = None):
         """A projection's weight [out, in] as the model multiplies it, in ``kind`` (default: the model's
@@ -278,7 +336,7 @@ class LlamaModel:
         its levels (the file's exact weights, not the float32 array quantized again: see _HOLDS_BLOCKS)."""
         kind = kind or self.matrix_dtype
         if kind == "float32":
-            return F32Matrix.pack(array) if self.f32_kernel else self._tensor(array)
+            return F32Matrix.pack(array) if self.f32_kernel else as_paddle(_weight32(array))
         if blocks is not None and blocks.kind in _HOLDS_BLOCKS.get(kind, ()):
             return _PACKED[kind].from_blocks(blocks)
         return _PACKED[kind].pack(array)
@@ -328,22 +386,22 @@ class LlamaModel:
             "o": stacked("self_attn.o_proj.weight"),
             "gate_up": gate_up(),
             "down": stacked("mlp.down_proj.weight"),
-            "in_norm": _float32(take("input_layernorm.weight")),
-            "post_norm": _float32(take("post_attention_layernorm.weight")),
+            "in_norm": _weight32(take("input_layernorm.weight")),
+            "post_norm": _weight32(take("post_attention_layernorm.weight")),
             "window": a.window(i),
         }
         if a.qkv_bias:
-            layer["qkv_bias"] = self._tensor(np.concatenate([take(f"self_attn.{n}_proj.bias") for n in "qkv"]))
+            layer["qkv_bias"] = as_paddle(_weight32(np.concatenate([take(f"self_attn.{n}_proj.bias") for n in "qkv"])))
         if a.o_bias:
-            layer["o_bias"] = self._tensor(take("self_attn.o_proj.bias"))
+            layer["o_bias"] = as_paddle(_weight32(take("self_attn.o_proj.bias")))
         if a.mlp_bias:
-            layer["gate_up_bias"] = self._tensor(np.concatenate([take("mlp.gate_proj.bias"),
-                                                                 take("mlp.up_proj.bias")]))
-            layer["down_bias"] = self._tensor(take("mlp.down_proj.bias"))
+            layer["gate_up_bias"] = as_paddle(_weight32(np.concatenate([take("mlp.gate_proj.bias"),
+                                                                        take("mlp.up_proj.bias")])))
+            layer["down_bias"] = as_paddle(_weight32(take("mlp.down_proj.bias")))
         if a.qk_norm:
-            layer["q_norm"] = _float32(take("self_attn.q_norm.weight"))
-            layer["k_norm"] = _float32(take("self_attn.k_norm.weight"))
-            layer["q_norm_t"], layer["k_norm_t"] = self._tensor(layer["q_norm"]), self._tensor(layer["k_norm"])
+            layer["q_norm"] = _weight32(take("self_attn.q_norm.weight"))
+            layer["k_norm"] = _weight32(take("self_attn.k_norm.weight"))
+            layer["q_norm_t"], layer["k_norm_t"] = as_paddle(layer["q_norm"]), as_paddle(layer["k_norm"])
         return layer
 
     # ------------------------------------------------------------------ forward
@@ -901,6 +959,43 @@ _HOLDS_BLOCKS = {"wint8": ("wint8", "wint4"), "wint4": ("wint4",)}
 _KIND_CODES = {F32Matrix: 0, Bf16Matrix: 1, Int8Matrix: 2, Int4Matrix: 3}  # decoder.cc's Kind
 _PROJECTIONS = ("qkv", "o", "gate_up", "down")  # a layer's matrices, in decoder.cc's Slot order
 
+# a packed matrix's arrays, as a shared weight file stores them (LlamaModel._weights_manifest)
+_PARTS = {F32Matrix: lambda m: [m.array], Bf16Matrix: lambda m: [m.packed], Int8Matrix: lambda m: [m.packed, m.scales],
+          Int4Matrix: lambda m: [m.packed]}
+
+
+class StoredMatrix(msgspec.Struct, tag="m", array_like=True):
+    """A packed matrix in a shared weight file: its class's name, its arrays (_PARTS), rows, gated."""
+
+    kind: str
+    parts: list[Stored]
+    rows: int
+    gated: bool = False
+
+
+class WeightsManifest(msgspec.Struct):
+    """Where a model's weights lie in a shared weight file (fdcore.models.shared_weights): the model's
+    attributes of the same names; a layer's entries as its dict holds them (an int: its window)."""
+
+    model: str  # what the weights were packed for (LlamaModel._packed_for): a process of another refuses them
+    tied: bool  # the embedding and the LM head are one matrix
+    embed: Stored | StoredMatrix
+    embed_rows: Stored | None
+    lm_head: Stored | StoredMatrix
+    norm: Stored
+    layers: list[dict[str, Stored | StoredMatrix | int | None]]
+
+
+def _stored(shared: WeightFile, value):
+    """``value`` (an array or tensor packed into ``shared``; an int or None as it is) as the manifest holds it."""
+    if value is None or isinstance(value, int):
+        return value
+    if isinstance(value, np.ndarray):
+        return shared.stored(value)
+    if value.dtype == paddle.bfloat16:
+        return shared.stored(np.from_dlpack(value.view(paddle.int16)), tensor=True, dtype="bfloat16")
+    return shared.stored(np.from_dlpack(value), tensor=True)
+
 
 def _matrix_kind(dtype: str, quantization: str) -> str:
     """How the projections' weights are kept: float32; bfloat16 where the CPU multiplies it natively
@@ -930,6 +1025,31 @@ def _matrix_kind(dtype: str, quantization: str) -> str:
     return kind
 
 
+def shared_pages_slowdown(args: ModelArgs, budget: int = 128 << 20) -> float | None:
+    """How much slower a batch-1 decode step's products stream their weights from shared memory than from
+    private huge pages here (fdcore.models.shared_weights.shared_pages_cost): float32 matrices of the
+    model's own layer shapes (qkv, o, gate_up, down), as many layers as ``budget`` bytes hold, one row
+    through each, the kernel calls between them included. None without the float32 kernel."""
+    if not _f32_kernel():
+        return None
+    h, d, inner = args.hidden_size, args.head_dim, args.intermediate_size
+    shapes = [((args.num_heads + 2 * args.num_kv_heads) * d, h), (h, args.num_heads * d), (2 * inner, h), (h, inner)]
+    panels = [(-(-rows // 32), cols) for rows, cols in shapes]
+    layer_bytes = sum(p * cols * 32 * 4 for p, cols in panels)
+    layers = max(1, min(args.num_layers, budget // layer_bytes))
+    rows = {cols: paddle.ones([1, cols], dtype=paddle.float32) for _, cols in panels}
+
+    def one_pass(array: np.ndarray) -> None:
+        at = 0
+        for _ in range(layers):
+            for count, cols in panels:
+                size = count * cols * 32
+                linear(rows[cols], F32Matrix(array[at:at + size].reshape(count, cols, 32), count * 32))
+                at += size
+
+    return shared_pages_cost(one_pass, layers * layer_bytes)
+
+
 def _f32_kernel() -> bool:
     """Whether float32 weights go to fdcore's kernel (as F32Matrix): on CPUs with AVX-512F or AVX2, when it was
     built (loaded here). Otherwise they stay plain tensors for MKL's matmul; float32 is never refused."""
@@ -941,8 +1061,10 @@ def _f32_kernel() -> bool:
     return op is not None
 
 
-def _float32(array: np.ndarray) -> np.ndarray:
-    return np.ascontiguousarray(array, dtype=np.float32)
+def _weight32(array: np.ndarray) -> np.ndarray:
+    """A weight's float32 values in the packing arena (with the packed matrices: in a shared weight file
+    where the model is built into one)."""
+    return on_huge_pages(np.asarray(array, dtype=np.float32))
 
 
 def _rms_norm_np(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:

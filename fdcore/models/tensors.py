@@ -94,10 +94,25 @@ def on_huge_pages(array: np.ndarray) -> np.ndarray:
     return out
 
 
+def release_pages(array: np.ndarray) -> bool:
+    """Hand an array's memory back to the kernel, keeping the mapping (``MADV_DONTNEED``): it reads as
+    zeros again and costs nothing until written. Only for an array with a region of its own from
+    :func:`zeros_on_huge_pages` (2 MiB or more, outside :func:`packing_weights`); False for any other."""
+    region = array.base
+    while region is not None and not isinstance(region, mmap.mmap):
+        region = getattr(region, "base", None) if isinstance(region, np.ndarray) else getattr(region, "obj", None)
+    if region is None or len(region) - array.nbytes > HUGE_PAGE:  # (another array's region, or none)
+        return False
+    region.madvise(mmap.MADV_DONTNEED)
+    return True
+
+
 @contextmanager
-def packing_weights():
-    """Within: the arrays :func:`zeros_on_huge_pages` gives share huge-page regions (a model's weights)."""
-    _ARENAS.append(_Arena())
+def packing_weights(take=None):
+    """Within: the arrays :func:`zeros_on_huge_pages` gives share huge-page regions (a model's weights).
+    ``take(nbytes)``: where they come from instead, a uint8 array of zeros (a rank's shared weight file:
+    fdcore.models.shared_weights), or None once it has no room: private regions from then on."""
+    _ARENAS.append(_Arena(take))
     try:
         yield
     finally:
@@ -118,15 +133,20 @@ def _huge_region(nbytes: int) -> np.ndarray:
 
 
 class _Arena:
-    """Consecutive 64-byte-aligned pieces of 64 MiB huge-page regions (a larger request: its own)."""
+    """Consecutive 64-byte-aligned pieces of 64 MiB huge-page regions (a larger request: its own), or of
+    an external source (a shared weight file) for as long as it has room."""
 
     CHUNK = 64 << 20
 
-    def __init__(self):
+    def __init__(self, external=None):
+        self.external = external
         self.chunk: np.ndarray | None = None
         self.used = 0
 
     def take(self, nbytes: int) -> np.ndarray:
+        piece = None if self.external is None else self.external(nbytes)
+        if piece is not None:
+            return piece
         size = -(-nbytes // 64) * 64
         if size > self.CHUNK // 4:
             return _huge_region(nbytes)
