@@ -35,8 +35,8 @@ from fdcore.models.loader import Checkpoint, ModelArgs
 from fdcore.models.quantized import Blocks, concatenate_rows
 from fdcore.models.shared_weights import Stored, WeightFile, shared_pages_cost
 from fdcore.models.tensor_parallel import GATHER_ROWS, TensorGroup
-from fdcore.models.tensors import (StepInputs, as_paddle, on_huge_pages, packing_weights, release_pages,
-                                   zeros_on_huge_pages)
+from fdcore.models.tensors import (StepInputs, as_paddle, on_huge_pages, packing_shared, packing_weights,
+                                   release_pages, zeros_on_huge_pages)
 
 
 class PagedKVCache:
@@ -1062,9 +1062,11 @@ def _f32_kernel() -> bool:
 
 
 def _weight32(array: np.ndarray) -> np.ndarray:
-    """A weight's float32 values in the packing arena (with the packed matrices: in a shared weight file
-    where the model is built into one)."""
-    return on_huge_pages(np.asarray(array, dtype=np.float32))
+    """A weight's float32 values as the model keeps them: the checkpoint's array itself where it is float32
+    already (no second copy while the model is built), copied into the shared weight file when the model
+    is packed into one."""
+    array = np.ascontiguousarray(array, dtype=np.float32)
+    return on_huge_pages(array) if packing_shared() else array
 
 
 def _rms_norm_np(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:

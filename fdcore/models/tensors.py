@@ -94,6 +94,12 @@ def on_huge_pages(array: np.ndarray) -> np.ndarray:
     return out
 
 
+def packing_shared() -> bool:
+    """Inside :func:`packing_weights` with an external source (a shared weight file): an array the model
+    keeps as it is must be copied there too, or the file would not hold it."""
+    return bool(_ARENAS) and _ARENAS[-1].external is not None
+
+
 def release_pages(array: np.ndarray) -> bool:
     """Hand an array's memory back to the kernel, keeping the mapping (``MADV_DONTNEED``): it reads as
     zeros again and costs nothing until written. Only for an array with a region of its own from
