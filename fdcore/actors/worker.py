@@ -106,9 +106,10 @@ class WorkerActor(Actor):
         from fdcore.models.llama import LlamaModel
 
         path, started = model_path(self.config), time.monotonic()
-        shared = self._shared_weights(inspect_checkpoint(path))
+        args = inspect_checkpoint(path)
+        shared = self._shared_weights(args)
         if shared is not None and shared.manifest is not None:  # mapped, not read: only the architecture
-            checkpoint = Checkpoint(path, inspect_checkpoint(path), (), {})  # (the rank's shard: _join_group)
+            checkpoint = Checkpoint(path, args, (), {})  # (the rank's shard: _join_group)
         else:
             checkpoint = load_checkpoint(path, progress=self._loading)
         try:

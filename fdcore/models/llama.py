@@ -286,10 +286,11 @@ class LlamaModel:
     def _weights_manifest(self, shared: WeightFile) -> "WeightsManifest":
         """Where each of the weights lies in ``shared``, into which they were packed (see _map_weights)."""
         def entry(value):
-            if value is None or isinstance(value, (int, np.ndarray, paddle.Tensor)):
+            parts = _PARTS.get(type(value))
+            if parts is None:
                 return _stored(shared, value)
-            return StoredMatrix(type(value).__name__, [_stored(shared, part) for part in _PARTS[type(value)](value)],
-                                value.rows, getattr(value, "gated", False))
+            return StoredMatrix(type(value).__name__, [_stored(shared, part) for part in parts(value)], value.rows,
+                                getattr(value, "gated", False))
 
         tied = self.embed is self.lm_head
         return WeightsManifest(self._packed_for(), tied, entry(self.embed), None if self.embed_rows is None or tied else

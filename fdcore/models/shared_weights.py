@@ -31,7 +31,8 @@ import struct
 import msgspec
 import numpy as np
 
-from fdcore.models.tensors import HUGE_PAGE
+from fdcore.models.tensors import HUGE_PAGE, zeros_on_huge_pages
+from fdcore.models.tuning import fastest
 
 EMPTY, PUBLISHED, PRIVATE = 0, 1, 2
 _MAGIC = b"FDCWGT01"
@@ -109,9 +110,9 @@ class WeightFile:
     def take(self, nbytes: int) -> np.ndarray | None:
         """``nbytes`` of zeroed memory (uint8) in the file, committed now (a full memory fails here with
         None, never later with SIGBUS); None from then on too: the caller takes private memory."""
-        start = -(-self.used // ALIGN) * ALIGN
         if self.full is not None:
             return None
+        start = -(-self.used // ALIGN) * ALIGN
         try:
             os.posix_fallocate(self.fd, start, max(nbytes, 1))
         except OSError as exc:
@@ -167,9 +168,6 @@ def shared_pages_cost(stream, nbytes: int, rounds: int = 7) -> float:
     the ratio of medians minus one. Shared memory gets huge pages only where the kernel's shmem setting
     allows them, and 4 KiB pages cost some CPUs a lot (an AVX-512 Xeon streamed bfloat16 weights at 21.8
     GB/s on small pages and 34.4 on huge ones) and others little (an AVX2 EPYC: ~2 % on a decode pass)."""
-    from fdcore.models.tensors import zeros_on_huge_pages
-    from fdcore.models.tuning import fastest
-
     count = nbytes // 4
     private = zeros_on_huge_pages((count,), np.float32)
     fd = os.memfd_create("fdcore-probe", os.MFD_CLOEXEC)
