@@ -192,3 +192,21 @@ def test_a_bfloat16_matrix_maps_to_the_same_bits(weight_fd):
     assert stored.parts[0].dtype == "bfloat16" and stored.parts[0].tensor
     assert np.array_equal(bits, np.from_dlpack(matrix.packed.view(paddle.int16)))
     assert paddle.to_tensor(bits).view(paddle.bfloat16).dtype == paddle.bfloat16
+
+
+def test_page_size_is_measured_only_for_weights_that_leave_the_caches(checkpoints, monkeypatch):
+    """A model whose layers fit in the caches is shared without a probe (a probe there reads only noise:
+    CI's busy machine once measured the tiny model's 1 MB "32 % slower" and kept it private); a larger
+    one is measured, over layers of its own shapes."""
+    import dataclasses
+
+    from fdcore.models import llama
+
+    args = inspect_checkpoint(checkpoints["llama-gqa"])
+    measured = []
+    monkeypatch.setattr(llama, "_f32_kernel", lambda: True)
+    monkeypatch.setattr(llama, "shared_pages_cost", lambda stream, nbytes: measured.append(nbytes) or 0.5)
+    assert llama.shared_pages_slowdown(args) is None and measured == []
+    large = dataclasses.replace(args, hidden_size=1024, intermediate_size=4096, num_layers=8, num_heads=16,
+                                num_kv_heads=4, head_dim=64)
+    assert llama.shared_pages_slowdown(large) == 0.5 and measured and measured[0] >= llama.PAGE_COST_FLOOR

@@ -157,6 +157,8 @@ class WorkerActor(Actor):
             return shared
         if state == EMPTY and self.config.workers.shared_weights == "auto":
             slowdown = shared_pages_slowdown(args)
+            if slowdown is not None and slowdown > SLOWER_MARGIN:  # a real cost shows twice; a busy moment not
+                slowdown = min(slowdown, shared_pages_slowdown(args))
             if slowdown is not None and slowdown > SLOWER_MARGIN:
                 shared.keep_private(f"shared pages streamed {slowdown:.0%} slower than private huge pages here")
                 state, reason = shared.state()

@@ -1026,17 +1026,24 @@ def _matrix_kind(dtype: str, quantization: str) -> str:
     return kind
 
 
+PAGE_COST_FLOOR = 16 << 20  # (bytes a decode pass streams below which page size is not measured)
+
+
 def shared_pages_slowdown(args: ModelArgs, budget: int = 128 << 20) -> float | None:
     """How much slower a batch-1 decode step's products stream their weights from shared memory than from
     private huge pages here (fdcore.models.shared_weights.shared_pages_cost): float32 matrices of the
     model's own layer shapes (qkv, o, gate_up, down), as many layers as ``budget`` bytes hold, one row
-    through each, the kernel calls between them included. None without the float32 kernel."""
+    through each, the kernel calls between them included. None without the float32 kernel, and None for
+    a model whose layers stream fewer than ``PAGE_COST_FLOOR`` bytes: they stay in the caches and the
+    TLB's reach, where the page size costs nothing and a measurement would read only the machine's noise."""
     if not _f32_kernel():
         return None
     h, d, inner = args.hidden_size, args.head_dim, args.intermediate_size
     shapes = [((args.num_heads + 2 * args.num_kv_heads) * d, h), (h, args.num_heads * d), (2 * inner, h), (h, inner)]
     panels = [(-(-rows // 32), cols) for rows, cols in shapes]
     layer_bytes = sum(p * cols * 32 * 4 for p, cols in panels)
+    if layer_bytes * args.num_layers < PAGE_COST_FLOOR:
+        return None
     layers = max(1, min(args.num_layers, budget // layer_bytes))
     rows = {cols: paddle.ones([1, cols], dtype=paddle.float32) for _, cols in panels}
 
