@@ -87,6 +87,7 @@ class Supervisor:
         self.board: HealthBoard | None = None
         self.inboxes: list[Inbox] = []
         self.started = False
+        self.serving = False  # (from "ready" on: a spare loads at idle priority)
         self.restart_counts: dict[str, int] = {}
         self.standbys: dict[str, subprocess.Popen] = {}  # warm spare workers, by the child they replace
         self.standby_semaphores: dict = {}
@@ -295,18 +296,27 @@ class Supervisor:
         for spec in self.specs:
             self._spawn_standby(spec)
         self._wait_for_spares()
+        self.serving = True
 
     def _wait_for_spares(self) -> None:
-        """Ready means ready: the first spares warm before the tree says so, so that no request of the
-        first minutes shares the CPUs with a spare's load (a spare that loads later, after a promotion,
-        does so at idle priority). One that fails to load is the standby check's business, not a failed
-        start; one that takes longer than start_timeout is waited for no more."""
+        """Ready means ready: the first spares load at the normal priority and warm before the tree says
+        so, so that no request of the first minutes shares the CPUs with a spare's load (a spare that loads
+        later, after a promotion, does so at idle priority: on a busy machine one at idle priority before
+        "ready" would starve and hold the start for start_timeout). One that fails to load is the standby
+        check's business, not a failed start; one that takes longer than start_timeout is waited for no
+        more, and goes on loading at idle priority."""
         started, deadline = time.monotonic(), time.monotonic() + self.config.supervisor.start_timeout
         while any(proc.poll() is None and self.board.spare(self.slots[cid]) != health.SPARE_WARM
                   for cid, proc in self.standbys.items()) and time.monotonic() < deadline:
             self._wait_events(POLL)
             if self.stopping:
                 raise ShutdownRequested()
+        for cid, proc in self.standbys.items():
+            if proc.poll() is None and self.board.spare(self.slots[cid]) != health.SPARE_WARM:
+                try:
+                    placement.set_idle(True, proc.pid)
+                except OSError as exc:  # (ended meanwhile, or not ours to set)
+                    log("spare_priority", id=cid, error=str(exc))
         if self.standbys:
             log("spares_warm", count=sum(self.board.spare(self.slots[cid]) == health.SPARE_WARM
                                          for cid in self.standbys), seconds=f"{time.monotonic() - started:.2f}")
@@ -341,7 +351,9 @@ class Supervisor:
                "--parent", str(os.getpid())]
         weights = self._weights_fd(spec)
         cmd += ["--weights-fd", str(weights)] if weights is not None else []
-        return cmd + ["--standby", standby] if standby else cmd
+        if standby:
+            cmd += ["--standby", standby] + (["--idle"] if self.serving else [])
+        return cmd
 
     def _pass_fds(self, spec: ChildSpec) -> tuple[int, ...]:
         weights = self._weights_fd(spec)

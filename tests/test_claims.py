@@ -22,10 +22,10 @@ def start_tree(tmp_path):
     trees: list[Tree] = []
     model = make_model_dir(tmp_path)
 
-    def start(extra: str = "") -> Tree:
+    def start(extra: str = "", env: dict | None = None) -> Tree:
         path = tmp_path / f"tree-{len(trees)}.toml"
         path.write_text(f'[model]\npath = "{model}"\n{extra}\n')
-        trees.append(Tree(str(path)))
+        trees.append(Tree(str(path), env=env))
         return trees[-1]
 
     yield start
@@ -243,35 +243,61 @@ def test_actors_talk_only_through_shared_memory(start_tree):
     assert tree.exit_code() == 0
 
 
-def test_a_spare_loads_at_idle_priority_and_serves_at_the_normal_one(start_tree):
-    """The standby worker takes only CPU time nothing else wants while it loads (SCHED_IDLE, every thread),
-    the tree says ready only once it is warm (the health board says so too), and once promoted every thread
-    of it runs at the normal policy again (OpenMP's, made while it loaded, among them)."""
+def _policies(pid: int) -> set[int]:
+    return {os.sched_getscheduler(int(task)) for task in os.listdir(f"/proc/{pid}/task")}
+
+
+def _wait_for_policy(pid: int, policy: int, what: str) -> None:
+    deadline = time.monotonic() + 60
+    while _policies(pid) != {policy}:  # (no event says when a process has set its threads' policy)
+        assert time.monotonic() < deadline, what
+        time.sleep(0.01)
+
+
+def test_the_first_spare_loads_before_ready_and_later_ones_at_idle_priority(start_tree):
+    """The tree says ready only once the first spare is warm (the health board says so too), and that
+    spare loads at the normal priority: nothing is served yet, and one at SCHED_IDLE would starve on a busy
+    machine and hold the start for start_timeout. Once promoted, it serves at the normal policy; the spare
+    that loads behind it, beside a serving tree, takes only CPU time nothing else wants (SCHED_IDLE, every
+    thread); promoted in turn, every thread of it (OpenMP's, made while it loaded) runs normally again."""
     from fdcore.actors import health
     from fdcore.actors.health import HealthBoard
     from fdcore.actors import topology
 
     tree = start_tree("[workers]\nstandby = true\n")
     spare = int(tree.wait("standby", id="worker0")["pid"])
-    deadline = time.monotonic() + 60
-    while os.sched_getscheduler(spare) != os.SCHED_IDLE:  # (set first thing in its start-up)
-        assert time.monotonic() < deadline, "the spare never went to idle priority"
-        time.sleep(0.01)
     tree.wait("spares_warm", count=1)  # before "ready": the first requests share no CPU with a loading spare
     tree.wait("ready")
     board = HealthBoard.attach(topology.health_name(tree.instance))
     try:
         assert board.spare(1) == health.SPARE_WARM  # (slot 1: worker0, after the cache manager)
-        policies = {os.sched_getscheduler(int(task)) for task in os.listdir(f"/proc/{spare}/task")}
-        assert policies == {os.SCHED_IDLE}, policies
+        assert _policies(spare) == {os.SCHED_OTHER}
         tree.kill_child("worker0")
         assert int(tree.wait("promoted", id="worker0")["pid"]) == spare
-        deadline = time.monotonic() + 10
-        while {os.sched_getscheduler(int(t)) for t in os.listdir(f"/proc/{spare}/task")} != {os.SCHED_OTHER}:
-            assert time.monotonic() < deadline, "the promoted worker kept idle-priority threads"
+        second = int(tree.wait("standby", id="worker0")["pid"])
+        _wait_for_policy(second, os.SCHED_IDLE, "a spare loading beside the serving tree is not at idle priority")
+        deadline = time.monotonic() + 60
+        while board.spare(1) != health.SPARE_WARM:  # (the board is where a later spare says it is warm)
+            assert time.monotonic() < deadline, "the second spare never warmed"
             time.sleep(0.01)
+        os.kill(spare, signal.SIGKILL)
+        assert int(tree.wait("promoted", id="worker0")["pid"]) == second
+        _wait_for_policy(second, os.SCHED_OTHER, "the promoted worker kept idle-priority threads")
     finally:
         board.close()
+    os.kill(tree.proc.pid, signal.SIGTERM)
+    assert tree.exit_code() == 0
+
+
+def test_a_first_spare_slower_than_start_timeout_goes_on_at_idle_priority(start_tree):
+    """A first spare that is not warm within start_timeout is waited for no more: the tree says ready, and
+    the spare goes on loading at SCHED_IDLE, every thread, so that it slows no request."""
+    tree = start_tree("[supervisor]\nstart_timeout = 15.0\n[workers]\nstandby = true\n",
+                      env={"FDCORE_TEST_FAULT": "worker0:stall_spare"})
+    spare = int(tree.wait("standby", id="worker0")["pid"])
+    assert tree.wait("spares_warm")["count"] == "0"
+    tree.wait("ready")
+    assert _policies(spare) == {os.SCHED_IDLE}
     os.kill(tree.proc.pid, signal.SIGTERM)
     assert tree.exit_code() == 0
 

@@ -9,7 +9,8 @@
   SIGTERM too (the SIGKILL step must), or wedges on its n-th piece of work (default 1) with its
   heartbeat still ticking (hang detection's "busy without progress" must catch it). A wedge happens
   in the tree's first generation only, so that the restarted child works and the test can see the
-  requests resume.
+  requests resume. ``stall_spare`` makes the child's spare (its standby) never finish loading, as one
+  starved of CPU on a busy machine would not.
 
 Unset, each is one environment lookup at actor start and a ``None`` check per request.
 """
@@ -26,7 +27,7 @@ from fdcore.protocol import Ping, Stop
 
 POISON_ENV = "FDCORE_TEST_POISON"
 FAULT_ENV = "FDCORE_TEST_FAULT"
-BEHAVIOURS = ("ignore_stop", "ignore_sigterm", "wedge")
+BEHAVIOURS = ("ignore_stop", "ignore_sigterm", "wedge", "stall_spare")
 
 
 class PoisonedRequest(RuntimeError):
@@ -73,6 +74,13 @@ def install(actor) -> None:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if behaviour == "wedge":
         actor.dispatch = _wedge_on_work(actor, actor.dispatch, count)
+    if behaviour == "stall_spare" and actor.standby:
+        actor.on_start = _stall
+
+
+def _stall() -> None:
+    while True:  # (SIGTERM still ends it: the runtime's handler raises)
+        signal.pause()
 
 
 def _deaf_to_stop(handle):

@@ -244,8 +244,9 @@ def main(actor_cls, argv=None) -> int:
     faults.install(actor)
     inbox = None
     try:
-        if standby:  # a spare loads at idle priority: it may only use a CPU nothing else wants
+        if standby:
             board.set_spare(args.slot, health.SPARE_LOADING)
+        if args.idle:  # a spare that loads beside a serving tree: only CPU time nothing else wants
             _set_idle(True)
         actor.on_start()
         if standby:  # loaded and warm: wait to replace the actor when it dies
@@ -292,16 +293,10 @@ def main(actor_cls, argv=None) -> int:
 
 
 def _set_idle(idle: bool) -> None:
-    """Every thread of this process at SCHED_IDLE (a spare that loads beside the tree), or back to the normal
-    policy (promoted: the threads it made while loading, OpenMP's among them, run requests now)."""
-    policy = os.SCHED_IDLE if idle else os.SCHED_OTHER
-    for task in os.listdir("/proc/self/task"):
-        try:
-            os.sched_setscheduler(int(task), policy, os.sched_param(0))
-        except ProcessLookupError:
-            pass  # (a thread that ended meanwhile)
-        except OSError as exc:  # (RLIMIT_NICE forbids the way back: the worker would serve at idle priority)
-            sys.stderr.write(f"fdcore: cannot set thread {task} to {'SCHED_IDLE' if idle else 'SCHED_OTHER'}: {exc}\n")
+    try:
+        placement.set_idle(idle)
+    except OSError as exc:  # (RLIMIT_NICE forbids the way back: the worker would serve at idle priority)
+        sys.stderr.write(f"fdcore: cannot set {'SCHED_IDLE' if idle else 'SCHED_OTHER'}: {exc}\n")
 
 
 def _wait_for_promotion(semaphore_name: str) -> None:
@@ -330,6 +325,8 @@ def _parse_args(argv):
     parser.add_argument("--parent", type=int, required=True, help="the supervisor's pid")
     parser.add_argument("--standby", default=None,
                         help="load, then wait on this semaphore before taking over the actor's place")
+    parser.add_argument("--idle", action="store_true",
+                        help="load at SCHED_IDLE (a spare started while the tree serves)")
     parser.add_argument("--weights-fd", type=int, default=None,
                         help="an inherited descriptor: the rank's shared weight file")
     return parser.parse_args(argv)

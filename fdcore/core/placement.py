@@ -86,6 +86,19 @@ def thread_count() -> int:
     return os.stat("/proc/self/task").st_nlink - 2
 
 
+def set_idle(idle: bool, pid: int | str = "self") -> None:
+    """Every thread of process ``pid`` at SCHED_IDLE (a spare that loads beside a serving tree: it may only
+    use a CPU nothing else wants), or back to the normal policy (the threads it made meanwhile, OpenMP's
+    among them, inherit what their creator had). Raises OSError where the policy cannot be set (RLIMIT_NICE
+    forbids the way back)."""
+    policy = os.SCHED_IDLE if idle else os.SCHED_OTHER
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            os.sched_setscheduler(int(task), policy, os.sched_param(0))
+        except ProcessLookupError:
+            pass  # (a thread that ended meanwhile)
+
+
 def pin_process_threads(main_cpu: int | None, others) -> None:
     """This process's main thread onto ``main_cpu`` alone (None: onto ``others`` too), every other
     thread onto ``others``."""
