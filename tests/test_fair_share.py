@@ -62,3 +62,22 @@ def test_two_tenants_end_up_holding_about_the_same_and_do_not_take_turns_for_eve
     a, b, preemptions = history[-1]
     assert abs(a - b) <= 20, history  # a request or so apart (one needs 10-16 blocks here)
     assert preemptions <= 20, history  # a handful to even them out, then growth's own
+
+
+def test_a_block_is_offered_to_the_prefix_cache_once_the_step_that_fills_it_has_run():
+    """Asynchronous scheduling launches step 2 before step 1's result; step 2 fills the second block. At step
+    1's result that block is not computed yet (the worker may die in step 2 and leave it half written, and
+    a shared-memory KV cache outlives the worker with the prefix cache still pointing at it): only the block
+    step 1 filled is registered; the second is, at step 2's result."""
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    scheduler = Scheduler(BatchLimits(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64), kv)
+    scheduler.add(Request("r", list(range(10, 17)), SamplingParams(max_tokens=8, ignore_eos=True).with_defaults()))
+    first = scheduler.schedule()  # the 7 prompt tokens: block 0 full, block 1 three quarters
+    scheduler.launch(first)
+    second = scheduler.schedule()  # the token step 1 samples, at position 7: block 1 full
+    assert [(s.start, s.num_tokens) for s in second] == [(7, 1)]
+    scheduler.launch(second)
+    scheduler.update(first, {"r": 30})
+    assert kv.num_hashed_blocks("r") == 1
+    scheduler.update(second, {"r": 31})
+    assert kv.num_hashed_blocks("r") == 2

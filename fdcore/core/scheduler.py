@@ -75,7 +75,7 @@ PLACEHOLDER = -1  # an output token the worker has sampled (or will) but the sch
 class ScheduledRequest:
     """One request's share of a step."""
 
-    __slots__ = ("request", "start", "num_tokens", "block_table", "samples", "launched")
+    __slots__ = ("request", "start", "num_tokens", "block_table", "samples", "launched", "preemptions")
 
     def __init__(self, request: Request, start: int, num_tokens: int, block_table: list[int]):
         self.request = request
@@ -85,6 +85,7 @@ class ScheduledRequest:
         # this step brings the request level: its logits give the next token
         self.samples = start + num_tokens == request.num_tokens
         self.launched = False         # accounted for ahead of its result (see Scheduler.launch)
+        self.preemptions = request.num_preemptions  # (another count at its result: these blocks are gone)
 
     @property
     def token_ids(self) -> list[int]:
@@ -340,8 +341,11 @@ class Scheduler:
                         self._finish(request, reason)
                         finished.append(request)
                         continue
-            if request.status is running:
-                known = min(request.num_computed_tokens, request.num_tokens - request.num_pending)
+            if request.status is running and item.preemptions == request.num_preemptions:
+                # computed: what this step wrote, now that its result is in, not what a step still in flight
+                # was given (a worker that crashes in it leaves a block half written, and a KV cache in shared
+                # memory outlives the crash with the prefix cache still pointing at its blocks)
+                known = min(item.start + item.num_tokens, request.num_tokens - request.num_pending)
                 if known // block_size > request.full_blocks_known:  # a block filled up
                     request.full_blocks_known = known // block_size
                     self.kv.cache_computed(request.request_id, request.all_token_ids, known)
