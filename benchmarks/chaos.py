@@ -16,7 +16,7 @@ restart that leaves a second engine, or none, fails the run).
 Usage: python benchmarks/chaos.py [--streams 32] [--kills 10] [--seed 0] [--max-tokens 300]
                                   [--strategy one_for_one|one_for_all|rest_for_one]
                                   [--model tiny|smollm2|PATH] [--dtype float32|bfloat16] [--quantization none|wint8|wint4]
-                                  [--shared-weights auto|on|off]
+                                  [--shared-weights auto|on|off] [--shared-kv on|off]
 """
 
 from __future__ import annotations
@@ -141,7 +141,8 @@ async def main_async(args) -> int:
         fetch_smollm2() if args.model == "smollm2" else args.model
     config = parse_config(f'[model]\npath = "{model}"\ndtype = "{args.dtype}"\nquantization = "{args.quantization}"\n'
                           f'[supervisor]\nmax_restarts = {args.kills + 5}\nperiod = 600.0\nstrategy = "{args.strategy}"\n'
-                          f'[workers]\nshared_weights = "{args.shared_weights}"\n')
+                          f'[workers]\nshared_weights = "{args.shared_weights}"\n'
+                          f'[cache]\nshared_memory = {"true" if args.shared_kv == "on" else "false"}\n')
     async with AsyncLLM(config) as client:
         clean_started = time.monotonic()
         clean = await asyncio.gather(*(stream(client, p, s, f"clean-{i}", None)
@@ -196,6 +197,7 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", default="float32", help="model.dtype")
     parser.add_argument("--quantization", default="none", help="model.quantization")
     parser.add_argument("--shared-weights", default="auto", choices=["auto", "on", "off"], help="workers.shared_weights")
+    parser.add_argument("--shared-kv", default="on", choices=["on", "off"], help="cache.shared_memory")
     return asyncio.run(main_async(parser.parse_args(argv)))
 
 

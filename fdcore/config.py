@@ -29,6 +29,8 @@ Example (every key shown with its default)::
     dtype = "auto"            # auto (= the model's: bfloat16 for a bfloat16 model whose head_dim is a multiple
                               # of 32, else float32) | float32 | bfloat16 (half the memory a token, attention's
                               # products in bf16 with float32 sums: AVX512-BF16 CPUs only)
+    shared_memory = true      # the KV cache in shared memory the supervisor holds: a crashed worker's successor
+                              # finds every computed block, and its streams resume without recomputing them
 
     [scheduler]
     max_num_seqs = 128
@@ -117,6 +119,7 @@ class CacheConfig(_Section):
     num_blocks: int = 1024
     enable_prefix_caching: bool = True
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    shared_memory: bool = True  # the KV cache in a file the supervisor holds: it outlives a crashed worker
 
 
 class SchedulerConfig(_Section):

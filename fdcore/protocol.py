@@ -314,11 +314,13 @@ class CacheStatsQuery(Message):
 
 
 class CacheReset(Message):
-    """Forget every allocation and cached prefix (a new epoch: the KV is gone). A cache
-    manager ignores everything before its first CacheReset (stale calls of a dead scheduler
-    or of an epoch that ended)."""
+    """Forget every allocation (a new epoch), and every cached prefix unless ``keep_prefixes``: the
+    KV cache lives in shared memory that outlived whatever restarted, so each computed block registered
+    in the prefix cache still holds what its hash says. A cache manager ignores everything before its
+    first CacheReset (stale calls of a dead scheduler or of an epoch that ended)."""
 
     epoch: int
+    keep_prefixes: bool = False
 
 
 class CacheStats(msgspec.Struct, array_like=True, frozen=True):

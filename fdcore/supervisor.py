@@ -74,6 +74,7 @@ class Supervisor:
         self.weight_fds = self._weight_files()
         sup = config.supervisor
         self.specs = topology.child_specs(config)
+        self.kv_fds = self._kv_files()
         self.slots = {spec.id: i for i, spec in enumerate(self.specs)}
         self.intensity = RestartIntensity(sup.max_restarts, sup.period)
         self.children: dict[str, Child] = {}
@@ -349,15 +350,15 @@ class Supervisor:
         cmd = [sys.executable, "-m", "fdcore.actors", spec.kind, "--id", spec.id,
                "--instance", self.instance, "--slot", str(self.slots[spec.id]), "--config", fd_path(self.config_fd),
                "--parent", str(os.getpid())]
-        weights = self._weights_fd(spec)
+        weights, kv = self._weights_fd(spec), self.kv_fds.get(spec.id)
         cmd += ["--weights-fd", str(weights)] if weights is not None else []
+        cmd += ["--kv-fd", str(kv)] if kv is not None else []
         if standby:
             cmd += ["--standby", standby] + (["--idle"] if self.serving else [])
         return cmd
 
     def _pass_fds(self, spec: ChildSpec) -> tuple[int, ...]:
-        weights = self._weights_fd(spec)
-        return (self.config_fd,) if weights is None else (self.config_fd, weights)
+        return tuple(fd for fd in (self.config_fd, self._weights_fd(spec), self.kv_fds.get(spec.id)) if fd is not None)
 
     def _weights_fd(self, spec: ChildSpec) -> int | None:
         return self.weight_fds.get(topology.worker_rank(spec.id)) if spec.kind == "worker" else None
@@ -371,6 +372,15 @@ class Supervisor:
             return {}
         return {rank: os.memfd_create(f"fdcore-{self.instance}-weights.r{rank}", os.MFD_CLOEXEC)
                 for rank in range(workers.tensor_parallel_size)}
+
+    def _kv_files(self) -> dict[str, int]:
+        """One empty shared-memory file per worker process place for its KV cache (``cache.shared_memory``),
+        which the worker sizes and writes and its successor (the promoted spare, a restart) maps as it is:
+        every block computed before a crash is still there, and the cache manager keeps pointing at them."""
+        if self.config.model.backend == "null" or not self.config.cache.shared_memory:
+            return {}
+        return {spec.id: os.memfd_create(f"fdcore-{self.instance}-kv.{spec.id}", os.MFD_CLOEXEC)
+                for spec in self.specs if spec.kind == "worker"}
 
     # ------------------------------------------------------------- standbys
     def _spawn_standby(self, spec: ChildSpec) -> None:

@@ -281,3 +281,34 @@ def test_a_poisoned_request_fails_alone_and_the_others_resume_identical(model_di
         if i != bad:
             assert crashed[i] == clean[i], f"request {i} changed"
     assert health == (True, "") and census == ""
+
+
+@pytest.mark.parametrize("standby", [True, False])
+def test_a_worker_crash_recomputes_only_what_follows_each_streams_last_full_block(model_dir, standby):
+    """The KV cache lives in shared memory the supervisor holds (``cache.shared_memory``): the worker's
+    successor (its promoted spare, or a fresh restart) finds every block computed before the crash, and the
+    prefix cache still points at them, so a resumed stream recomputes only what follows its last full block
+    (the cache manager counts the rest as hits: none before the crash, the prompts being new), and its
+    tokens are those of a run without the crash."""
+    prompts, params = requests(count=4, length=40, max_tokens=48)
+    tree_config = config(model_dir)
+    tree_config.workers.standby = standby
+
+    async def main():
+        async with AsyncLLM(tree_config) as client:
+            state = {"done": False}
+
+            async def progress(total):
+                if not state["done"] and total >= 60:
+                    state["done"] = True
+                    kill(client, "worker")
+
+            crashed = await stream_all(client, prompts, params, progress)
+            stats = await client.stats()
+            clean = await stream_all(client, prompts, params)  # (now every prompt is cached: no crash)
+            return crashed, stats, clean
+
+    crashed, stats, clean = asyncio.run(main())
+    assert [c[0] for c in crashed] == [c[0] for c in clean] and all(c[3] == "" for c in crashed)
+    full_prompt_blocks = sum(len(p) // 16 * 16 for p in prompts)
+    assert stats.cache.hit_tokens >= full_prompt_blocks + 16, stats.cache  # prompts and some outputs: kept

@@ -76,3 +76,16 @@ def test_bad_sizes_and_double_allocation_are_errors():
     kv.allocate("a", [1], 1)
     with pytest.raises(ValueError, match="already holds blocks"):
         kv.allocate("a", [1], 1)
+
+
+def test_free_all_releases_every_block_and_keeps_what_they_cached():
+    """A new epoch whose KV memory outlived the old one (CacheReset with keep_prefixes): every request's
+    blocks go back, and a request with the same tokens finds the computed ones."""
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    tokens = list(range(1, 11))
+    assert kv.allocate("a", tokens, 12) == 0
+    kv.cache_computed("a", tokens, 10)
+    assert kv.allocate("b", [9, 9, 9], 4) == 0
+    kv.free_all()
+    assert kv.num_free_blocks == 8
+    assert kv.allocate("a", tokens + [11, 12], 4) == 8  # both full blocks, nothing of b's

@@ -61,8 +61,11 @@ class CacheActor(Actor):
                 self.kv.cache_computed(seq, token_ids, num, first)
             case CacheStatsQuery(nonce=nonce):
                 self._reply(nonce, True, [], 0)
-            case CacheReset(epoch=epoch):
-                self.kv = self._fresh_manager()
+            case CacheReset(epoch=epoch, keep_prefixes=keep):
+                if keep:
+                    self.kv.free_all()
+                else:
+                    self.kv = self._fresh_manager()
                 self.epoch = epoch
             case _:
                 super().handle(message)

@@ -69,6 +69,7 @@ class Actor:
         self.standby = False  # a warm spare that has not taken over yet: it must not touch the slot
         self.placement: placement.Placement | None = None  # the tree's CPU plan, where the supervisor set one
         self.weights_fd: int | None = None  # a worker's: its rank's shared weight file (fdcore.models.shared_weights)
+        self.kv_fd: int | None = None  # a worker's: its rank's KV cache file (cache.shared_memory)
         self.stop_reason = "stopped"
         self.restarting = False  # stopped only to be started again: open work goes to the successor
         self.receiver: Receiver | None = None  # set by run()
@@ -241,6 +242,7 @@ def main(actor_cls, argv=None) -> int:
     actor.standby = standby
     actor.placement = _take_place(args.id, config)
     actor.weights_fd = args.weights_fd
+    actor.kv_fd = args.kv_fd
     faults.install(actor)
     inbox = None
     try:
@@ -329,6 +331,8 @@ def _parse_args(argv):
                         help="load at SCHED_IDLE (a spare started while the tree serves)")
     parser.add_argument("--weights-fd", type=int, default=None,
                         help="an inherited descriptor: the rank's shared weight file")
+    parser.add_argument("--kv-fd", type=int, default=None,
+                        help="an inherited descriptor: the rank's shared KV cache file")
     return parser.parse_args(argv)
 
 

@@ -131,6 +131,9 @@ class SchedulerActor(Actor):
 
     def on_start(self) -> None:
         self.epoch: int | None = None  # nothing is scheduled before the engine's first Resync
+        # the workers' KV caches in shared memory the supervisor holds (its _kv_files): a block computed in an
+        # epoch that ended (a restart) still holds its keys and values, so its prefix-cache entry stays true
+        self.kv_survives = self.config.cache.shared_memory and self.config.model.backend != "null"
         self.poison = faults.poison_for("scheduler")
         self._reset()
 
@@ -181,7 +184,7 @@ class SchedulerActor(Actor):
         """A new epoch: everything scheduled, allocated or computed before is void."""
         self._reset()
         self.epoch = epoch
-        self.send("cache", CacheReset(epoch))
+        self.send("cache", CacheReset(epoch, self.kv_survives))
         self.send(topology.WORKERS, WorkerSync(epoch))
 
     def _add(self, m: AddSeq) -> None:

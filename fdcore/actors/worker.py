@@ -131,11 +131,11 @@ class WorkerActor(Actor):
             sys.stderr.write(f"{self.child_id}: weight prefetch {'on' if chosen else 'off'} (a pass over the "
                              f"weights: on {timing[True] * 1e3:.2f} ms, off {timing[False] * 1e3:.2f} ms)\n")
         cache = self.config.cache
-        self.cache = self.model.new_cache(cache.num_blocks, cache.block_size, cache.dtype)
+        self.cache = self.model.new_cache(cache.num_blocks, cache.block_size, cache.dtype, self.kv_fd)
         sys.stderr.write(f"{self.child_id}: KV cache in {self.cache.dtype}: {cache.num_blocks} blocks of "
-                         f"{cache.block_size} tokens\n")
-        if self.world == 1:
-            self._warm_up()
+                         f"{cache.block_size} tokens{' in the rank shared memory' if self.kv_fd is not None else ''}\n")
+        if self.world == 1:  # a shared cache holds the serving worker's blocks: the warm-up writes one of its own
+            self._warm_up(self.model.new_cache(1, cache.block_size, cache.dtype) if self.cache.shared else self.cache)
         if self.standby:  # its cache costs nothing until it takes over (the warm-up touched it all: huge pages)
             self.cache.release()
 
@@ -178,17 +178,19 @@ class WorkerActor(Actor):
         sys.stderr.write(f"{self.child_id}: weights {how} the rank's shared memory ({shared.used >> 20} MiB) "
                          f"in {seconds:.2f} s\n")
 
-    def _warm_up(self) -> None:
+    def _warm_up(self, cache) -> None:
         """A short prompt and a few decode steps before the worker counts as ready: the first forward
         passes pay one-time costs (OpenMP's threads started, operators' first calls, buffers made), which
         the first requests after start-up would otherwise pay, at a fraction of the steady rate. They
-        write block 0 only, which every sequence overwrites before it reads it. (A rank of a group
-        cannot: its peers start after it, and a forward waits for them.)"""
+        write block 0 of ``cache`` only: the worker's private cache, whose block 0 every sequence overwrites
+        before it reads it, or (where the KV cache is the rank's shared one, which holds the serving
+        worker's blocks) a one-block cache of their own. (A rank of a group cannot: its peers start after
+        it, and a forward waits for them.)"""
         size = self.config.cache.block_size
         tokens = list(range(1, min(size, 8) + 1))
-        self.model.forward(BatchInput([tokens], [0], [[0]]), self.cache)
+        self.model.forward(BatchInput([tokens], [0], [[0]]), cache)
         for position in range(len(tokens), min(len(tokens) + 4, size)):
-            self.model.forward(BatchInput([[1]], [position], [[0]]), self.cache)
+            self.model.forward(BatchInput([[1]], [position], [[0]]), cache)
 
     def _place_threads(self) -> None:
         """The main thread alone on its CPU, every other thread (OpenMP's, the grammar masks') on the

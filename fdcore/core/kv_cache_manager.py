@@ -138,6 +138,12 @@ class KVCacheManager:
             if block.ref_count == 0:
                 self._free[block.block_id] = block
 
+    def free_all(self) -> None:
+        """Release every request's blocks, as :meth:`free` would one by one: what each computed block
+        cached stays in the prefix cache (a new epoch whose KV memory outlived the old one's actors)."""
+        for request_id in list(self._requests):
+            self.free(request_id)
+
     # ---------------------------------------------------------------- helpers
     def _blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)

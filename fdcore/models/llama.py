@@ -35,8 +35,8 @@ from fdcore.models.loader import Checkpoint, ModelArgs
 from fdcore.models.quantized import Blocks, concatenate_rows
 from fdcore.models.shared_weights import Stored, WeightFile, shared_pages_cost
 from fdcore.models.tensor_parallel import GATHER_ROWS, TensorGroup
-from fdcore.models.tensors import (StepInputs, as_paddle, on_huge_pages, packing_shared, packing_weights,
-                                   release_pages, zeros_on_huge_pages)
+from fdcore.models.tensors import (StepInputs, arrays_in_file, as_paddle, on_huge_pages, packing_shared,
+                                   packing_weights, release_pages, zeros_on_huge_pages)
 
 
 class PagedKVCache:
@@ -47,23 +47,35 @@ class PagedKVCache:
     A float32 cache's keys are transposed within each block, ``[kv_heads, num_blocks, head_dim, block_size]``:
     a key a vector lane, so attention's scores are one FMA chain per key (paged_attention.cc's ScoreRuns) with no
     reduction across lanes. (The bfloat16 cache keeps its keys as rows: its kernel multiplies them in pairs of
-    values along head_dim, and this machine's CPU, without AVX512-BF16, could not run a re-laid one.)"""
+    values along head_dim, and this machine's CPU, without AVX512-BF16, could not run a re-laid one.)
 
-    def __init__(self, args: ModelArgs, num_blocks: int, block_size: int, dtype: str = "float32"):
+    With ``fd`` (the rank's KV file, which the supervisor holds: ``cache.shared_memory``) the arrays live in
+    that shared file instead of private huge pages, and outlive the worker: its successor finds every block
+    its predecessor computed, and the cache manager's prefix cache still points at them."""
+
+    def __init__(self, args: ModelArgs, num_blocks: int, block_size: int, dtype: str = "float32",
+                 fd: int | None = None):
         if dtype not in ("float32", "bfloat16"):
             raise ValueError(f"PagedKVCache: dtype {dtype!r}: 'float32' or 'bfloat16'")
-        self.num_blocks, self.block_size, self.dtype = num_blocks, block_size, dtype
+        self.num_blocks, self.block_size, self.dtype, self.shared = num_blocks, block_size, dtype, fd is not None
         storage = np.float32 if dtype == "float32" else np.int16
         shape = (args.num_kv_heads, num_blocks, block_size, args.head_dim)
         k_shape = (args.num_kv_heads, num_blocks, args.head_dim, block_size) if dtype == "float32" else shape
-        self.k = [zeros_on_huge_pages(k_shape, storage) for _ in range(args.num_layers)]
-        self.v = [zeros_on_huge_pages(shape, storage) for _ in range(args.num_layers)]
+        if fd is not None:
+            arrays = arrays_in_file(fd, [k_shape, shape] * args.num_layers, storage)
+            self.k, self.v = arrays[0::2], arrays[1::2]
+        else:
+            self.k = [zeros_on_huge_pages(k_shape, storage) for _ in range(args.num_layers)]
+            self.v = [zeros_on_huge_pages(shape, storage) for _ in range(args.num_layers)]
         self._k_buffer = self._v_buffer = self._kt_buffer = np.empty(0, dtype=storage)
         self._views: tuple[list[paddle.Tensor], list[paddle.Tensor]] | None = None
 
     def release(self) -> None:
         """The arrays' memory back to the kernel until they are written again (a warm spare's cache, which
-        its warm-up touched): their contents are lost, which no sequence reads before it writes them."""
+        its warm-up touched): their contents are lost, which no sequence reads before it writes them. A
+        shared cache is never released: its contents are the rank's, which the serving worker reads."""
+        if self.shared:
+            return
         for array in self.k + self.v:
             release_pages(array)
 
@@ -170,9 +182,10 @@ class LlamaModel:
         self.step_inputs = StepInputs()
         self.prefetch_timing = self.tune_weight_prefetch()
 
-    def new_cache(self, num_blocks: int, block_size: int, dtype: str = "auto") -> PagedKVCache:
-        """A KV cache for this model in ``dtype`` as :meth:`cache_dtype` resolves it."""
-        return PagedKVCache(self.args, num_blocks, block_size, self.cache_dtype(dtype))
+    def new_cache(self, num_blocks: int, block_size: int, dtype: str = "auto", fd: int | None = None) -> PagedKVCache:
+        """A KV cache for this model in ``dtype`` as :meth:`cache_dtype` resolves it (in the shared file ``fd``:
+        see :class:`PagedKVCache`)."""
+        return PagedKVCache(self.args, num_blocks, block_size, self.cache_dtype(dtype), fd)
 
     def cache_dtype(self, requested: str = "auto") -> str:
         """The KV cache dtype ``requested`` (config key ``cache.dtype``) means for this model: "auto" is bfloat16

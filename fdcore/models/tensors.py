@@ -9,6 +9,7 @@ kernels only where those are faster. The hand-over must not copy:
 from __future__ import annotations
 
 import mmap
+import os
 from collections import OrderedDict
 from contextlib import contextmanager
 
@@ -98,6 +99,27 @@ def packing_shared() -> bool:
     """Inside :func:`packing_weights` with an external source (a shared weight file): an array the model
     keeps as it is must be copied there too, or the file would not hold it."""
     return bool(_ARENAS) and _ARENAS[-1].external is not None
+
+
+def arrays_in_file(fd: int, shapes, dtype) -> list[np.ndarray]:
+    """Arrays of ``shapes`` carved one after another (each at a page boundary) from a shared file, mapped
+    read-write: what one process writes, every process that maps the file reads, and it outlives them all
+    while the file is open somewhere. A file shorter than the arrays is grown (zeros); one longer was made
+    for other arrays, and is refused."""
+    dtype = np.dtype(dtype)
+    sizes = [int(np.prod(shape)) * dtype.itemsize for shape in shapes]
+    offsets, total = [], 0
+    for size in sizes:
+        offsets.append(total)
+        total += -(-size // mmap.PAGESIZE) * mmap.PAGESIZE
+    held = os.fstat(fd).st_size
+    if held > total:
+        raise ValueError(f"the shared file holds {held} bytes; these arrays take {total}: it was made for others")
+    if held < total:
+        os.ftruncate(fd, total)  # (two processes growing it at once grow it to the same size)
+    region = mmap.mmap(fd, total, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    return [np.frombuffer(region, dtype, count=size // dtype.itemsize, offset=at).reshape(shape)
+            for shape, size, at in zip(shapes, sizes, offsets, strict=True)]
 
 
 def release_pages(array: np.ndarray) -> bool:
