@@ -316,11 +316,14 @@ class CacheStatsQuery(Message):
 class CacheReset(Message):
     """Forget every allocation (a new epoch), and every cached prefix unless ``keep_prefixes``: the
     KV cache lives in shared memory that outlived whatever restarted, so each computed block registered
-    in the prefix cache still holds what its hash says. A cache manager ignores everything before its
-    first CacheReset (stale calls of a dead scheduler or of an epoch that ended)."""
+    in the prefix cache still holds what its hash says, and each of ``tails`` (a sequence whose computed
+    tokens end inside a block) keeps that block for the same tokens re-sent (KVCacheManager.free_all).
+    A cache manager ignores everything before its first CacheReset (stale calls of a dead scheduler or
+    of an epoch that ended)."""
 
     epoch: int
     keep_prefixes: bool = False
+    tails: list[tuple[int, int, list[int]]] = []  # (seq, tokens computed, the tokens of its last block)
 
 
 class CacheStats(msgspec.Struct, array_like=True, frozen=True):

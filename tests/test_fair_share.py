@@ -81,3 +81,20 @@ def test_a_block_is_offered_to_the_prefix_cache_once_the_step_that_fills_it_has_
     assert kv.num_hashed_blocks("r") == 1
     scheduler.update(second, {"r": 31})
     assert kv.num_hashed_blocks("r") == 2
+
+
+def test_computed_tails_count_only_steps_whose_results_came_back():
+    """What a restart that the KV memory outlives keeps of each running request (Scheduler.computed_tails):
+    the tokens computed by answered steps, where they end inside a block; the cache manager then gives the
+    request re-sent everything computed but its last token."""
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    scheduler = Scheduler(BatchLimits(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64), kv)
+    scheduler.add(Request("r", list(range(10, 16)), SamplingParams(max_tokens=8, ignore_eos=True).with_defaults()))
+    first = scheduler.schedule()  # the 6 prompt tokens
+    scheduler.launch(first)
+    second = scheduler.schedule()  # position 6, in flight when the worker dies
+    scheduler.launch(second)
+    scheduler.update(first, {"r": 30})
+    assert scheduler.computed_tails([second]) == [("r", 6, [14, 15])]
+    kv.free_all(scheduler.computed_tails([second]))
+    assert kv.allocate("r", list(range(10, 16)) + [30], 8) == 6

@@ -89,3 +89,42 @@ def test_free_all_releases_every_block_and_keeps_what_they_cached():
     kv.free_all()
     assert kv.num_free_blocks == 8
     assert kv.allocate("a", tokens + [11, 12], 4) == 8  # both full blocks, nothing of b's
+
+
+def test_a_kept_tail_gives_the_same_tokens_re_sent_everything_but_the_last_token():
+    """free_all with tails (the KV memory outlived a restart): a request whose computed tokens end inside
+    a block finds, re-sent, its full blocks and that block (cached = tokens computed); the block is taken
+    by one request only, and forgotten once reused."""
+    kv = KVCacheManager(num_blocks=6, block_size=4)
+    tokens = list(range(1, 8))  # 7 computed: one full block, 3 tokens in the second
+    kv.allocate("a", tokens, 8)
+    kv.cache_computed("a", tokens, 7)
+    kv.free_all([("a", 7, tokens[4:7])])
+    assert kv.allocate("other", tokens[:5] + [99, 98, 97], 4) == 4  # another continuation: the full block only
+    assert kv.allocate("a", tokens + [8], 4) == 7  # re-sent with its sampled token: only that one to compute
+    assert len(kv.block_table("a")) == 2 and kv.block_table("a")[0] == kv.block_table("other")[0]
+    kv.free("a")
+    assert kv.allocate("twin", tokens + [8], 4) == 4  # taken (and written): kept no more
+    kv.free_all()
+    for i in range(6):
+        kv.allocate(f"fill{i}", [50 + i], 1)  # every block reused
+    assert kv.num_free_blocks == 0 and not kv._tails
+
+
+def test_a_tail_is_kept_only_where_its_full_blocks_are_registered():
+    kv = KVCacheManager(num_blocks=6, block_size=4)
+    tokens = list(range(1, 8))
+    kv.allocate("a", tokens, 8)  # nothing registered: the tail's parent is unknown
+    kv.free_all([("a", 7, tokens[4:7])])
+    assert kv.allocate("a", tokens + [8], 4) == 0
+
+
+def test_a_tail_re_sent_without_its_last_sampled_token_still_counts_all_but_the_last():
+    """(The engine may re-send a sequence before it saw the last token the scheduler had: the tokens then
+    end where the kept block does.)"""
+    kv = KVCacheManager(num_blocks=6, block_size=4)
+    tokens = list(range(1, 8))
+    kv.allocate("a", tokens, 8)
+    kv.cache_computed("a", tokens, 7)
+    kv.free_all([("a", 7, tokens[4:7])])
+    assert kv.allocate("a", tokens, 8) == 6

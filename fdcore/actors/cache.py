@@ -61,9 +61,9 @@ class CacheActor(Actor):
                 self.kv.cache_computed(seq, token_ids, num, first)
             case CacheStatsQuery(nonce=nonce):
                 self._reply(nonce, True, [], 0)
-            case CacheReset(epoch=epoch, keep_prefixes=keep):
+            case CacheReset(epoch=epoch, keep_prefixes=keep, tails=tails):
                 if keep:
-                    self.kv.free_all()
+                    self.kv.free_all(tails)
                 else:
                     self.kv = self._fresh_manager()
                 self.epoch = epoch

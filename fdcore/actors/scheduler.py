@@ -181,10 +181,16 @@ class SchedulerActor(Actor):
                 super().handle(message)
 
     def _resync(self, epoch: int) -> None:
-        """A new epoch: everything scheduled, allocated or computed before is void."""
+        """A new epoch: everything scheduled or allocated before is void; what was computed stays usable
+        where the KV memory outlived the restart (the prefix cache and, of each sequence we were running,
+        its last, partly filled block: the re-sent sequences then recompute only their last token)."""
+        tails = []
+        if self.kv_survives and self.epoch is not None:
+            self.blocks.flush()  # (blocks registered by the last results: before the reset, on the same link)
+            tails = self.policy.computed_tails([scheduled for _, scheduled in self.in_flight])
         self._reset()
         self.epoch = epoch
-        self.send("cache", CacheReset(epoch, self.kv_survives))
+        self.send("cache", CacheReset(epoch, self.kv_survives, tails))
         self.send(topology.WORKERS, WorkerSync(epoch))
 
     def _add(self, m: AddSeq) -> None:

@@ -367,6 +367,26 @@ class Scheduler:
             request.num_pending = 0
         return reason
 
+    def computed_tails(self, in_flight: list[list[ScheduledRequest]]) -> list[tuple[str | int, int, list[int]]]:
+        """For a restart that the KV memory outlives: each running request whose tokens computed by steps
+        whose results came back (not those of ``in_flight``, the steps sent and unanswered, which the
+        worker may have left half done) end inside a block: (request id, tokens computed, the tokens of
+        that last block). The cache manager keeps those blocks for the requests re-sent
+        (KVCacheManager.free_all)."""
+        pending = Counter()
+        for scheduled in in_flight:
+            for item in scheduled:
+                if item.launched and item.preemptions == item.request.num_preemptions:
+                    pending[item.request.request_id] += item.num_tokens
+        size, tails = self.kv.block_size, []
+        for request in self.running:
+            computed = request.num_computed_tokens - pending[request.request_id]
+            held = computed % size
+            tokens = request.all_token_ids[computed - held:computed]
+            if held and PLACEHOLDER not in tokens:
+                tails.append((request.request_id, computed, tokens))
+        return tails
+
     def abort(self, request_id: str | int, reason: str = "abort") -> Request | None:
         """Stop a request at any point (abort, or a stop string the engine saw); its blocks
         are freed at once."""
