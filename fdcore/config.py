@@ -145,6 +145,13 @@ class WorkersConfig(_Section):
     shared_weights: Literal["auto", "on", "off"] = "auto"  # fdcore.models.shared_weights
 
 
+def kv_outlives_workers(config: "Config") -> bool:
+    """Whether each worker's KV cache lives in shared memory the supervisor holds (``cache.shared_memory``;
+    the null backend has none): the supervisor then makes the files, and the scheduler keeps the prefix
+    cache across a restart, its blocks' keys and values being still there."""
+    return config.cache.shared_memory and config.model.backend != "null"
+
+
 def worker_threads(workers: WorkersConfig, environ=os.environ) -> int:
     """The math threads each worker runs (its OpenMP / MKL threads): ``workers.omp_threads`` when
     set; else ``OMP_NUM_THREADS`` when the environment sets it (the tests pin 1); else the cores

@@ -36,8 +36,8 @@ import posix_ipc
 from fdcore import janitor
 from fdcore.actors import health, topology
 from fdcore.actors.health import HealthBoard, State
-from fdcore.config import (Config, ConfigError, config_memfd, fd_path, load_config, model_path, render_config,
-                           worker_ranks, worker_threads)
+from fdcore.config import (Config, ConfigError, config_memfd, fd_path, kv_outlives_workers, load_config, model_path,
+                           render_config, worker_ranks, worker_threads)
 from fdcore.core import placement
 from fdcore.ipc import BroadcastRing, Inbox, Ring, Sender, names
 from fdcore.ipc.shm import SHM_DIR, NoSharedMemory, free_bytes
@@ -307,20 +307,23 @@ class Supervisor:
         check's business, not a failed start; one that takes longer than start_timeout is waited for no
         more, and goes on loading at idle priority."""
         started, deadline = time.monotonic(), time.monotonic() + self.config.supervisor.start_timeout
-        while any(proc.poll() is None and self.board.spare(self.slots[cid]) != health.SPARE_WARM
-                  for cid, proc in self.standbys.items()) and time.monotonic() < deadline:
+        while self._loading_spares() and time.monotonic() < deadline:
             self._wait_events(POLL)
             if self.stopping:
                 raise ShutdownRequested()
-        for cid, proc in self.standbys.items():
-            if proc.poll() is None and self.board.spare(self.slots[cid]) != health.SPARE_WARM:
-                try:
-                    placement.set_idle(True, proc.pid)
-                except OSError as exc:  # (ended meanwhile, or not ours to set)
-                    log("spare_priority", id=cid, error=str(exc))
+        for cid, proc in self._loading_spares():
+            try:
+                placement.set_idle(True, proc.pid)
+            except OSError as exc:  # (ended meanwhile, or not ours to set)
+                log("spare_priority", id=cid, error=str(exc))
         if self.standbys:
             log("spares_warm", count=sum(self.board.spare(self.slots[cid]) == health.SPARE_WARM
                                          for cid in self.standbys), seconds=f"{time.monotonic() - started:.2f}")
+
+    def _loading_spares(self) -> list[tuple[str, subprocess.Popen]]:
+        """The spares alive and not warm yet."""
+        return [(cid, proc) for cid, proc in self.standbys.items()
+                if proc.poll() is None and self.board.spare(self.slots[cid]) != health.SPARE_WARM]
 
     def _start_child(self, spec: ChildSpec) -> None:
         slot = self.slots[spec.id]
@@ -377,7 +380,7 @@ class Supervisor:
         """One empty shared-memory file per worker process place for its KV cache (``cache.shared_memory``),
         which the worker sizes and writes and its successor (the promoted spare, a restart) maps as it is:
         every block computed before a crash is still there, and the cache manager keeps pointing at them."""
-        if self.config.model.backend == "null" or not self.config.cache.shared_memory:
+        if not kv_outlives_workers(self.config):
             return {}
         return {spec.id: os.memfd_create(f"fdcore-{self.instance}-kv.{spec.id}", os.MFD_CLOEXEC)
                 for spec in self.specs if spec.kind == "worker"}

@@ -25,6 +25,7 @@ from collections import deque
 
 from fdcore.actors import faults, topology
 from fdcore.actors.runtime import Actor, Interrupted
+from fdcore.config import kv_outlives_workers
 from fdcore.core.scheduler import Request, ScheduledRequest, Scheduler, BatchLimits
 from fdcore.protocol import (AddSeq, Allocate, CacheReply, CacheReset, CacheStats, CacheStatsQuery, Computed,
                              FinishSeq, Free, Grow, GrowMany, GrowReply, NewSeq, Resync, SchedulerMessage, SeqTokens,
@@ -131,9 +132,7 @@ class SchedulerActor(Actor):
 
     def on_start(self) -> None:
         self.epoch: int | None = None  # nothing is scheduled before the engine's first Resync
-        # the workers' KV caches in shared memory the supervisor holds (its _kv_files): a block computed in an
-        # epoch that ended (a restart) still holds its keys and values, so its prefix-cache entry stays true
-        self.kv_survives = self.config.cache.shared_memory and self.config.model.backend != "null"
+        self.kv_survives = kv_outlives_workers(self.config)  # (a block computed before a restart stays true)
         self.poison = faults.poison_for("scheduler")
         self._reset()
 
