@@ -406,6 +406,11 @@ class Supervisor:
         self.standbys[spec.id] = subprocess.Popen(self._command(spec, semaphore.name), process_group=0,
                                                   env=self._child_env(), stdin=subprocess.DEVNULL,
                                                   pass_fds=self._pass_fds(spec))
+        if self.serving:  # idle from its first instruction: its imports alone are a second of CPU that a
+            try:          # worker resuming the streams of the one this spare replaced needs more
+                placement.set_idle(True, self.standbys[spec.id].pid)
+            except OSError as exc:  # (the spare sets itself idle too, once its imports are done)
+                log("spare_priority", id=spec.id, error=str(exc))
         log("standby", id=spec.id, pid=self.standbys[spec.id].pid)
 
     def _check_standbys(self) -> None:
