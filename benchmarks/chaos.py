@@ -9,14 +9,19 @@ Reported: requests identical to the fault-free run / total, kills (= restarts)
 per actor, and the pause each crash caused: the longest silence any stream open
 at the kill saw, from the kill through its next AFTER_KILL tokens (tokens already
 in flight arrive right after a kill; the stall comes after them), p50 and max per
-actor kind and overall. After every
+actor kind and overall. A worker killed while its warm spare stood ready and one
+killed while the spare was still loading (the previous kill's replacement: kills
+come faster than a spare loads) are different recoveries, a promotion against a
+load, and are reported apart; ``--wait-warm`` waits for the spare before each
+kill. ``--from-decode`` holds the first kill until every stream has its first
+token: the pause of a kill in the first prefill is that prefill's recompute. After every
 restart the tree must run exactly one process per actor title (checked: a
 restart that leaves a second engine, or none, fails the run).
 
 Usage: python benchmarks/chaos.py [--streams 32] [--kills 10] [--seed 0] [--max-tokens 300]
                                   [--strategy one_for_one|one_for_all|rest_for_one]
                                   [--model tiny|smollm2|PATH] [--dtype float32|bfloat16] [--quantization none|wint8|wint4]
-                                  [--shared-weights auto|on|off] [--shared-kv on|off]
+                                  [--shared-weights auto|on|off] [--shared-kv on|off] [--wait-warm] [--from-decode]
 """
 
 from __future__ import annotations
@@ -36,7 +41,8 @@ from fdcore import AsyncLLM, SamplingParams  # noqa: E402
 from fdcore.config import default_model_path, parse_config  # noqa: E402
 from fdcore.models.fetch import fetch_smollm2  # noqa: E402
 from fdcore.models.tiny import ensure_tiny_model  # noqa: E402
-from fdcore.actors import topology  # noqa: E402
+from fdcore.actors import health, topology  # noqa: E402
+from fdcore.actors.health import HealthBoard  # noqa: E402
 from fdcore.supervisor import actor_census  # noqa: E402
 from fdcore.supervisor import actor_pid as find_actor  # noqa: E402
 
@@ -112,16 +118,34 @@ async def census_after_restart(client, child_ids: list[str], timeout: float = 30
     return wrong
 
 
+async def wait_for_warm_spare(board: HealthBoard, slot: int, timeout: float = 120.0) -> bool:
+    """Until the worker's spare is warm (the health board is where a spare says so; no event says when:
+    polled), or the timeout."""
+    deadline = time.monotonic() + timeout
+    while board.spare(slot) != health.SPARE_WARM and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    return board.spare(slot) == health.SPARE_WARM
+
+
 async def chaos(client, clock: Clock, kills: int, rng: random.Random, kinds: list[str], log: list,
-                child_ids: list[str], census: list):
+                child_ids: list[str], census: list, board: HealthBoard, wait_warm: bool, decoding: int = 0):
     await clock.tick.wait()
+    while len(clock.arrivals) < decoding:  # (--from-decode: until that many streams have their first token)
+        clock.tick.clear()
+        await clock.tick.wait()
     for _ in range(kills):
-        await asyncio.sleep(rng.uniform(0.05, 0.4))
         kind = rng.choice(kinds)
+        pause = rng.uniform(0.05, 0.4)
+        slot = child_ids.index(CHILDREN[kind])
+        if kind == "worker" and wait_warm:
+            await wait_for_warm_spare(board, slot)
+        await asyncio.sleep(pause)
         pid = actor_pid(client, kind)
         if pid is None:
             log.append((kind, None))  # not running at that moment: reported, not silently skipped
             continue
+        if kind == "worker" and board.spare(slot) != health.SPARE_WARM:
+            kind = "worker*"  # its replacement loads: the kill comes before the last one's spare warmed
         streams = clock.open_streams()
         killed_at = time.monotonic()
         os.kill(pid, signal.SIGKILL)
@@ -150,13 +174,16 @@ async def main_async(args) -> int:
         clean_elapsed = time.monotonic() - clean_started
         clock, log, census = Clock(), [], []
         started = time.monotonic()
+        board = HealthBoard.attach(topology.health_name(client._tree.instance))
         chaos_task = asyncio.ensure_future(chaos(client, clock, args.kills, rng, args.actors.split(","), log,
-                                                 topology.child_ids(config), census))
+                                                 topology.child_ids(config), census, board, args.wait_warm,
+                                                 args.streams if args.from_decode else 0))
         crashed = await asyncio.gather(*(stream(client, p, s, f"chaos-{i}", clock)
                                          for i, (p, s) in enumerate(zip(prompts, params, strict=True))))
         elapsed = time.monotonic() - started
         chaos_task.cancel()
         healthy = await client.check_health()
+        board.close()
     identical = sum(1 for a, b in zip(clean, crashed, strict=True) if a[:2] == b[:2] and not b[2])
     for i, (a, b) in enumerate(zip(clean, crashed, strict=True)):
         if a[:2] != b[:2] or b[2]:
@@ -176,10 +203,13 @@ async def main_async(args) -> int:
     print(f"one process per actor after each restart: {len(census) - len(wrong)}/{len(census)}"
           + "".join(f"\n  {w}" for w in wrong))
     print(f"{'actor':10s} {'kills':>5s} {'pause p50 s':>12s} {'pause max s':>12s}")
-    for kind in [*CHILDREN, "all"]:
+    for kind in [*CHILDREN, "worker*", "all"]:
         pauses = [p for k, p in log if kind in (k, "all") and p != "idle"]
         if pauses:
             print(f"{kind:10s} {len(pauses):5d} {statistics.median(pauses):12.3f} {max(pauses):12.3f}")
+    if any(k == "worker*" for k, _ in log):
+        print("worker*: a worker killed while its spare was still loading (the replacement loads; "
+              "--wait-warm spaces the kills)")
     if len(log) < args.kills and not skipped:
         print("the streams ended before every kill was done (restarts outlasted the workload)")
     return 0 if identical == args.streams and len(log) == args.kills and not wrong else 1
@@ -198,6 +228,8 @@ def main(argv=None) -> int:
     parser.add_argument("--quantization", default="none", help="model.quantization")
     parser.add_argument("--shared-weights", default="auto", choices=["auto", "on", "off"], help="workers.shared_weights")
     parser.add_argument("--shared-kv", default="on", choices=["on", "off"], help="cache.shared_memory")
+    parser.add_argument("--wait-warm", action="store_true", help="before each worker kill, wait for its warm spare")
+    parser.add_argument("--from-decode", action="store_true", help="the first kill once every stream has a token")
     return asyncio.run(main_async(parser.parse_args(argv)))
 
 

@@ -312,10 +312,7 @@ class Supervisor:
             if self.stopping:
                 raise ShutdownRequested()
         for cid, proc in self._loading_spares():
-            try:
-                placement.set_idle(True, proc.pid)
-            except OSError as exc:  # (ended meanwhile, or not ours to set)
-                log("spare_priority", id=cid, error=str(exc))
+            self._set_priority(cid, proc, idle=True)
         if self.standbys:
             log("spares_warm", count=sum(self.board.spare(self.slots[cid]) == health.SPARE_WARM
                                          for cid in self.standbys), seconds=f"{time.monotonic() - started:.2f}")
@@ -332,6 +329,7 @@ class Supervisor:
         standby = self.standbys.pop(spec.id, None)
         if standby is not None and standby.poll() is None:
             proc = standby  # a warm spare: loaded already, it takes the place at once
+            self._set_priority(spec.id, proc, idle=False)  # (one still loading: every request now waits for it)
             self.standby_semaphores[spec.id].release()
             self._backoff(spec.id).succeeded()
             log("promoted", id=spec.id, pid=proc.pid)
@@ -357,7 +355,7 @@ class Supervisor:
         cmd += ["--weights-fd", str(weights)] if weights is not None else []
         cmd += ["--kv-fd", str(kv)] if kv is not None else []
         if standby:
-            cmd += ["--standby", standby] + (["--idle"] if self.serving else [])
+            cmd += ["--standby", standby]
         return cmd
 
     def _pass_fds(self, spec: ChildSpec) -> tuple[int, ...]:
@@ -406,12 +404,20 @@ class Supervisor:
         self.standbys[spec.id] = subprocess.Popen(self._command(spec, semaphore.name), process_group=0,
                                                   env=self._child_env(), stdin=subprocess.DEVNULL,
                                                   pass_fds=self._pass_fds(spec))
-        if self.serving:  # idle from its first instruction: its imports alone are a second of CPU that a
-            try:          # worker resuming the streams of the one this spare replaced needs more
-                placement.set_idle(True, self.standbys[spec.id].pid)
-            except OSError as exc:  # (the spare sets itself idle too, once its imports are done)
-                log("spare_priority", id=spec.id, error=str(exc))
+        if self.serving:  # idle from its first instruction (its threads inherit it): its imports alone are
+            # a second of CPU that a worker resuming the streams of the one this spare replaced needs more
+            self._set_priority(spec.id, self.standbys[spec.id], idle=True)
         log("standby", id=spec.id, pid=self.standbys[spec.id].pid)
+
+    @staticmethod
+    def _set_priority(cid: str, proc: subprocess.Popen, idle: bool) -> None:
+        """A spare's threads at SCHED_IDLE while it loads beside a serving tree, back to the normal policy
+        as it is promoted (the threads it makes meanwhile inherit its policy). Where that fails, logged: the
+        spare then loads or serves at the priority it had."""
+        try:
+            placement.set_idle(idle, proc.pid)
+        except OSError as exc:  # (ended meanwhile, or RLIMIT_NICE forbids the way back)
+            log("spare_priority", id=cid, idle=idle, error=str(exc))
 
     def _check_standbys(self) -> None:
         """A spare never exits on its own: one that did crashed while loading or waiting. It counts

@@ -293,13 +293,18 @@ def test_the_first_spare_loads_before_ready_and_later_ones_at_idle_priority(star
 
 def test_a_first_spare_slower_than_start_timeout_goes_on_at_idle_priority(start_tree):
     """A first spare that is not warm within start_timeout is waited for no more: the tree says ready, and
-    the spare goes on loading at SCHED_IDLE, every thread, so that it slows no request."""
+    the spare goes on loading at SCHED_IDLE, every thread, so that it slows no request; promoted before it
+    is warm (its worker died), it loads on at the normal priority."""
     tree = start_tree("[supervisor]\nstart_timeout = 15.0\n[workers]\nstandby = true\n",
                       env={"FDCORE_TEST_FAULT": "worker0:stall_spare"})
     spare = int(tree.wait("standby", id="worker0")["pid"])
     assert tree.wait("spares_warm")["count"] == "0"
     tree.wait("ready")
     assert _policies(spare) == {os.SCHED_IDLE}
+    # promoted while still loading, every request now waits for it: it loads at the normal priority
+    tree.kill_child("worker0")
+    assert int(tree.wait("promoted", id="worker0")["pid"]) == spare
+    assert _policies(spare) == {os.SCHED_OTHER}
     os.kill(tree.proc.pid, signal.SIGTERM)
     assert tree.exit_code() == 0
 

@@ -248,15 +248,12 @@ def main(actor_cls, argv=None) -> int:
     try:
         if standby:
             board.set_spare(args.slot, health.SPARE_LOADING)
-        if args.idle:  # a spare that loads beside a serving tree: only CPU time nothing else wants
-            _set_idle(True)
         actor.on_start()
         if standby:  # loaded and warm: wait to replace the actor when it dies
             board.set_spare(args.slot, health.SPARE_WARM)
             _wake_supervisor(args.parent)
             _wait_for_promotion(args.standby)
             board.set_spare(args.slot, health.SPARE_NONE)  # (the supervisor starts the next one loading)
-            _set_idle(False)
             _set_title(topology.title_of(args.id))
             board.write(args.slot, health.PID, os.getpid())
             actor.standby = False
@@ -296,13 +293,6 @@ def main(actor_cls, argv=None) -> int:
     return 0
 
 
-def _set_idle(idle: bool) -> None:
-    try:
-        placement.set_idle(idle)
-    except OSError as exc:  # (RLIMIT_NICE forbids the way back: the worker would serve at idle priority)
-        sys.stderr.write(f"fdcore: cannot set {'SCHED_IDLE' if idle else 'SCHED_OTHER'}: {exc}\n")
-
-
 def _wake_supervisor(parent: int) -> None:
     """Tell the supervisor to look at the health board now (we are ready, or a warm spare), not at its next
     poll: a promoted spare's restart is that much shorter. SIGCHLD: a signal it wakes for anyway, and
@@ -339,8 +329,6 @@ def _parse_args(argv):
     parser.add_argument("--parent", type=int, required=True, help="the supervisor's pid")
     parser.add_argument("--standby", default=None,
                         help="load, then wait on this semaphore before taking over the actor's place")
-    parser.add_argument("--idle", action="store_true",
-                        help="load at SCHED_IDLE (a spare started while the tree serves)")
     parser.add_argument("--weights-fd", type=int, default=None,
                         help="an inherited descriptor: the rank's shared weight file")
     parser.add_argument("--kv-fd", type=int, default=None,
