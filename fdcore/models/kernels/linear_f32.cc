@@ -27,8 +27,8 @@
 // number of rows of X or the thread count. So a row's result is the same to the bit alone, in any
 // batch, and on any number of threads.
 //
-// The AVX2 path is the same computation 8 outputs to a vector (2 rows of X per pass: 8 accumulators
-// and the panel's 4 weight vectors fill most of AVX2's 16 registers), so it gives the same bits. The
+// The AVX2 path is the same computation 8 outputs to a vector (6 rows of X against half a panel per
+// pass: see kRowsPerPass there), so it gives the same bits. The
 // caller checks the CPU's flags (/proc/cpuinfo) before using this.
 #include <immintrin.h>
 
@@ -80,37 +80,56 @@ inline void PanelRows(const float* X, int64_t K, const float* W, int64_t outputs
 }
 #elif defined(__AVX2__) && defined(__FMA__)
 constexpr int kVectors = kPanel / 8;  // 8-lane vectors per panel
-// 2 rows: 8 accumulators, the panel's 4 weight vectors and a broadcast x fit AVX2's 16 registers
-constexpr int kRowsPerPass = 2;
+// Rows of X per pass: 6 rows against half a panel (16 outputs) at a time, 12 accumulators, the half
+// panel's 2 weight vectors and one broadcast x in AVX2's 16 registers (BLIS's 6x16 tile for these
+// cores): 8 loads per 12 FMAs, and 12 independent chains to hide the FMA latency. The earlier 2 rows x
+// 32 outputs (8 chains, 6 loads per 8 FMAs) reached ~33 GFLOP/s at 32 rows on 2 threads of a Zen 3 EPYC,
+// 0.61x Paddle's MKL there (benchmarks/bench_linear_f32.py).
+constexpr int kRowsPerPass = 6;
 
-// As the AVX-512 version, 8 outputs per vector: the same FMA chain per output, so the same bits.
+// As the AVX-512 version, 8 outputs per vector: the same FMA chain per output, so the same bits. One row
+// (decoding one sequence: W streams from memory) takes the whole panel per pass; several rows take it in
+// two halves, each a 6x16 tile.
 template <int MB>
 inline void PanelRows(const float* X, int64_t K, const float* W, int64_t outputs, int64_t N, float* Y, bool = false) {
-  __m256 acc[MB][kVectors];
-  for (int j = 0; j < MB; ++j)
-    for (int v = 0; v < kVectors; ++v) acc[j][v] = _mm256_setzero_ps();
+  constexpr int kParts = MB == 1 ? 1 : 2;          // passes over the panel
+  constexpr int kPartVectors = kVectors / kParts;  // vectors (of 8 outputs) per pass
   // (a batch's first pass does not prefetch here: on the AVX-512 Xeon running this path, 2 threads, it measured
   // 0.9x the time at 2 and 4 rows, 0.84-1.18x at 8 to 32: not shown to help on a real AVX2 machine)
   const bool prefetch = MB == 1 && fdcore_prefetch_weights;
+  for (int part = 0; part < kParts; ++part) {
+    const float* Wh = W + part * kPartVectors * 8;
+    __m256 acc[MB][kPartVectors];
+#pragma GCC unroll 16
+    for (int j = 0; j < MB; ++j)
+#pragma GCC unroll 8
+      for (int v = 0; v < kPartVectors; ++v) acc[j][v] = _mm256_setzero_ps();
 #pragma GCC unroll 4
-  for (int64_t k = 0; k < K; ++k) {
-    if (prefetch)
-      for (int v = 0; v < kVectors; v += 2) _mm_prefetch(reinterpret_cast<const char*>(W + k * kPanel + v * 8 + kPrefetchAhead), _MM_HINT_T0);
-    __m256 w[kVectors];
-    for (int v = 0; v < kVectors; ++v) w[v] = _mm256_loadu_ps(W + k * kPanel + v * 8);
-    for (int j = 0; j < MB; ++j) {
-      const __m256 x = _mm256_broadcast_ss(X + j * K + k);
-      for (int v = 0; v < kVectors; ++v) acc[j][v] = _mm256_fmadd_ps(w[v], x, acc[j][v]);
+    for (int64_t k = 0; k < K; ++k) {
+      if (prefetch)
+        for (int v = 0; v < kPartVectors; v += 2) _mm_prefetch(reinterpret_cast<const char*>(Wh + k * kPanel + v * 8 + kPrefetchAhead), _MM_HINT_T0);
+      __m256 w[kPartVectors];
+#pragma GCC unroll 8
+      for (int v = 0; v < kPartVectors; ++v) w[v] = _mm256_loadu_ps(Wh + k * kPanel + v * 8);
+#pragma GCC unroll 16
+      for (int j = 0; j < MB; ++j) {
+        const __m256 x = _mm256_broadcast_ss(X + j * K + k);
+#pragma GCC unroll 8
+        for (int v = 0; v < kPartVectors; ++v) acc[j][v] = _mm256_fmadd_ps(w[v], x, acc[j][v]);
+      }
     }
-  }
-  for (int j = 0; j < MB; ++j) {
-    if (outputs == kPanel) {
-      for (int v = 0; v < kVectors; ++v) _mm256_storeu_ps(Y + j * N + v * 8, acc[j][v]);
-    } else {  // the last panel's real rows
-      alignas(32) float row[kPanel];
-      for (int v = 0; v < kVectors; ++v) _mm256_store_ps(row + v * 8, acc[j][v]);
-      std::copy(row, row + outputs, Y + j * N);
-    }
+    // NOTE: every access to acc by a constant index (loops the compiler unrolls whole), the stores to Y
+    // apart: with a store that depends on `outputs` GCC kept acc in memory and stored all 12 accumulators
+    // after every k step (~2.3x the time, 21 GFLOP/s on one Zen 3 core against MKL's 51 at 64 rows).
+    alignas(32) float tile[MB][kPartVectors * 8];
+#pragma GCC unroll 16
+    for (int j = 0; j < MB; ++j)
+#pragma GCC unroll 8
+      for (int v = 0; v < kPartVectors; ++v) _mm256_store_ps(tile[j] + v * 8, acc[j][v]);
+    const int64_t first = part * kPartVectors * 8;  // this pass's first output of the panel
+    if (first >= outputs) break;
+    const int64_t here = std::min<int64_t>(outputs - first, kPartVectors * 8);  // (fewer: the last panel's)
+    for (int j = 0; j < MB; ++j) std::copy(tile[j], tile[j] + here, Y + j * N + first);
   }
 }
 #else
