@@ -395,7 +395,7 @@ def check_health(tree: _Tree, stale_after: float = 10.0) -> tuple[bool, str]:
             state = board.read(slot, health.STATE)
             if state != State.READY:
                 return False, f"actor in slot {slot} is {State(state).name}"
-            age = (now - board.read(slot, health.HEARTBEAT)) / 1e9
+            age = health.silence_ns(board.read(slot, health.HEARTBEAT), board.read(slot, health.GRACE), now) / 1e9
             if age > stale_after:
                 return False, f"actor in slot {slot} has not ticked for {age:.1f} s"
         return True, ""

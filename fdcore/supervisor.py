@@ -286,7 +286,7 @@ class Supervisor:
             return None
         return child.stall.look(board.read(slot, health.HEARTBEAT), board.read(slot, health.PROGRESS),
                                 bool(board.read(slot, health.BUSY)), time.monotonic_ns(),
-                                int(self.config.supervisor.hang_timeout * 1e9))
+                                int(self.config.supervisor.hang_timeout * 1e9), board.read(slot, health.GRACE))
 
     # ------------------------------------------------------------- starting
     def _start_all(self) -> None:

@@ -106,6 +106,35 @@ def test_a_busy_actor_without_progress_is_killed_and_its_requests_resume_identic
     assert tree.exit_code() == 0
 
 
+def test_a_forward_pass_longer_than_the_hang_timeout_is_not_a_hang(start_tree):
+    """A worker inside one forward pass neither ticks nor makes progress. A model too large for the CPU
+    (here every pass, the warm-up's too, 20 ms a token slower) given a 150-token prompt spends ~3 s in one
+    pass, three hang timeouts: the grace the worker writes before each pass (what its measured passes
+    predict, times four) keeps the supervisor from calling it hung, and the request completes with no
+    restart. Without it the worker was killed and restarted into the same step, over and over."""
+    tree = start_tree("[supervisor]\nhang_timeout = 1.0\nheartbeat_interval = 0.1\n", "worker0:slow_pass:20")
+    tree.wait("ready")
+
+    async def scenario():
+        llm = AsyncLLM.connect(tree.instance)
+        try:
+            tokens, started = [], time.monotonic()
+            async for out in llm.generate(list(range(5, 155)), SamplingParams(temperature=0.0, max_tokens=4,
+                                                                                ignore_eos=True)):
+                tokens += out.outputs.token_ids
+            return tokens, out.outputs.finish_reason, out.error_msg, time.monotonic() - started
+        finally:
+            await llm.shutdown()
+
+    tokens, reason, error, took = asyncio.run(asyncio.wait_for(scenario(), 60))
+    assert took > 3 * 1.0, "the pass did not outlast the hang timeout: the test proves nothing"
+    log = "\n".join(tree.log)
+    assert "event=hung" not in log and "event=restarted" not in log, log
+    assert (len(tokens), reason, error) == (4, "length", ""), (tokens, reason, error)
+    os.kill(tree.proc.pid, signal.SIGTERM)
+    assert tree.exit_code() == 0
+
+
 @pytest.mark.parametrize("value", ["worker0", "worker0:sleep", "worker0:wedge:0", "worker0:wedge:x", "a:wedge:1:2"])
 def test_a_malformed_fault_is_refused(monkeypatch, value):
     monkeypatch.setenv(faults.FAULT_ENV, value)

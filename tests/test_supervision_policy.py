@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from fdcore.actors.health import StallWatch
+from fdcore.actors.health import StallWatch, silence_ns
+from fdcore.core.step_cost import StepCost, parameter_count
 from fdcore.supervision import Backoff, RestartIntensity, RestartPlan, plan_restart, should_restart, to_restart
 
 ORDER = ["cache", "worker0", "scheduler", "engine"]
@@ -107,6 +108,32 @@ def test_the_stall_watch_sees_a_stopped_heartbeat_and_busy_without_progress():
     assert watch.look(107 * S, 5, True, 107 * S, 10 * S) is None
     assert watch.look(110 * S, 5, True, 110 * S, 10 * S) == "busy without progress for 12.0 s"
     assert watch.look(111 * S, 6, True, 111 * S, 10 * S) is None  # it moved
+
+
+def test_inside_its_grace_an_actor_owes_no_tick_and_no_progress():
+    """A worker in a long forward pass (its grace: until 130 s) neither ticks nor progresses; it is not
+    hung before the grace ends, and past it the hang timeout counts from the grace's end."""
+    watch = StallWatch(now_ns=0)
+    assert watch.look(100 * S, 5, True, 100 * S, 10 * S, grace_ns=130 * S) is None
+    assert watch.look(100 * S, 5, True, 125 * S, 10 * S, grace_ns=130 * S) is None  # 25 s silent, in grace
+    assert watch.look(100 * S, 5, True, 139 * S, 10 * S, grace_ns=130 * S) is None  # 9 s past it
+    assert watch.look(100 * S, 5, True, 141 * S, 10 * S, grace_ns=130 * S) == "no heartbeat for 11.0 s"
+    assert silence_ns(100 * S, 0, 105 * S) == 5 * S  # no grace: since the tick
+
+
+def test_the_step_cost_learns_from_measured_passes():
+    """A pass's expected cost: a one-token part and a per-token part, the unmeasured bound replaced by
+    the first measurement, a slow pass raising it at once and the estimate sinking back slowly."""
+    cost = StepCost.unmeasured(parameter_count(576, 1536, 30, 9, 3, 64, 49152))  # SmolLM2's shape
+    assert cost.expected(1) > 0.2 and cost.expected(1024) > 100  # a slow CPU's bound: generous
+    cost.record(8, 0.08)   # the warm-up's prompt, before any one-token pass: all of it per token
+    cost.record(1, 0.02)
+    assert cost.per_pass == 0.02 and abs(cost.per_token - 0.08 / 7) < 1e-12
+    cost.record(101, 0.02 + 100 * 0.005)  # cheaper tokens in a big batch: the estimate sinks, slowly
+    assert 0.005 < cost.per_token < 0.08 / 7
+    cost.record(1, 0.5)  # one slow pass (a busy machine): raised at once
+    assert cost.per_pass == 0.5
+    assert cost.grace(1000) == 4 * (cost.per_pass + 999 * cost.per_token)
 
 
 def test_an_actor_idle_for_long_owes_no_progress_the_moment_it_gets_work():

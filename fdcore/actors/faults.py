@@ -10,7 +10,9 @@
   heartbeat still ticking (hang detection's "busy without progress" must catch it). A wedge happens
   in the tree's first generation only, so that the restarted child works and the test can see the
   requests resume. ``stall_spare`` makes the child's spare (its standby) never finish loading, as one
-  starved of CPU on a busy machine would not.
+  starved of CPU on a busy machine would not. ``slow_pass:<ms>`` makes a worker's every forward pass
+  (the warm-up's too) take ``ms`` milliseconds more per token, inside the call and without a tick: a
+  model too large for the CPU, whose legitimate passes outlast ``hang_timeout``.
 
 Unset, each is one environment lookup at actor start and a ``None`` check per request.
 """
@@ -27,7 +29,7 @@ from fdcore.protocol import Ping, Stop
 
 POISON_ENV = "FDCORE_TEST_POISON"
 FAULT_ENV = "FDCORE_TEST_FAULT"
-BEHAVIOURS = ("ignore_stop", "ignore_sigterm", "wedge", "stall_spare")
+BEHAVIOURS = ("ignore_stop", "ignore_sigterm", "wedge", "stall_spare", "slow_pass")
 
 
 class PoisonedRequest(RuntimeError):
@@ -76,6 +78,22 @@ def install(actor) -> None:
         actor.dispatch = _wedge_on_work(actor, actor.dispatch, count)
     if behaviour == "stall_spare" and actor.standby:
         actor.on_start = _stall
+    if behaviour == "slow_pass":
+        _slow_passes(count / 1000)
+
+
+def _slow_passes(per_token: float) -> None:
+    """Every forward pass of this process's models (LlamaModel.forward goes through forward_rows) takes
+    ``per_token`` seconds more per token, before it computes: the call simply lasts, as a slow kernel's."""
+    from fdcore.models.llama import LlamaModel
+
+    forward_rows = LlamaModel.forward_rows
+
+    def slow_forward_rows(self, batch, cache, every_row_of):
+        time.sleep(per_token * sum(len(t) for t in batch.token_ids))
+        return forward_rows(self, batch, cache, every_row_of)
+
+    LlamaModel.forward_rows = slow_forward_rows
 
 
 def _stall() -> None:

@@ -1,17 +1,20 @@
 """The health board: one shared-memory slot per actor, written by the actor, read by the supervisor.
 
-Each slot is eight native u64 words (one cache line), written with single
+Each slot is sixteen native u64 words (two cache lines), written with single
 aligned stores (a memoryview cast, never ``struct.pack_into``, which zeroes
 first)::
 
     0 pid   1 state   2 heartbeat (monotonic ns)   3 progress (messages handled)
     4 busy (1 while it has work queued)   5 generation (restarts)
     6 loading (permille of start-up done, e.g. weight files read)   7 restarts of this child
+    8 grace (monotonic ns): until then the actor is inside one call that may run long without a tick
+      (a worker's forward pass, allowed what fdcore.core.step_cost expects of it); 9-15 unused
 
 ``heartbeat`` moves whenever the actor's loop turns (at least every
 ``heartbeat_interval`` when idle); ``progress`` moves whenever it finishes a
 unit of work. The supervisor calls an actor hung when the heartbeat stops, or
-when it is busy and progress stops (:class:`StallWatch`).
+when it is busy and progress stops (:class:`StallWatch`), for ``hang_timeout``
+counted from the end of its grace.
 
 After the slots, one word per slot says how its warm spare stands (a worker's
 standby writes it, the slot's own words being the active actor's): none,
@@ -28,8 +31,8 @@ import posix_ipc
 
 from fdcore.ipc.shm import map_segment, unlink_quietly
 
-WORDS_PER_SLOT = 8
-PID, STATE, HEARTBEAT, PROGRESS, BUSY, GENERATION, LOADING, RESTARTS = range(8)
+WORDS_PER_SLOT = 16
+PID, STATE, HEARTBEAT, PROGRESS, BUSY, GENERATION, LOADING, RESTARTS, GRACE = range(9)
 SPARE_NONE, SPARE_LOADING, SPARE_WARM = 0, 1, 2
 SPARE_NAMES = {SPARE_NONE: "none", SPARE_LOADING: "loading", SPARE_WARM: "warm"}
 
@@ -98,6 +101,12 @@ class HealthBoard:
         unlink_quietly(posix_ipc.unlink_shared_memory, self.name)
 
 
+def silence_ns(heartbeat_ns: int, grace_ns: int, now_ns: int) -> int:
+    """How long an actor has been silent: 0 inside its grace, else since its last tick or the end of its
+    grace, whichever came later."""
+    return 0 if now_ns < grace_ns else now_ns - max(heartbeat_ns, grace_ns)
+
+
 class StallWatch:
     """Hang detection's memory of one actor between looks (pure: the supervisor passes what it
     reads and the time). Busy-without-progress is counted from the last look that saw progress *or
@@ -111,12 +120,14 @@ class StallWatch:
         self.progress: int | None = None  # not looked at yet
         self.owed_since = now_ns
 
-    def look(self, heartbeat_ns: int, progress: int, busy: bool, now_ns: int, hang_timeout_ns: int) -> str | None:
-        """Why the actor counts as hung now, or None."""
-        if progress != self.progress or not busy:  # (None, the first look, differs from any count)
+    def look(self, heartbeat_ns: int, progress: int, busy: bool, now_ns: int, hang_timeout_ns: int,
+             grace_ns: int = 0) -> str | None:
+        """Why the actor counts as hung now, or None. Inside its grace (``now_ns < grace_ns``) it owes
+        nothing; past it, its silence counts from the grace's end at the earliest."""
+        if progress != self.progress or not busy or now_ns < grace_ns:  # (None, the first look, differs from any count)
             self.progress, self.owed_since = progress, now_ns
-        if heartbeat_ns and now_ns - heartbeat_ns > hang_timeout_ns:
-            return f"no heartbeat for {(now_ns - heartbeat_ns) / 1e9:.1f} s"
-        if busy and now_ns - self.owed_since > hang_timeout_ns:
-            return f"busy without progress for {(now_ns - self.owed_since) / 1e9:.1f} s"
+        if heartbeat_ns and (quiet := silence_ns(heartbeat_ns, grace_ns, now_ns)) > hang_timeout_ns:
+            return f"no heartbeat for {quiet / 1e9:.1f} s"
+        if busy and (owed := now_ns - max(self.owed_since, grace_ns)) > hang_timeout_ns:
+            return f"busy without progress for {owed / 1e9:.1f} s"
         return None

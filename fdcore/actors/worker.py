@@ -31,6 +31,7 @@ from fdcore.actors.runtime import Actor, StopRequested
 from fdcore.config import model_path
 from fdcore.core import placement
 from fdcore.core.batch import BatchInput
+from fdcore.core.step_cost import StepCost, parameter_count
 from fdcore.models.tuning import SwitchTrial
 from fdcore.protocol import PromptScores, SamplingParams, Step, StepResult, WorkerMessage, WorkerSync
 
@@ -107,6 +108,9 @@ class WorkerActor(Actor):
 
         path, started = model_path(self.config), time.monotonic()
         args = inspect_checkpoint(path)
+        self.step_cost = StepCost.unmeasured(parameter_count(  # (until a pass is timed: the warm-up's, or the first)
+            args.hidden_size, args.intermediate_size, args.num_layers, args.num_heads, args.num_kv_heads,
+            args.head_dim, args.vocab_size))
         shared = self._shared_weights(args)
         if shared is not None and shared.manifest is not None:  # mapped, not read: only the architecture
             checkpoint = Checkpoint(path, args, (), {})  # (the rank's shard: _join_group)
@@ -188,9 +192,13 @@ class WorkerActor(Actor):
         it, and a forward waits for them.)"""
         size = self.config.cache.block_size
         tokens = list(range(1, min(size, 8) + 1))
+        started = time.perf_counter()
         self.model.forward(BatchInput([tokens], [0], [[0]]), cache)
+        self.step_cost.record(len(tokens), time.perf_counter() - started)  # (with its one-time costs: generous)
         for position in range(len(tokens), min(len(tokens) + 4, size)):
+            started = time.perf_counter()
             self.model.forward(BatchInput([[1]], [position], [[0]]), cache)
+            self.step_cost.record(1, time.perf_counter() - started)
 
     def _place_threads(self) -> None:
         """The main thread alone on its CPU, every other thread (OpenMP's, the grammar masks') on the
@@ -305,10 +313,17 @@ class WorkerActor(Actor):
         masks = self.masks.submit(self._allowed, constrained) if constrained else None  # beside the forward
         batch = BatchInput(token_ids, starts, tables, prompt_lengths)
         trial = self._prefetch_trial(token_ids)
+        tokens = sum(len(t) for t in token_ids)
+        # one call into the kernels, no tick until it returns: long for a big model and a full prefill budget
+        self.board.write(self.slot, health.GRACE, time.monotonic_ns() + int(self.step_cost.grace(tokens) * 1e9))
         forward_started = time.perf_counter()
         logits, hidden = self.model.forward_rows(batch, self.cache, tuple(row for row, _, _ in scoring))
+        elapsed = time.perf_counter() - forward_started
+        self.heartbeat()  # (before the grace ends: silence would count from the tick before the pass)
+        self.board.write(self.slot, health.GRACE, 0)
+        self.step_cost.record(tokens, elapsed)
         if trial is not None:
-            self._prefetch_tried(trial, time.perf_counter() - forward_started)
+            self._prefetch_tried(trial, elapsed)
         # every rank scores (the LM head's gather is a collective); rank 0 sends them
         scores = [self._score_prompt(item, state, hidden[row]) for row, item, state in scoring] or None
         if self.rank > 0:
