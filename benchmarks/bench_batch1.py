@@ -87,9 +87,9 @@ def prompts(count: int, vocab: int, seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(3, vocab) for _ in range(INPUT_LEN)] for _ in range(count)]
 
 
-async def decode_rate(llm: AsyncLLM, prompt: list[int]) -> float:
+async def decode_rate(llm: AsyncLLM, prompt: list[int], output_len: int = OUTPUT_LEN) -> float:
     """Tokens/s between the first streamed token (the prefill's) and the last."""
-    params = SamplingParams(temperature=0.0, max_tokens=OUTPUT_LEN, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     first = last = None
     before = total = 0
     async for out in llm.generate(prompt, params):
@@ -102,8 +102,8 @@ async def decode_rate(llm: AsyncLLM, prompt: list[int]) -> float:
         if first is None:
             first, before = now, count
         last, total = now, total + count
-    if total != OUTPUT_LEN or last == first:
-        raise RuntimeError(f"{total} tokens streamed, expected {OUTPUT_LEN}")
+    if total != output_len or last == first:
+        raise RuntimeError(f"{total} tokens streamed, expected {output_len}")
     return (total - before) / (last - first)
 
 
