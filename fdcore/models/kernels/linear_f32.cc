@@ -98,7 +98,9 @@ inline void PanelRows(const float* X, int64_t K, const float* W, int64_t outputs
   // 0.9x the time at 2 and 4 rows, 0.84-1.18x at 8 to 32: not shown to help on a real AVX2 machine)
   const bool prefetch = MB == 1 && fdcore_prefetch_weights;
   for (int part = 0; part < kParts; ++part) {
-    const float* Wh = W + part * kPartVectors * 8;
+    const int64_t first = part * kPartVectors * 8;  // this pass's first output of the panel
+    if (first >= outputs) break;  // (the last panel's second half may hold none)
+    const float* Wh = W + first;
     __m256 acc[MB][kPartVectors];
 #pragma GCC unroll 16
     for (int j = 0; j < MB; ++j)
@@ -126,8 +128,6 @@ inline void PanelRows(const float* X, int64_t K, const float* W, int64_t outputs
     for (int j = 0; j < MB; ++j)
 #pragma GCC unroll 8
       for (int v = 0; v < kPartVectors; ++v) _mm256_store_ps(tile[j] + v * 8, acc[j][v]);
-    const int64_t first = part * kPartVectors * 8;  // this pass's first output of the panel
-    if (first >= outputs) break;
     const int64_t here = std::min<int64_t>(outputs - first, kPartVectors * 8);  // (fewer: the last panel's)
     for (int j = 0; j < MB; ++j) std::copy(tile[j], tile[j] + here, Y + j * N + first);
   }
