@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import tempfile
 
 import httpx
 import psutil
@@ -32,7 +31,8 @@ sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
 from bench_batch1 import SETTINGS, llama_cpp_missing  # noqa: E402
-from bench_serving import HOME, Server, fdcore_toml, free_port, llama_ggufs, model_dir, start_llama_server  # noqa: E402
+from bench_serving import HOME, Server, llama_ggufs, model_dir, start_llama_server  # noqa: E402
+from bench_serving import start_fdcore as start_serving  # noqa: E402
 
 BLOCK = 16  # fdcore's default cache.block_size
 
@@ -72,15 +72,8 @@ def one_request(server: Server, input_len: int) -> None:
 
 
 def start_fdcore(model: str, setting: str, threads: int, kv_tokens: int, standby: bool, tp: int) -> Server:
-    port = free_port()
-    config = tempfile.NamedTemporaryFile("w", suffix=".toml", delete=False, prefix="fdcore-bench-")
-    config.write(fdcore_toml(model, setting, threads)
-                 + f"standby = {'true' if standby else 'false'}\ntensor_parallel_size = {tp}\n"
-                 + f"[cache]\nnum_blocks = {-(-kv_tokens // BLOCK)}\n"
-                 + f'[server]\nenabled = true\nport = {port}\nmodel_name = "bench"\n')
-    config.close()
-    return Server([sys.executable, "-m", "fdcore.supervisor", "--config", config.name], port, "bench",
-                  config=config.name)
+    return start_serving(model, setting, threads, f"standby = {'true' if standby else 'false'}\n"
+                         f"tensor_parallel_size = {tp}\n[cache]\nnum_blocks = {-(-kv_tokens // BLOCK)}\n")
 
 
 def measure(server: Server, input_len: int) -> dict[str, int]:

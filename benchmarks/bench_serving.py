@@ -99,12 +99,12 @@ def fdcore_toml(model: str, setting: str, threads: int, max_num_seqs: int = 128)
             f'[scheduler]\nmax_num_seqs = {max_num_seqs}\n[workers]\nomp_threads = {threads}\n')
 
 
-def start_fdcore(model: str, setting: str, threads: int) -> Server:
+def start_fdcore(model: str, setting: str, threads: int, extra: str = "") -> Server:
     """``fdcore serve`` as a user starts it: the default configuration but for the model, its precision
-    and the math threads (the spare worker included)."""
+    and the math threads (the spare worker included); ``extra``: TOML lines that follow ``[workers]``."""
     port = free_port()
     config = tempfile.NamedTemporaryFile("w", suffix=".toml", delete=False, prefix="fdcore-bench-")
-    config.write(fdcore_toml(model, setting, threads)
+    config.write(fdcore_toml(model, setting, threads) + extra
                  + f'[server]\nenabled = true\nport = {port}\nmodel_name = "bench"\n')
     config.close()
     return Server([sys.executable, "-m", "fdcore.supervisor", "--config", config.name], port, "bench",
