@@ -355,13 +355,17 @@ def _check_compute(model: "ModelConfig", cache: "CacheConfig", source: str) -> N
                               f"{instead!r}")
 
 
+def fdcore_home() -> str:
+    """``$FDCORE_HOME``, by default ``~/.cache/fdcore``: models, the kernels' build cache, the tree's
+    nameless weight files."""
+    return os.environ.get("FDCORE_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "fdcore")
+
+
 def default_model_path() -> str:
-    """Where the bundled tiny model is made on first use: ``$FDCORE_HOME/models/tiny-llama-v<N>``
-    (``FDCORE_HOME`` defaults to ``~/.cache/fdcore``)."""
+    """Where the bundled tiny model is made on first use: ``$FDCORE_HOME/models/tiny-llama-v<N>``."""
     from fdcore.models.tiny import VERSION
 
-    home = os.environ.get("FDCORE_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "fdcore")
-    return os.path.join(home, "models", f"tiny-llama-v{VERSION}")
+    return os.path.join(fdcore_home(), "models", f"tiny-llama-v{VERSION}")
 
 
 def model_path(config: Config) -> str:

@@ -197,7 +197,7 @@ def test_a_bfloat16_matrix_maps_to_the_same_bits(weight_fd):
 def test_page_size_is_measured_only_for_weights_that_leave_the_caches(checkpoints, monkeypatch):
     """A model whose layers fit in the caches is shared without a probe (a probe there reads only noise:
     CI's busy machine once measured the tiny model's 1 MB "32 % slower" and kept it private); a larger
-    one is measured, over layers of its own shapes."""
+    one is measured, over one matrix of its hidden width."""
     import dataclasses
 
     from fdcore.models import llama
@@ -205,8 +205,54 @@ def test_page_size_is_measured_only_for_weights_that_leave_the_caches(checkpoint
     args = inspect_checkpoint(checkpoints["llama-gqa"])
     measured = []
     monkeypatch.setattr(llama, "_f32_kernel", lambda: True)
-    monkeypatch.setattr(llama, "shared_pages_cost", lambda stream, nbytes: measured.append(nbytes) or 0.5)
+    monkeypatch.setattr(llama, "shared_pages_cost", lambda stream, nbytes, fd: measured.append(nbytes) or 0.5)
     assert llama.shared_pages_slowdown(args) is None and measured == []
     large = dataclasses.replace(args, hidden_size=1024, intermediate_size=4096, num_layers=8, num_heads=16,
                                 num_kv_heads=4, head_dim=64)
     assert llama.shared_pages_slowdown(large) == 0.5 and measured and measured[0] >= llama.PAGE_COST_FLOOR
+
+
+def test_the_weight_file_is_nameless_on_the_homes_filesystem_else_a_memfd(tmp_path):
+    """A disk filesystem's page cache maps the weights on large folios where a memfd may get 4 KiB pages;
+    either way nothing has a name that could outlive the tree."""
+    from fdcore.supervisor import nameless_file
+
+    fd = nameless_file(str(tmp_path / "home"), "fdcore-test-weights.r0")
+    try:
+        where = os.readlink(f"/proc/self/fd/{fd}")
+        assert where.startswith(str(tmp_path / "home" / "#")) and where.endswith("(deleted)"), where
+        assert os.listdir(tmp_path / "home") == []
+    finally:
+        os.close(fd)
+    fd = nameless_file("/proc/self", "fdcore-test-weights.r0")  # (procfs makes no O_TMPFILE)
+    try:
+        assert os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:fdcore-test-weights.r0")
+    finally:
+        os.close(fd)
+
+
+def test_the_page_probe_streams_the_weight_files_own_pages_and_leaves_it_empty(tmp_path):
+    """Whether shared pages cost speed depends on the file's own pages (a memfd's and a disk file's differ),
+    so the probe borrows the weight file itself, and gives it back empty."""
+    from fdcore.models.shared_weights import shared_pages_cost
+    from fdcore.supervisor import nameless_file
+
+    fd = nameless_file(str(tmp_path), "fdcore-test-weights.r0")
+    inode = str(os.fstat(fd).st_ino)
+    backing = []
+
+    def stream(array):
+        address = array.ctypes.data
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                span, *_, node = line.split()[:5]
+                low, high = (int(x, 16) for x in span.split("-"))
+                if low <= address < high:
+                    backing.append(node)
+
+    try:
+        shared_pages_cost(stream, 4 << 20, fd)
+        assert os.fstat(fd).st_size == 0
+    finally:
+        os.close(fd)
+    assert inode in backing and any(node != inode for node in backing)  # the file's pages, and private ones

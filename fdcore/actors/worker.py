@@ -160,12 +160,18 @@ class WorkerActor(Actor):
             shared.unlock()
             return shared
         if state == EMPTY and self.config.workers.shared_weights == "auto":
-            slowdown = shared_pages_slowdown(args)
-            if slowdown is not None and slowdown > SLOWER_MARGIN:  # a real cost shows twice; a busy moment not
-                slowdown = min(slowdown, shared_pages_slowdown(args))
+            try:
+                slowdown = shared_pages_slowdown(args, shared.fd)
+                if slowdown is not None and slowdown > SLOWER_MARGIN:  # a real cost shows twice; a busy moment not
+                    slowdown = min(slowdown, shared_pages_slowdown(args, shared.fd))
+            except OSError as exc:  # (the file's filesystem is full: the weights would not fit either)
+                shared.keep_private(f"the shared file could not hold the page probe ({exc.strerror})")
+                state, reason, slowdown = *shared.state(), None
             if slowdown is not None and slowdown > SLOWER_MARGIN:
                 shared.keep_private(f"shared pages streamed {slowdown:.0%} slower than private huge pages here")
                 state, reason = shared.state()
+            elif slowdown is not None:
+                sys.stderr.write(f"{self.child_id}: shared pages stream {slowdown:+.0%} against private huge pages\n")
         if state != EMPTY:
             sys.stderr.write(f"{self.child_id}: weights kept private: {reason}\n")
             shared.unlock()

@@ -1042,33 +1042,30 @@ def _matrix_kind(dtype: str, quantization: str) -> str:
 PAGE_COST_FLOOR = 16 << 20  # (bytes a decode pass streams below which page size is not measured)
 
 
-def shared_pages_slowdown(args: ModelArgs, budget: int = 128 << 20) -> float | None:
-    """How much slower a batch-1 decode step's products stream their weights from shared memory than from
-    private huge pages here (fdcore.models.shared_weights.shared_pages_cost): float32 matrices of the
-    model's own layer shapes (qkv, o, gate_up, down), as many layers as ``budget`` bytes hold, one row
-    through each, the kernel calls between them included. None without the float32 kernel, and None for
-    a model whose layers stream fewer than ``PAGE_COST_FLOOR`` bytes: they stay in the caches and the
-    TLB's reach, where the page size costs nothing and a measurement would read only the machine's noise."""
+def shared_pages_slowdown(args: ModelArgs, fd: int | None = None, budget: int = 256 << 20) -> float | None:
+    """How much slower a batch-1 decode step's products stream their weights from the shared file ``fd``'s
+    pages than from private huge pages here (fdcore.models.shared_weights.shared_pages_cost): one float32
+    matrix of the model's hidden width, as many bytes as its layers stream up to ``budget``, one row through
+    it in one call. One call, not the layers' shapes: a decode step reads its weights as one long stream,
+    and a probe of many small calls measured Python's dispatch beside the memory (7-16 % on a Zen 4 EPYC
+    whose decode step ran 50 % slower on 4 KiB pages; one 256 MiB call: 41-43 %, run after run). None
+    without the float32 kernel, and None for a model whose layers stream fewer than ``PAGE_COST_FLOOR``
+    bytes: they stay in the caches and the TLB's reach, where the page size costs nothing and a
+    measurement would read only the machine's noise."""
     if not _f32_kernel():
         return None
     h, d, inner = args.hidden_size, args.head_dim, args.intermediate_size
     shapes = [((args.num_heads + 2 * args.num_kv_heads) * d, h), (h, args.num_heads * d), (2 * inner, h), (h, inner)]
-    panels = [(-(-rows // 32), cols) for rows, cols in shapes]
-    layer_bytes = sum(p * cols * 32 * 4 for p, cols in panels)
-    if layer_bytes * args.num_layers < PAGE_COST_FLOOR:
+    streamed = args.num_layers * sum(-(-rows // 32) * 32 * cols * 4 for rows, cols in shapes)
+    if streamed < PAGE_COST_FLOOR:
         return None
-    layers = max(1, min(args.num_layers, budget // layer_bytes))
-    rows = {cols: paddle.ones([1, cols], dtype=paddle.float32) for _, cols in panels}
+    panels = min(streamed, budget) // (h * 32 * 4)
+    row = paddle.ones([1, h], dtype=paddle.float32)
 
     def one_pass(array: np.ndarray) -> None:
-        at = 0
-        for _ in range(layers):
-            for count, cols in panels:
-                size = count * cols * 32
-                linear(rows[cols], F32Matrix(array[at:at + size].reshape(count, cols, 32), count * 32))
-                at += size
+        linear(row, F32Matrix(array[:panels * h * 32].reshape(panels, h, 32), panels * 32))
 
-    return shared_pages_cost(one_pass, layers * layer_bytes)
+    return shared_pages_cost(one_pass, panels * h * 32 * 4, fd)
 
 
 def _f32_kernel() -> bool:

@@ -6,9 +6,12 @@ spare, a restarted worker and the other replicas of the rank then map the file r
 model over it, with no checkpoint read and nothing packed: the weights exist once, and a restart costs
 no load.
 
-The file is a memfd the supervisor makes at start, one per tensor-parallel rank, and hands to each worker
-process as an inherited descriptor: it has no name in /dev/shm (nor its size limit), and the kernel frees
-it with the last descriptor or mapping, so nothing outlives the tree. Layout::
+The file is one the supervisor makes at start, one per tensor-parallel rank, and hands to each worker
+process as an inherited descriptor: a nameless ``O_TMPFILE`` in ``$FDCORE_HOME`` (a disk filesystem's page
+cache maps it on large folios, where a memfd gets 4 KiB pages unless the kernel's shmem setting allows
+huge ones), or a memfd where that filesystem cannot make one. Neither has a name in /dev/shm (nor its
+size limit), and the kernel frees it with the last descriptor or mapping, so nothing outlives the tree.
+Layout::
 
     [0, 4096)         header: magic, state, where the manifest lies, a reason
     [2 MiB, ...)      the arrays, each 64-byte aligned, in the order the model packed them
@@ -162,17 +165,23 @@ class WeightFile:
         return np.frombuffer(self.region, np.uint8, count=1).ctypes.data
 
 
-def shared_pages_cost(stream, nbytes: int, rounds: int = 7) -> float:
+def shared_pages_cost(stream, nbytes: int, fd: int | None = None) -> float:
     """How much slower ``stream(array)`` (one pass of a kernel over a float32 array, as a decode step
-    streams its weights) runs over shared-memory pages than over private huge pages (today's weights):
-    the ratio of medians minus one. Shared memory gets huge pages only where the kernel's shmem setting
-    allows them, and 4 KiB pages cost some CPUs a lot (an AVX-512 Xeon streamed bfloat16 weights at 21.8
-    GB/s on small pages and 34.4 on huge ones) and others little (an AVX2 EPYC: ~2 % on a decode pass)."""
+    streams its weights) runs over the pages of shared file ``fd`` (an EMPTY weight file, locked: the probe
+    borrows its first ``nbytes`` and truncates it back to nothing; None: a memfd of its own) than over
+    private huge pages (what a private copy gets): the ratio of medians minus one. The file's own pages are
+    what counts: a memfd gets huge pages only where the kernel's shmem setting allows them, a disk file's
+    page cache large folios on most Linux 6 filesystems, and 4 KiB pages cost some CPUs a lot (a Zen 4
+    EPYC: a SmolLM2 float32 decode step 18.5 against 12 ms; an AVX-512 Xeon streamed bfloat16 weights at
+    21.8 GB/s on small pages, 34.4 on huge ones) and others little (an AVX2 EPYC: ~2 % on a decode pass)."""
     count = nbytes // 4
     private = zeros_on_huge_pages((count,), np.float32)
-    fd = os.memfd_create("fdcore-probe", os.MFD_CLOEXEC)
+    own = fd is None
+    if own:
+        fd = os.memfd_create("fdcore-probe", os.MFD_CLOEXEC)
     try:
-        os.ftruncate(fd, nbytes)
+        os.ftruncate(fd, 0)
+        os.posix_fallocate(fd, 0, nbytes)
         region = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED)
         if hasattr(mmap, "MADV_HUGEPAGE"):
             try:
@@ -185,9 +194,11 @@ def shared_pages_cost(stream, nbytes: int, rounds: int = 7) -> float:
         arrays = {"private": private, "shared": shared}
         chosen = {}
         _, medians = fastest(("private", "shared"), lambda name: chosen.update(array=arrays[name]),
-                             lambda: stream(chosen["array"]), rounds)
+                             lambda: stream(chosen["array"]), 7)
         del shared, arrays, chosen
         region.close()
     finally:
-        os.close(fd)
+        os.ftruncate(fd, 0)
+        if own:
+            os.close(fd)
     return medians["shared"] / medians["private"] - 1.0
