@@ -3,8 +3,8 @@ weights, one run, every server driven by vLLM's own load generator, ``vllm bench
 
 Using the peer's own client (what its users run) means no server is measured through a client that
 handicaps it: an earlier hand-written httpx client reported vLLM at 672 output tok/s at concurrency 64
-where ``vllm bench serve`` measured 4,450 against the same server. Each server is started, measured and
-stopped in turn, so they never share the cores.
+where ``vllm bench serve`` measured 4,450 against the same server. A setting's servers are all started,
+then measured one at a time (an idle server takes no CPU from the measured one), then stopped.
 
 Precision pairs (``--settings``): fdcore float32 / wint8 / wint4 beside llama-server F32 / Q8_0 / Q4_1
 (``-t`` = fdcore's math threads, ``-np`` = the largest concurrency, continuous batching: its defaults
@@ -12,17 +12,19 @@ otherwise), and vLLM at float32 beside fdcore's float32 (``--vllm``; bfloat16 to
 AVX512-BF16). The GGUFs hold the same weights: llama.cpp's ``convert_hf_to_gguf.py`` writes F32 and Q8_0
 from the model directory fdcore serves, ``llama-quantize`` Q4_1 from the F32 file. A GGUF ``--model``
 (SmolLM2's Q4_1 file by default) is first exported to a float32 directory (tools/export_hf.py), which
-every server then loads. Per setting, fdcore's own offline decode (``AsyncLLM`` on the same
-configuration, no HTTP: 1 request at a time, TPOT from the first streamed token to the last) is the
-yardstick for its HTTP path at concurrency 1.
+every server then loads. Concurrency 1 runs in ``--rounds`` interleaved rounds (see ``alternate_c1``:
+this machine's speed drifts), each also measuring fdcore's own offline decode (``AsyncLLM.connect`` to the
+tree the server runs, no HTTP: 1 request at a time, TPOT from the first streamed token to the last), the
+yardstick for its HTTP path.
 
 The load: ``vllm bench serve --dataset-name random`` (seeded) with ``--input-len`` tokens in,
 ``--output-len`` out, ``--ignore-eos``, temperature 0, at each ``--concurrency`` (or ``--rate``
-requests/s): ``--prompts`` requests (``--prompts-c1`` at concurrency 1). Its JSON result gives TTFT,
+requests/s): ``--prompts`` requests (``--prompts-c1`` a round at concurrency 1). Its JSON result gives TTFT,
 TPOT, ITL, end-to-end latency (mean, median, p99) and output tokens/s.
 
 Usage: python benchmarks/bench_serving.py [--model DIR|GGUF] [--settings float32,wint8,wint4] [--threads T]
-           [--concurrency 1 32] [--rate R] [--prompts 128] [--prompts-c1 16] [--input-len 32] [--output-len 64]
+           [--concurrency 1 32] [--rate R] [--prompts 128] [--prompts-c1 16] [--rounds 3] [--input-len 32]
+           [--output-len 64]
            [--peer-dir /tmp/vllm-peer] [--llama-dir /tmp/llama-cpp-peer] [--vllm] [--no-llama-cpp]
 """
 
@@ -118,28 +120,48 @@ def start_llama_server(llama_dir: str, gguf: str, threads: int, slots: int, cont
                    str(port), "--alias", "bench"], port, "bench")
 
 
-def offline_tpot(model: str, setting: str, threads: int, args) -> float:
-    """fdcore's decode without HTTP: median ms per output token over ``--prompts-c1`` requests, one at a
-    time, after a warm-up one (bench_batch1.decode_rate: first streamed token to the last)."""
+def offline_tpot(model: str, args) -> float:
+    """fdcore's decode without HTTP, on the running fdcore tree (``AsyncLLM.connect``: the same processes,
+    the same memory): median ms per output token over ``--prompts-c1`` requests, one at a time, after a
+    warm-up one (bench_batch1.decode_rate: first streamed token to the last). The same tree, because a
+    tree's speed can differ start to start (seen on a Zen 4 VM: SmolLM2 float32 at ~12 or ~18 ms a token,
+    whichever the path), which a yardstick from another start would read as the HTTP path's cost."""
     import asyncio
     import random
 
     from bench_batch1 import decode_rate
     from fdcore import AsyncLLM
-    from fdcore.config import parse_config
     from fdcore.models.loader import read_config
 
-    config = parse_config(fdcore_toml(model, setting, threads))
     vocab = read_config(model)["vocab_size"]
     rng = random.Random(args.seed)
     prompts = [[rng.randrange(3, vocab) for _ in range(args.input_len)] for _ in range(args.prompts_c1 + 1)]
 
     async def main() -> list[float]:
-        async with AsyncLLM(config) as llm:
+        async with AsyncLLM.connect() as llm:
             return [await decode_rate(llm, prompt, args.output_len) for prompt in prompts]
 
     rates = asyncio.run(main())[1:]
     return 1000.0 / statistics.median(rates)
+
+
+def alternate_c1(servers: dict[str, Server], model: str, args) -> tuple[dict[str, dict], list[tuple[float, float]]]:
+    """Concurrency 1, ``--rounds`` rounds, each: fdcore's offline decode on its tree, then every server's
+    ``vllm bench serve`` run of ``--prompts-c1`` requests. Interleaved, because a machine's speed can drift
+    for tens of seconds at a time (a Zen 4 VM: SmolLM2 float32 at ~12 then ~18 ms a token in one tree,
+    offline and over HTTP alike), which runs minutes apart would read as one system's edge. Each metric is
+    the median over the rounds; the pairs are fdcore's (offline, HTTP) median TPOT per round."""
+    runs: dict[str, list[dict]] = {name: [] for name in servers}
+    pairs = []
+    fdcore = next(name for name in servers if name.startswith("fdcore"))
+    for round_ in range(args.rounds):
+        print(f"concurrency 1, round {round_ + 1}/{args.rounds} ...", flush=True)
+        off = offline_tpot(model, args)
+        for name, server in servers.items():
+            runs[name].append(bench_serve(server, args.peer_dir, model, args, 1, args.prompts_c1))
+        pairs.append((off, runs[fdcore][-1]["tpot median ms"]))
+    return {name: {metric: statistics.median(r[metric] for r in results) for metric in results[0]}
+            for name, results in runs.items()}, pairs
 
 
 def llama_ggufs(hf_dir: str, cache: str, python: str, llama_dir: str, settings: list[str]) -> dict[str, str]:
@@ -249,7 +271,8 @@ def main(argv=None) -> int:
     parser.add_argument("--concurrency", type=int, nargs="*", default=[1, 32])
     parser.add_argument("--rate", type=float, default=None, help="Poisson arrivals per second instead")
     parser.add_argument("--prompts", type=int, default=128)
-    parser.add_argument("--prompts-c1", type=int, default=16, help="requests at concurrency 1 (and offline)")
+    parser.add_argument("--prompts-c1", type=int, default=16, help="requests at concurrency 1 (and offline), a round")
+    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds at concurrency 1")
     parser.add_argument("--input-len", type=int, default=32)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
@@ -288,18 +311,22 @@ def main(argv=None) -> int:
             systems.append(("vLLM fp32", lambda: start_vllm(model, args.peer_dir, 128, "float32")))
             if has_avx512_bf16():
                 systems.append(("vLLM bf16", lambda: start_vllm(model, args.peer_dir, 128, "bfloat16")))
-        print(f"{setting}: fdcore offline ...", flush=True)
-        offline[setting] = offline_tpot(model, setting, args.threads, args)
-        for name, start in systems:
-            print(f"{setting}: {name} ...", flush=True)
-            server = start()
-            try:
-                server.wait_ready()
-                for label, concurrency in loads:
-                    count = args.prompts_c1 if concurrency == 1 else args.prompts
+        servers: dict[str, Server] = {}
+        try:
+            for name, start in systems:  # (all up at once: an idle server takes no CPU from the one measured)
+                print(f"{setting}: starting {name} ...", flush=True)
+                servers[name] = start()
+                servers[name].wait_ready()
+            for label, concurrency in loads:
+                if concurrency == 1:
+                    table[(setting, label)], offline[setting] = alternate_c1(servers, model, args)
+                    continue
+                for name, server in servers.items():
+                    print(f"{setting}: {name}, {label} ...", flush=True)
                     table.setdefault((setting, label), {})[name] = bench_serve(server, args.peer_dir, model, args,
-                                                                               concurrency, count)
-            finally:
+                                                                               concurrency, args.prompts)
+        finally:
+            for server in servers.values():
                 server.stop()
 
     print(f"\n{args.input_len} tokens in, {args.output_len} out (greedy, ignore_eos, streaming), load from "
@@ -314,9 +341,11 @@ def main(argv=None) -> int:
             values = [by_system[n][metric] for n in names]
             ratios = [values[0] / v if v else float("nan") for v in values[1:]]
             print(f"{metric:18s}" + "".join(f"{v:20.2f}" for v in values) + "".join(f"{r:20.2f}" for r in ratios))
-        if label == "concurrency 1":
-            http = by_system[names[0]]["tpot median ms"]
-            print(f"{'offline tpot ms':18s}{offline[setting]:20.2f}   (HTTP / offline: {http / offline[setting]:.2f})")
+        if label == "concurrency 1" and setting in offline:
+            pairs = offline[setting]
+            ratios = [http / off for off, http in pairs]
+            print(f"{'offline tpot ms':18s}{statistics.median(off for off, _ in pairs):20.2f}   (HTTP / offline, "
+                  f"round by round: {' '.join(f'{r:.2f}' for r in ratios)}; median {statistics.median(ratios):.2f})")
     return 0
 
 
