@@ -61,8 +61,10 @@ def main(argv=None) -> int:
     serve.add_argument("--check", action="store_true", help="validate, print the effective configuration, exit")
     if argv[:1] == ["build-kernels"]:
         parser.parse_args(argv)
-        if os.environ.get("FDCORE_BUILD_FOR_PID"):  # a supervisor's build: it must not outlive that supervisor
-            _die_with(int(os.environ["FDCORE_BUILD_FOR_PID"]))
+        from fdcore import envs
+
+        if envs.build_for_pid():  # a supervisor's build: it must not outlive that supervisor
+            _die_with(envs.build_for_pid())
         return build_kernels()
     return _serve(serve.parse_args(argv[1:]) if argv[:1] == ["serve"] else parser.parse_args(argv))
 

@@ -96,6 +96,8 @@ from typing import Literal
 
 import msgspec
 
+from fdcore.envs import fdcore_home
+
 
 class ConfigError(ValueError):
     """A configuration file that cannot be used, with the reason."""
@@ -353,12 +355,6 @@ def _check_compute(model: "ModelConfig", cache: "CacheConfig", source: str) -> N
             raise ConfigError(f"{source}: key '{key}' is {value!r}, which needs a CPU with {missing} "
                               f"({needed_cpu_feature(value)[0]} in /proc/cpuinfo); this one has none: use "
                               f"{instead!r}")
-
-
-def fdcore_home() -> str:
-    """``$FDCORE_HOME``, by default ``~/.cache/fdcore``: the bundled and fetched models, and the tree's nameless
-    weight files (the kernels' build cache is apart: fdcore.models.kernels)."""
-    return os.environ.get("FDCORE_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "fdcore")
 
 
 def default_model_path() -> str:

@@ -33,10 +33,10 @@ import time
 
 import posix_ipc
 
-from fdcore import janitor
+from fdcore import envs, janitor
 from fdcore.actors import health, topology
 from fdcore.actors.health import HealthBoard, State
-from fdcore.config import (Config, ConfigError, config_memfd, fd_path, fdcore_home, kv_outlives_workers, load_config,
+from fdcore.config import (Config, ConfigError, config_memfd, fd_path, kv_outlives_workers, load_config,
                            model_path, render_config, worker_ranks, worker_threads)
 from fdcore.core import placement
 from fdcore.ipc import BroadcastRing, Inbox, Ring, Sender, names
@@ -147,7 +147,7 @@ class Supervisor:
         if self.config.model.kernels == "python" or self.config.model.backend != "paddle":
             return
         started = time.monotonic()
-        env = {**self._child_env(), "FDCORE_BUILD_FOR_PID": str(os.getpid())}  # (it dies with us)
+        env = {**self._child_env(), envs.BUILD_FOR_PID: str(os.getpid())}  # (it dies with us)
         proc = subprocess.Popen([sys.executable, "-m", "fdcore.cli", "build-kernels"], env=env, process_group=0,
                                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         lines: list[str] = []
@@ -370,7 +370,7 @@ class Supervisor:
         workers = self.config.workers
         if self.config.model.backend == "null" or workers.shared_weights == "off":
             return {}
-        return {rank: nameless_file(fdcore_home(), f"fdcore-{self.instance}-weights.r{rank}")
+        return {rank: nameless_file(envs.fdcore_home(), f"fdcore-{self.instance}-weights.r{rank}")
                 for rank in range(workers.tensor_parallel_size)}
 
     def _kv_files(self) -> dict[str, int]:
@@ -474,15 +474,15 @@ class Supervisor:
         env = dict(os.environ)
         env["OMP_NUM_THREADS"] = str(self.worker_threads)
         if self.placement is not None:
-            env[placement.CPUS_ENV] = placement.encode_cpus(self.cpus)
+            env[envs.CPUS] = placement.encode_cpus(self.cpus)
         else:
-            env.pop(placement.CPUS_ENV, None)  # (a tree started from within another's actor)
+            env.pop(envs.CPUS, None)  # (a tree started from within another's actor)
         package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
         if self.config.model.kernels == "python":
-            env["FDCORE_NO_KERNELS"] = "1"
+            env[envs.NO_KERNELS] = "1"
         if self.group_master:
-            env[topology.GROUP_MASTER_ENV] = self.group_master
+            env[envs.GROUP_MASTER] = self.group_master
         return env
 
     # -------------------------------------------------------------- stopping
@@ -814,7 +814,7 @@ def _describe_shared_weights(config: Config) -> str:
     if mode == "off" or config.model.backend == "null":
         return "# shared weights: off: every worker process packs a private copy of its weights"
     return (f"# shared weights: {mode}: each rank's packed weights once in a nameless shared file (in "
-            f"{fdcore_home()}, or a memfd where that filesystem cannot hold one), mapped read-only by its spare "
+            f"{envs.fdcore_home()}, or a memfd where that filesystem cannot hold one), mapped read-only by its spare "
             "and its restarts" + (" unless its pages measure over 20% slower than private huge pages at load"
                                   if mode == "auto" else ""))
 

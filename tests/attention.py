@@ -6,7 +6,7 @@ import types
 
 import numpy as np
 
-from fdcore.models.kernels import fused_ops
+from fdcore.models.kernels import operators
 
 
 def attend(heads: int, kv_heads: int, dim: int, block: int, window: int, lengths: list[int], dtype: str, seed: int):
@@ -38,7 +38,7 @@ def attend(heads: int, kv_heads: int, dim: int, block: int, window: int, lengths
             row_lengths.append(pos + 1)
     scale = dim ** -0.5
     k_cache, v_cache = cache.tensors(0)
-    out = fused_ops()[2](paddle.to_tensor(qkv), paddle.ones([total, dim // 2]), paddle.zeros([total, dim // 2]),
+    out = operators().attention_block(paddle.to_tensor(qkv), paddle.ones([total, dim // 2]), paddle.zeros([total, dim // 2]),
                          paddle.to_tensor(np.array(slots, dtype=np.int64)), k_cache, v_cache,
                          paddle.to_tensor(np.array(table_rows, dtype=np.int64)),
                          paddle.to_tensor(np.array(row_lengths, dtype=np.int64)),

@@ -101,9 +101,9 @@ def on_threads(tmp_path):
 def bf16_path(request):
     """Each bfloat16 path this CPU has (the products, and attention over a bfloat16 cache): AMX tiles (where it has
     AMX-BF16) and AVX512-BF16."""
-    from fdcore.models.kernels import bf16_tiles, fused_ops, kernel_path, set_bf16_tiles
+    from fdcore.models.kernels import bf16_tiles, operators, kernel_path, set_bf16_tiles
 
-    if kernel_path("bfloat16") is None or fused_ops() is None:
+    if kernel_path("bfloat16") is None or operators() is None:
         pytest.skip("bfloat16 compute is refused on CPUs without AVX512-BF16")
     if request.param == "tiles" and not bf16_tiles():
         pytest.skip("no AMX-BF16 here")

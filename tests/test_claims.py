@@ -312,7 +312,7 @@ def test_a_first_spare_slower_than_start_timeout_goes_on_at_idle_priority(start_
 def _weight_file_inodes(pid: int) -> set[str]:
     """The inodes of the shared weight files (fdcore.models.shared_weights) that process maps: nameless files
     in $FDCORE_HOME, or memfds."""
-    from fdcore.config import fdcore_home
+    from fdcore.envs import fdcore_home
 
     nameless = os.path.join(fdcore_home(), "#")
     with open(f"/proc/{pid}/maps") as maps:

@@ -33,7 +33,7 @@ np.savez(sys.argv[2], **out)
 
 
 def test_the_isa_variable_caps_the_flags_and_names_itself(monkeypatch):
-    monkeypatch.setattr(kernels, "cpu_flags", lambda: "avx2 avx512_bf16 avx512_vnni avx512bw avx512f f16c fma sse2")
+    monkeypatch.setattr(kernels.cpu, "cpu_flags", lambda: "avx2 avx512_bf16 avx512_vnni avx512bw avx512f f16c fma sse2")
     assert kernels.kernel_path("wint8") == "AVX512-VNNI" and kernels.kernel_path("bfloat16") == "AVX512-BF16"
     monkeypatch.setenv("FDCORE_ISA", "avx2")
     assert kernels.kernel_flags() == {"avx2", "f16c", "fma", "sse2"}

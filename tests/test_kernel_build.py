@@ -55,7 +55,7 @@ def test_the_build_counts_against_no_start_timeout_and_a_killed_one_poisons_noth
                        if "build-kernels" in " ".join(p.cmdline()) and p.children(recursive=True)]
             time.sleep(0.2)
         time.sleep(3)
-        build = builder + builder[0].children(recursive=True)  # (Paddle's setup.py, the compilers)
+        build = builder + builder[0].children(recursive=True)  # (the compilers)
         os.kill(first.proc.pid, signal.SIGKILL)
         gone, alive = psutil.wait_procs(build, timeout=10)
         assert not alive, "the build outlived its supervisor"

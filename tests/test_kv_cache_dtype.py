@@ -1,5 +1,5 @@
 """The KV cache in bfloat16 (``cache.dtype``): half the memory a token, attention's products in AVX512-BF16's
-``vdpbf16ps`` (paged_attention.cc's AttendHeadsBf16), or AMX tiles where the CPU has them (AttendRowsTiles). Against a float64 reference of the same roundings, every
+``vdpbf16ps`` (attention_bf16.h's AttendHeadsBf16), or AMX tiles where the CPU has them (AttendRowsTiles). Against a float64 reference of the same roundings, every
 head size and heads-per-pass split, block size, sliding window and odd key count; a row's bits its own
 (chunks, decode steps); where it is refused, a message naming the key."""
 
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from fdcore.models import kernels
-from fdcore.models.kernels import fused_ops, kernel_path
+from fdcore.models.kernels import operators, kernel_path
 from tests.attention import attend, reference
 
 
@@ -77,7 +77,7 @@ def test_auto_follows_the_model_and_refusals_name_the_key(tmp_path, monkeypatch)
 
     f32 = LlamaModel(load_checkpoint(tiny.make_tiny_model(str(tmp_path / "m")), progress=lambda *_: None))
     assert f32.new_cache(4, 16).dtype == "float32"
-    if kernel_path("bfloat16") is not None and fused_ops() is not None:
+    if kernel_path("bfloat16") is not None and operators() is not None:
         assert f32.new_cache(4, 16, "bfloat16").dtype == "bfloat16"  # asked for: a float32 model may have one
         qwen3 = LlamaModel(load_checkpoint(make_checkpoint(str(tmp_path / "q"), "qwen3"), progress=lambda *_: None),
                            "bfloat16")
@@ -90,7 +90,7 @@ def test_auto_follows_the_model_and_refusals_name_the_key(tmp_path, monkeypatch)
     with pytest.raises(RuntimeError, match="read and written by fdcore's C\\+\\+ operators only"):
         PagedKVCache(f32.args, 4, 16, "bfloat16").write(0, np.zeros(1, dtype=np.int64), np.zeros((1, 2, 64)),
                                                         np.zeros((1, 2, 64)))
-    monkeypatch.setattr(kernels, "cpu_flags", lambda: "avx2 f16c fma sse2")
+    monkeypatch.setattr(kernels.cpu, "cpu_flags", lambda: "avx2 f16c fma sse2")
     with pytest.raises(ConfigError, match="key 'cache.dtype' is 'bfloat16', which needs a CPU with AVX512-BF16"):
         parse_config('[cache]\ndtype = "bfloat16"\n')
     assert parse_config('[cache]\ndtype = "auto"\n').cache.dtype == "auto"

@@ -123,7 +123,7 @@ def test_without_avx2_float32_stays_with_mkl_and_agrees(tiny_path, monkeypatch):
         assert packed.f32_kernel and isinstance(packed.layers[0]["qkv"], F32Matrix)
         assert isinstance(packed.lm_head, F32Matrix)
         assert (packed.embed is packed.lm_head) == packed.args.tie_word_embeddings
-    monkeypatch.setattr(kernels, "cpu_flags", lambda: "fpu sse2 sse4_2 avx")
+    monkeypatch.setattr(kernels.cpu, "cpu_flags", lambda: "fpu sse2 sse4_2 avx")
     plain = LlamaModel(load_checkpoint(tiny_path, progress=lambda *_: None))
     assert not plain.f32_kernel and isinstance(plain.layers[0]["qkv"], paddle.Tensor)
     assert isinstance(plain.lm_head, paddle.Tensor) and isinstance(plain.embed, paddle.Tensor)

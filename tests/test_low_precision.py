@@ -530,7 +530,7 @@ def test_wint4_is_refused_without_avx2(monkeypatch):
     from fdcore.models import kernels
     from fdcore.models.llama import _matrix_kind
 
-    monkeypatch.setattr(kernels, "cpu_flags", lambda: "avx fpu sse2 sse4_2")
+    monkeypatch.setattr(kernels.cpu, "cpu_flags", lambda: "avx fpu sse2 sse4_2")
     with pytest.raises(ConfigError, match=r"key 'model.quantization' is 'wint4', which needs a CPU with "
                                           r"AVX2 \(avx2 fma f16c in /proc/cpuinfo\).*use 'none'"):
         parse_config('[model]\nquantization = "wint4"\n')
@@ -544,7 +544,7 @@ import sys
 import numpy as np
 import paddle
 from fdcore.models.llama import Int4Matrix, Int8Matrix, _matrix_kind, linear
-from fdcore.models.kernels import fused_ops
+from fdcore.models.kernels import operators
 _matrix_kind("float32", "wint4")  # loads both kernels
 data = np.load(sys.argv[1])
 out = {}
@@ -552,7 +552,7 @@ for kind, cls in (("int8", Int8Matrix), ("int4", Int4Matrix)):
     matrix = cls.pack(data["w"])
     for m in ROWS:
         out[f"{kind}-{m}"] = linear(paddle.to_tensor(data["x"][:m]), matrix).numpy()
-summed, normed = fused_ops()[0](paddle.to_tensor(data["x"]), paddle.to_tensor(data["delta"]),
+summed, normed = operators().add_rms_norm(paddle.to_tensor(data["x"]), paddle.to_tensor(data["delta"]),
                                 paddle.to_tensor(data["norm"]), 1e-5)
 out["sum"], out["normed"] = summed.numpy(), normed.numpy()
 np.savez(sys.argv[2], **out)
@@ -568,7 +568,7 @@ def test_the_int_kernels_give_the_same_result_on_two_threads(on_threads):
     whenever more than one thread ran."""
     import paddle
 
-    from fdcore.models.kernels import fused_ops
+    from fdcore.models.kernels import operators
     from fdcore.models.llama import Int4Matrix, Int8Matrix, _matrix_kind, linear
 
     rng = np.random.default_rng(2)
@@ -580,5 +580,5 @@ def test_the_int_kernels_give_the_same_result_on_two_threads(on_threads):
         matrix = cls.pack(w)
         for m in ROWS:
             assert np.array_equal(threaded[f"{kind}-{m}"], linear(paddle.to_tensor(x[:m]), matrix).numpy())
-    summed, normed = fused_ops()[0](paddle.to_tensor(x), paddle.to_tensor(delta), paddle.to_tensor(norm), 1e-5)
+    summed, normed = operators().add_rms_norm(paddle.to_tensor(x), paddle.to_tensor(delta), paddle.to_tensor(norm), 1e-5)
     assert np.array_equal(threaded["sum"], summed.numpy()) and np.array_equal(threaded["normed"], normed.numpy())

@@ -1,4 +1,4 @@
-"""The residual add + RMSNorm operator (paged_attention.cc's AddRmsNormInto): a row's sum and normed values against a
+"""The residual add + RMSNorm operator (rms_norm.cc's AddRmsNormInto): a row's sum and normed values against a
 float64 reference, and each row's bits its own, whether it comes alone, in any run of the rows whose scales are
 computed together (RmsScales: four at a time) or on any thread count (a crash's recompute gets other batches)."""
 
@@ -7,17 +7,17 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fdcore.models.kernels import fused_ops
+from fdcore.models.kernels import operators
 
-needs_ops = pytest.mark.skipif(fused_ops() is None, reason="fdcore's C++ operators do not build here")
+needs_ops = pytest.mark.skipif(operators() is None, reason="fdcore's C++ operators do not build here")
 
 _ON_THREADS = """
 import sys
 import numpy as np
 import paddle
-from fdcore.models.kernels import fused_ops
+from fdcore.models.kernels import operators
 given = np.load(sys.argv[1])
-add_rms_norm = fused_ops()[0]
+add_rms_norm = operators().add_rms_norm
 total, normed = add_rms_norm(paddle.to_tensor(given["h"]), paddle.to_tensor(given["d"]), paddle.to_tensor(given["w"]),
                              1e-5)
 np.savez(sys.argv[2], total=total.numpy(), normed=normed.numpy())
@@ -38,7 +38,7 @@ def test_each_row_is_normed_alone_to_its_own_bits(width):
     reference's values, the sum exactly h + d, and every row's bits the same as normed alone and in a run of 2."""
     import paddle
 
-    add_rms_norm = fused_ops()[0]
+    add_rms_norm = operators().add_rms_norm
     given = _rows(11, width, seed=width)
     h, d, w = (paddle.to_tensor(given[name]) for name in ("h", "d", "w"))
     total, normed = (out.numpy() for out in add_rms_norm(h, d, w, 1e-5))

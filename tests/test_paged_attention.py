@@ -1,4 +1,4 @@
-"""Attention over the float32 paged cache (paged_attention.cc): against a float64 reference for every head size
+"""Attention over the float32 paged cache (attention.cc): against a float64 reference for every head size
 and heads-per-pass split, block size, sliding window and key count, on this CPU's build and on the AVX2 one
 (and its scalar path); the cache's layout (keys transposed within a block) the same whether the operator or
 the Python path wrote it."""
@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 from fdcore.models import kernels
-from fdcore.models.kernels import fused_ops
+from fdcore.models.kernels import operators
 from tests.attention import attend, reference
 
-needs_ops = pytest.mark.skipif(fused_ops() is None, reason="fdcore's C++ operators do not build here")
+needs_ops = pytest.mark.skipif(operators() is None, reason="fdcore's C++ operators do not build here")
 
 CASES = [
     (9, 3, 64, 16, 0),    # SmolLM2: pairs of rows, 3 heads a pass
@@ -78,7 +78,7 @@ def test_the_operator_and_the_python_path_lay_the_cache_out_alike():
     by_op, by_python = PagedKVCache(args, 4, block), PagedKVCache(args, 4, block)
     assert by_op.k[0].shape == (kv_heads, 4, dim, block) and by_op.v[0].shape == (kv_heads, 4, block, dim)
     k_cache, v_cache = by_op.tensors(0)
-    fused_ops()[2](paddle.to_tensor(qkv), paddle.ones([tokens, dim // 2]), paddle.zeros([tokens, dim // 2]),
+    operators().attention_block(paddle.to_tensor(qkv), paddle.ones([tokens, dim // 2]), paddle.zeros([tokens, dim // 2]),
                    paddle.to_tensor(slots), k_cache, v_cache, paddle.to_tensor(np.zeros((tokens, 4), dtype=np.int64)),
                    paddle.to_tensor(np.ones(tokens, dtype=np.int64)), paddle.empty([0], dtype="float32"),
                    paddle.empty([0], dtype="float32"), heads, 1.0, 0, 1e-6)

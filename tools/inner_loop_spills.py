@@ -1,7 +1,7 @@
 """Innermost loops of fdcore's built kernel library that store vector registers to the stack.
 
 A kernel's accumulators belong in registers; when the compiler keeps them in memory instead (an array
-captured by reference in a lambda was the case in paged_attention.cc), every iteration stores them again,
+captured by reference in a lambda was the case in the attention kernels), every iteration stores them again,
 and the kernel slows without any change in its results. This disassembles the library (``objdump -d``),
 finds each innermost loop (a backward jump with no other backward jump inside it) and prints those with
 stores of zmm / ymm registers to stack slots. A heuristic: a range between a jump and its target can hold

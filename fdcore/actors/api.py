@@ -18,6 +18,7 @@ import socket
 import sys
 import threading
 
+from fdcore import envs
 from fdcore.actors import health, topology
 from fdcore.actors.runtime import Actor
 from fdcore.ipc import Receiver, RingEmpty
@@ -35,7 +36,7 @@ class ApiActor(Actor):
         welcome = self.llm._conn.welcome
         server = self.config.server
         settings = Settings(server.model_name or os.path.basename(welcome.model.rstrip("/")),
-                            welcome.max_model_len, os.environ.get("FDCORE_API_KEY") or server.api_key,
+                            welcome.max_model_len, envs.get(envs.API_KEY) or server.api_key,
                             server.max_request_bytes, chat_max_tokens(welcome.sampling_defaults, server),
                             server.reasoning_parser, server.max_response_entries,
                             welcome.sampling_defaults.get("max_tokens") or 16)

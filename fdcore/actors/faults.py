@@ -19,16 +19,16 @@ Unset, each is one environment lookup at actor start and a ``None`` check per re
 
 from __future__ import annotations
 
-import os
 import signal
 import time
 from collections.abc import Sequence
 
+from fdcore import envs
 from fdcore.actors import health
 from fdcore.protocol import Ping, Stop
 
-POISON_ENV = "FDCORE_TEST_POISON"
-FAULT_ENV = "FDCORE_TEST_FAULT"
+POISON_ENV = envs.TEST_POISON
+FAULT_ENV = envs.TEST_FAULT
 BEHAVIOURS = ("ignore_stop", "ignore_sigterm", "wedge", "stall_spare", "slow_pass")
 
 
@@ -38,7 +38,7 @@ class PoisonedRequest(RuntimeError):
 
 def poison_for(kind: str) -> int | None:
     """The poison token id for this actor kind, or None (the fault point is off)."""
-    value = os.environ.get(POISON_ENV, "")
+    value = envs.get(POISON_ENV)
     if not value:
         return None
     target, sep, token = value.partition(":")
@@ -55,7 +55,7 @@ def check(poison: int | None, seq: int, token_ids: Sequence[int]) -> None:
 
 def behaviour_for(child_id: str) -> tuple[str, int] | None:
     """The misbehaviour ``FDCORE_TEST_FAULT`` gives this child and its count, or None."""
-    value = os.environ.get(FAULT_ENV, "")
+    value = envs.get(FAULT_ENV)
     if not value:
         return None
     parts = value.split(":")

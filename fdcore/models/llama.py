@@ -31,6 +31,7 @@ from fdcore.models import cpu_env  # noqa: F401  (before paddle: math-library se
 import paddle  # noqa: E402
 
 from fdcore.core.batch import BatchInput
+from fdcore.models.kernels import DECODER_KINDS, DECODER_META, DECODER_SLOTS
 from fdcore.models.loader import Checkpoint, ModelArgs
 from fdcore.models.quantized import Blocks, concatenate_rows
 from fdcore.models.shared_weights import Stored, WeightFile, shared_pages_cost
@@ -42,10 +43,10 @@ from fdcore.models.tensors import (StepInputs, arrays_in_file, as_paddle, on_hug
 class PagedKVCache:
     """K and V of every layer: numpy ``[kv_heads, num_blocks, block_size, head_dim]``, in float32 or (``dtype
     "bfloat16"``, held as int16 bits) bfloat16: half the memory a token, and attention's products in
-    AVX512-BF16's ``vdpbf16ps`` (paged_attention.cc's AttendHeadsBf16; only fdcore's C++ operators read it).
+    AVX512-BF16's ``vdpbf16ps`` (attention_bf16.h's AttendHeadsBf16; only fdcore's C++ operators read it).
 
     A float32 cache's keys are transposed within each block, ``[kv_heads, num_blocks, head_dim, block_size]``:
-    a key a vector lane, so attention's scores are one FMA chain per key (paged_attention.cc's ScoreRuns) with no
+    a key a vector lane, so attention's scores are one FMA chain per key (attention_avx512.h's ScoreRuns) with no
     reduction across lanes. (The bfloat16 cache keeps its keys as rows: its kernel multiplies them in pairs of
     values along head_dim, and this machine's CPU, without AVX512-BF16, could not run a re-laid one.)
 
@@ -165,9 +166,9 @@ class LlamaModel:
                 shared.publish(msgspec.msgpack.encode(self._weights_manifest(shared)))
         self.windows = tuple(sorted({layer["window"] for layer in self.layers}))  # the masks a step needs
         self.scale = args.head_dim ** -0.5
-        from fdcore.models.kernels import fused_ops
+        from fdcore.models.kernels import operators
 
-        self.fused = fused_ops()  # (add_rms_norm, silu_mul, attention_block), or None: the Python path
+        self.fused = operators()  # fdcore's operators, or None: the Python path
         self.no_tensor = paddle.empty([0], dtype=paddle.float32)
         if self.fused is not None:
             self.norm_t = as_paddle(self.norm)
@@ -274,18 +275,23 @@ class LlamaModel:
             return None
         if kinds == {Bf16Matrix} and not all(layer["gate_up"].gated for layer in self.layers):
             raise RuntimeError("decoder_layers takes a bfloat16 model's gate_up gated (Bf16Matrix.pack_gated)")
-        none = self.no_tensor
         weights, meta = [], []
-        for layer in self.layers:  # decoder.cc's Slot order
-            weights.append(layer["in_norm_t"])
-            for name in _PROJECTIONS:
-                matrix = layer[name]
-                weights += [matrix.packed, getattr(matrix, "scales", none), layer.get(f"{name}_bias", none)]
-                if name == "o":
-                    weights.append(layer["post_norm_t"])
-            weights += [layer.get("q_norm_t", none), layer.get("k_norm_t", none)]
-            meta += [layer[name].rows for name in _PROJECTIONS] + [layer["window"]]
+        for layer in self.layers:
+            weights += [self._slot_tensor(layer, slot) for slot in DECODER_SLOTS]
+            meta += [layer[name].rows for name in DECODER_META[:-1]] + [layer["window"]]
         return op, weights, meta, _KIND_CODES[kinds.pop()], self._decoder_head()
+
+    def _slot_tensor(self, layer: dict, slot: str) -> paddle.Tensor:
+        """A layer's tensor for the one-call decoder's slot ``slot`` (DECODER_SLOTS); an empty one where it has none."""
+        name, _, part = slot.rpartition("_") if slot.endswith(("_scales", "_bias")) else (slot, "", "")
+        if name in _PROJECTIONS:
+            matrix = layer[name]
+            if part == "":
+                return matrix.packed
+            return getattr(matrix, "scales", self.no_tensor) if part == "scales" else layer.get(slot, self.no_tensor)
+        if slot in ("in_norm", "post_norm"):
+            return layer[f"{slot}_t"]
+        return layer.get(f"{slot}_t", self.no_tensor)  # (q_norm, k_norm: Qwen3's)
 
     def _decoder_head(self):
         """The LM head as the one-call decoder takes it (see its ``head``), or None where ``_head`` must make
@@ -465,7 +471,8 @@ class LlamaModel:
         per layer instead of ~25 (or all of them in one: the one-call decoder). Returns the final
         norm's output (all rows), and the logits of the plan's last rows where the one-call decoder
         made them (else None). The small index arrays go over as views (``as_paddle``), not copies."""
-        add_rms_norm, silu_mul, attention_block = self.fused
+        ops = self.fused
+        add_rms_norm, silu_mul, attention_block = ops.add_rms_norm, ops.silu_mul, ops.attention_block
         a = self.args
         eps = a.rms_norm_eps
         if self.decoder is not None:
@@ -970,8 +977,9 @@ _PACKED = {"bfloat16": Bf16Matrix, "wint8": Int8Matrix, "wint4": Int4Matrix}  # 
 # levels hold a 4-bit block's 16 with its scale and minimum, so a Q4_1 file run as wint8 multiplies the file's
 # weights, where quantizing them again moved SmolLM2's logits enough to change a greedy token (bench_quality)
 _HOLDS_BLOCKS = {"wint8": ("wint8", "wint4"), "wint4": ("wint4",)}
-_KIND_CODES = {F32Matrix: 0, Bf16Matrix: 1, Int8Matrix: 2, Int4Matrix: 3}  # decoder.cc's Kind
-_PROJECTIONS = ("qkv", "o", "gate_up", "down")  # a layer's matrices, in decoder.cc's Slot order
+_KIND_CODES = {matrix: DECODER_KINDS.index(kind) for matrix, kind in
+               ((F32Matrix, "float32"), (Bf16Matrix, "bfloat16"), (Int8Matrix, "int8"), (Int4Matrix, "int4"))}
+_PROJECTIONS = ("qkv", "o", "gate_up", "down")  # a layer's matrices
 
 # a packed matrix's arrays, as a shared weight file stores them (LlamaModel._weights_manifest)
 _PARTS = {F32Matrix: lambda m: [m.array], Bf16Matrix: lambda m: [m.packed], Int8Matrix: lambda m: [m.packed, m.scales],

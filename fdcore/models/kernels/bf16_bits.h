@@ -1,5 +1,5 @@
 // float32 -> bfloat16 bits for 16 lanes, shared by the kernels that round activations (linear_bf16.cc: a product's
-// rounded rows, the norms' and the SwiGLU's; paged_attention.cc: the KV cache, the attention's output rows): rounded
+// rounded rows, the norms' and the SwiGLU's; attention.cc: the KV cache, the attention's output rows): rounded
 // to nearest even as every bfloat16 conversion does (a NaN stays a NaN, quieted), in integer steps: bits + 0x7fff +
 // (bit 16), the upper half, in each 32-bit lane's low half. Unlike vcvtneps2bf16 it keeps denormals. Every float32 ->
 // bfloat16 rounding of activations and of the KV cache is this one, so a value has the same bits whichever kernel

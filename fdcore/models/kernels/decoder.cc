@@ -23,39 +23,10 @@
 #include <string>
 #include <vector>
 
+#include "kernels.h"
 #include "paddle/extension.h"
 
-void LinearF32Into(const float* X, int64_t M, int64_t K, const paddle::Tensor& w, int64_t rows, float* Y);
-void LinearBf16Into(const float* X, int64_t M, int64_t K, const paddle::Tensor& w, int64_t rows, float* Y,
-                    const float* R);
-void LinearBf16RoundedInto(const uint16_t* Xr, int64_t M, int64_t K, const paddle::Tensor& w, int64_t rows, float* Y,
-                           const float* R);
-void LinearBf16SwiGluRoundedInto(const uint16_t* Xr, int64_t M, int64_t K, const paddle::Tensor& w, int64_t rows,
-                                 const paddle::Tensor& bias, int64_t stride, uint16_t* Yr);
-int64_t Bf16RowsPadded(int64_t M);
-int64_t Bf16RowWidth(int64_t K);
-void LinearInt8Into(const float* X, int64_t M, int64_t K, const paddle::Tensor& w, const paddle::Tensor& scales,
-                    int64_t rows, float* Y);
-void LinearInt4Into(const float* X, int64_t M, int64_t K, const paddle::Tensor& w, int64_t rows, float* Y);
-void AddRmsNormInto(const float* H, const float* DL, const float* W, int64_t T, int64_t E, float eps, float* S,
-                    float* N);
-void AddRmsNormBf16Into(const float* H, const float* DL, const float* W, int64_t T, int64_t E, float eps, float* S,
-                        uint16_t* R);
-void SiluMulInto(const float* G, int64_t T, int64_t I, float* O);
-bool AttentionBlockInto(const float* X, int64_t Tn, int64_t width, const paddle::Tensor& cos, const paddle::Tensor& sin,
-                        const paddle::Tensor& slots, const paddle::Tensor& k_cache, const paddle::Tensor& v_cache,
-                        const paddle::Tensor& tables, const paddle::Tensor& lengths, const paddle::Tensor& q_norm,
-                        const paddle::Tensor& k_norm, int64_t num_heads, float scale, int64_t window, float norm_eps,
-                        float* Qo, float* O, uint16_t* Or);
-
 namespace {
-
-enum Kind : int64_t { kFloat32 = 0, kBfloat16 = 1, kInt8 = 2, kInt4 = 3 };
-enum Slot : int {
-  kInNorm, kQkv, kQkvScales, kQkvBias, kO, kOScales, kOBias, kPostNorm,
-  kGateUp, kGateUpScales, kGateUpBias, kDown, kDownScales, kDownBias, kQNorm, kKNorm, kSlots
-};
-constexpr int kMeta = 5;  // qkv, o, gate_up, down rows; window
 
 // Y [M, rows] += the slot's bias, where it has one (as Paddle's broadcast add does: one float add per element).
 void AddBias(const paddle::Tensor* w, int slot, int64_t M, int64_t rows, float* Y) {

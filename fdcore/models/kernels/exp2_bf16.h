@@ -1,9 +1,9 @@
 // 2^t for 16 floats to the precision of bfloat16 (within 7.5e-5 relative, where bfloat16 keeps 8 bits: 2^-9 = 2e-3),
-// shared by the bfloat16 attention's softmax (paged_attention.cc) and the bfloat16 SwiGLU (linear_bf16.cc), whose
+// shared by the bfloat16 attention's softmax (attention_bf16.h) and the bfloat16 SwiGLU (linear_bf16.cc), whose
 // results are rounded to bfloat16 next: 2^t = 2^floor(t) 2^f with f = t - floor(t) in [0, 1) in one vreduceps, 2^f a
 // degree-3 polynomial (least-relative-error fit), 2^floor(t) by vscalefps, which floors t itself; 0 below 2^-125.5
 // (a denormal would make every product it enters a microcode assist). A lane's result is a function of that lane
-// alone. 5 instructions where a float32-exact e^x (paged_attention.cc's Exp16) takes 14.
+// alone. 5 instructions where a float32-exact e^x (simd.h's Exp16) takes 14.
 #pragma once
 
 #include <immintrin.h>

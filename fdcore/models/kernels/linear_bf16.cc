@@ -27,7 +27,7 @@
 // (1 thread, alternating processes, 3 rounds each), where the [M, 2 I] product went through L3 and a pass of its own.
 //
 // A bfloat16 model's norms and SwiGLU hand their products the rows already rounded (LinearBf16RoundedInto,
-// LinearBf16SwiGluRoundedInto, and paged_attention.cc's AddRmsNormBf16Into; kernels/decoder.cc): the float32 rows
+// LinearBf16SwiGluRoundedInto, and rms_norm.cc's AddRmsNormBf16Into; kernels/decoder.cc): the float32 rows
 // never go to memory to be read back and rounded, the SwiGLU's activations are half the bytes, and the bits are
 // those of rounding here (the same RoundToBf16). A 512-token SmolLM2 prefill against the same float32-input product
 // floor (1 thread, alternating processes, 4 rounds): 1.12-1.41x -> 0.90-1.07x; 2 threads 1.09-1.13x -> 1.00-1.06x.
@@ -47,17 +47,16 @@
 
 #include "bf16_bits.h"
 #include "exp2_bf16.h"
+#include "kernels.h"
 #include "line_buffer.h"
 #include "paddle/extension.h"
-
-#define FDCORE_BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512dq,avx512bf16")))
 
 // The lanes of a 16-lane chunk from `first` that are before `end` (first < end).
 static inline __mmask16 LanesBefore(int64_t first, int64_t end) {
   return first + 16 <= end ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << (end - first)) - 1);
 }
 
-// n float32 values -> bfloat16 bits (Bf16Bits). Shared with paged_attention.cc, whose bfloat16 KV cache and norms'
+// n float32 values -> bfloat16 bits (Bf16Bits). Shared with attention.cc and rms_norm.cc, whose bfloat16 KV cache and norms'
 // bfloat16 rows are written with it (hidden: a direct call within the library); like every function here, run only
 // where the CPU has AVX512-BF16.
 __attribute__((visibility("hidden"))) FDCORE_BF16_TARGET void RoundToBf16(const float* x, int64_t n, uint16_t* r) {
@@ -97,11 +96,11 @@ static bool AmxPermitted() {
 }
 
 // Whether bfloat16 products run on tiles in this process: wanted (the setting) and granted by the OS. Shared with
-// paged_attention.cc, whose bfloat16 cache is read on tiles where the products are.
+// attention_tiles.h, whose bfloat16 cache is read on tiles where the products are.
 __attribute__((visibility("hidden"))) bool Bf16Tiles() { return fdcore_bf16_tiles_wanted && AmxPermitted(); }
 
 // Configures this thread's tiles 0 .. count - 1 (palette 1), tile t `rows[t]` rows of 64 bytes: the one place the
-// tile configuration's layout is written (shared with paged_attention.cc).
+// tile configuration's layout is written (shared with attention_tiles.h).
 __attribute__((visibility("hidden"))) void ConfigureTileRows(const uint8_t* rows, int count) {
   struct {
     uint8_t palette = 1, start_row = 0, reserved[14] = {};

@@ -36,9 +36,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "kernels.h"
 #include "paddle/extension.h"
-
-extern int fdcore_prefetch_weights;  // linear_int8.cc
 
 namespace {
 

@@ -31,14 +31,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "kernels.h"
 #include "paddle/extension.h"
-
-extern int fdcore_prefetch_weights;  // linear_int8.cc
-__attribute__((visibility("hidden"))) bool RowsWorthSharing(int64_t rows, int64_t width);  // linear_int8.cc
-#if defined(__AVX2__)
-__attribute__((visibility("hidden"))) void QuantizeBlock(const float* x, int64_t left, int8_t* q, float* scale,
-                                                         int32_t* sum);  // linear_int8.cc
-#endif
 
 namespace {
 

@@ -29,6 +29,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "kernels.h"
 #include "paddle/extension.h"
 
 namespace {
@@ -53,7 +54,7 @@ extern "C" int fdcore_weight_prefetch() { return fdcore_prefetch_weights; }
 // whole on one thread: the same bits either way): from 8 rows and 2^12 values. Under 2^16, the bound these loops
 // had, a 32-row decode step quantized its activations and ran SwiGLU, the norms and the rotary loop on one
 // thread while the other spun (SmolLM2 wint8 decode steps on 2 threads, in-process A/B: batch 32 0.92-0.96x the
-// time, 8 0.98x; float32 0.99x). Used by this file, linear_int4.cc and paged_attention.cc (hidden: a direct call).
+// time, 8 0.98x; float32 0.99x). Used by this file, linear_int4.cc, attention.cc, rms_norm.cc and silu_mul.cc (hidden: a direct call).
 __attribute__((visibility("hidden"))) bool RowsWorthSharing(int64_t rows, int64_t width) {
   return rows >= 8 && rows * width >= (1 << 12);
 }
