@@ -226,8 +226,8 @@ def main(argv=None) -> int:
     if unknown := [s for s in settings if s not in SETTINGS]:
         parser.error(f"unknown settings {unknown}; known: {', '.join(SETTINGS)}")
 
-    from fdcore.models.fetch import fetch_smollm2
-    from fdcore.models.loader import read_config
+    from fdcore.checkpoint.fetch import fetch_smollm2
+    from fdcore.checkpoint import read_config
 
     source = fetch_smollm2()
     vocab = read_config(source)["vocab_size"]

@@ -23,12 +23,13 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 
 def run_mode(mode: str, prompts: int, limit: int) -> dict:
-    from fdcore import LLM, SamplingParams, client
+    from fdcore import LLM, SamplingParams
+    from fdcore.client import base, llm as client_llm
     from fdcore.config import parse_config
 
     if mode == "fixed":  # the window the engine's limit allows, never more: nothing is refused
-        client._Batch.growth = 0.0
-        client.INITIAL_WINDOW = limit
+        client_llm.Batch.growth = 0.0
+        base.INITIAL_WINDOW = limit
     llm = LLM(parse_config(f"[engine]\nmax_pending_requests = {limit}\n"))
     sent = [0]
     submit = llm._conn.submit

@@ -149,10 +149,11 @@ def ring_attacker(instance: str, stop: threading.Event, counter: dict) -> None:
     import struct
 
     from fdcore import SamplingParams
-    from fdcore.client import Connection, _Tree
+    from fdcore.client import Tree
+    from fdcore.client.connection import Connection
     from fdcore.ipc.ring import HEADER_SIZE, TAIL
 
-    conn = Connection(_Tree.find(instance))
+    conn = Connection(Tree.find(instance))
     rng = random.Random(43)
     kinds = ["check_word", "length", "tail", "deep", "header_bytes"]
     try:

@@ -30,7 +30,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from fdcore.models import tiny  # noqa: E402
+from fdcore.checkpoint import tiny  # noqa: E402
 
 SMOLLM2_SHAPE = {**tiny.CONFIG, "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
                  "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64, "vocab_size": 49152,
@@ -41,7 +41,7 @@ FDCORE_PROBE = r"""
 import json, sys, time
 import psutil
 from fdcore.models.llama import LlamaModel
-from fdcore.models.loader import load_checkpoint
+from fdcore.checkpoint import load_checkpoint
 
 def high_water_mark():
     with open("/proc/self/status") as f:

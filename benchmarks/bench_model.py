@@ -13,7 +13,7 @@ Usage: OMP_NUM_THREADS=1 python benchmarks/bench_model.py [--model DIR|smollm2] 
            [--quantization none|wint8|wint4] [--steps N] [--batches 1,8,32]
 
 ``--model smollm2`` is the real SmolLM2-135M-Instruct (fetched once; see
-fdcore.models.fetch); the floor uses the model's own matrix dtype, the step the KV cache the worker
+fdcore.checkpoint.fetch); the floor uses the model's own matrix dtype, the step the KV cache the worker
 gives the model (``cache.dtype = "auto"``: bfloat16 for ``--dtype bfloat16``, float32 otherwise).
 """
 
@@ -35,7 +35,7 @@ import paddle  # noqa: E402
 from fdcore.core.batch import BatchInput  # noqa: E402
 from fdcore.models import kernels, tiny  # noqa: E402
 from fdcore.models.llama import Bf16Matrix, LlamaModel, linear, swiglu  # noqa: E402
-from fdcore.models.loader import load_checkpoint  # noqa: E402
+from fdcore.checkpoint import load_checkpoint  # noqa: E402
 
 BLOCK = 16
 CONTEXT = 128
@@ -132,7 +132,7 @@ def main(argv=None) -> int:
     parser.add_argument("--batches", default="1,8,32,64,128")
     opts = parser.parse_args(argv)
     if opts.model == "smollm2":
-        from fdcore.models.fetch import fetch_smollm2
+        from fdcore.checkpoint.fetch import fetch_smollm2
 
         opts.model = fetch_smollm2()
     path = opts.model or tiny.make_tiny_model(os.path.join(tempfile.mkdtemp(), "tiny"))

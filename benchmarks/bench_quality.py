@@ -110,9 +110,9 @@ def main() -> int:
     args = parser.parse_args()
 
     from fdcore.core.tokenizer import ModelTokenizer
-    from fdcore.models.fetch import fetch_smollm2
+    from fdcore.checkpoint.fetch import fetch_smollm2
     from fdcore.models.llama import LlamaModel
-    from fdcore.models.loader import load_checkpoint
+    from fdcore.checkpoint import load_checkpoint
 
     path = fetch_smollm2()
     ids = ModelTokenizer(path).encode(open(TEXT).read())

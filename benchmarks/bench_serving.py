@@ -131,7 +131,7 @@ def offline_tpot(model: str, args) -> float:
 
     from bench_batch1 import decode_rate
     from fdcore import AsyncLLM
-    from fdcore.models.loader import read_config
+    from fdcore.checkpoint import read_config
 
     vocab = read_config(model)["vocab_size"]
     rng = random.Random(args.seed)
@@ -248,7 +248,7 @@ def has_avx512_bf16() -> bool:
 
 def model_dir(args) -> str:
     """The HF directory every server loads: ``--model`` itself, or a GGUF's float32 export."""
-    from fdcore.models.fetch import fetch_smollm2
+    from fdcore.checkpoint.fetch import fetch_smollm2
 
     source = args.model or fetch_smollm2()
     if os.path.isdir(source):

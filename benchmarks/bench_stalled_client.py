@@ -48,11 +48,12 @@ def crowd(instance: str, requests: int) -> int:
     SIGUSR1 switches to decoding: count the requests that ended with the engine's disconnect error
     and print that count once every request has ended. SIGTERM aborts every request and exits."""
     from fdcore import SamplingParams
-    from fdcore.client import Connection, _Tree
+    from fdcore.client import Tree
+    from fdcore.client.connection import Connection
     from fdcore.ipc import RingEmpty
     from fdcore.protocol import AbortRequest, Update
 
-    conn = Connection(_Tree.find(instance))
+    conn = Connection(Tree.find(instance))
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     ids = [f"crowd-{i}" for i in range(requests)]
     for i, request_id in enumerate(ids):

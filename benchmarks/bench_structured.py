@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from benchmarks.bench_throughput import fdcore_config, has_avx512_bf16, make_prompts, run_in_peer  # noqa: E402
 from fdcore import LLM, SamplingParams, StructuredOutputs  # noqa: E402
 from fdcore.config import default_model_path  # noqa: E402
-from fdcore.models.tiny import ensure_tiny_model  # noqa: E402
+from fdcore.checkpoint.tiny import ensure_tiny_model  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RECORD = {"type": "object", "properties": {

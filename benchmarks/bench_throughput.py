@@ -40,7 +40,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from fdcore import LLM, SamplingParams  # noqa: E402
 from fdcore.config import Config, default_model_path, parse_config  # noqa: E402
-from fdcore.models.tiny import ensure_tiny_model  # noqa: E402
+from fdcore.checkpoint.tiny import ensure_tiny_model  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PEER_SCRIPT = os.path.join(HERE, "..", "..", "shared", "peers", "vllm-cpu", "offline_bench.py")

@@ -39,8 +39,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from fdcore import AsyncLLM, SamplingParams  # noqa: E402
 from fdcore.config import default_model_path, parse_config  # noqa: E402
-from fdcore.models.fetch import fetch_smollm2  # noqa: E402
-from fdcore.models.tiny import ensure_tiny_model  # noqa: E402
+from fdcore.checkpoint.fetch import fetch_smollm2  # noqa: E402
+from fdcore.checkpoint.tiny import ensure_tiny_model  # noqa: E402
 from fdcore.actors import health, topology  # noqa: E402
 from fdcore.actors.health import HealthBoard  # noqa: E402
 from fdcore.supervisor import actor_census  # noqa: E402

@@ -359,7 +359,7 @@ def _check_compute(model: "ModelConfig", cache: "CacheConfig", source: str) -> N
 
 def default_model_path() -> str:
     """Where the bundled tiny model is made on first use: ``$FDCORE_HOME/models/tiny-llama-v<N>``."""
-    from fdcore.models.tiny import VERSION
+    from fdcore.checkpoint.tiny import VERSION
 
     return os.path.join(fdcore_home(), "models", f"tiny-llama-v{VERSION}")
 
@@ -372,7 +372,7 @@ def check_model_path(config: Config, source: str = "<config>") -> None:
     """The model directory (or GGUF file) must exist; the bundled tiny model (empty path) is made
     if missing."""
     if not config.model.path:
-        from fdcore.models.tiny import ensure_tiny_model
+        from fdcore.checkpoint.tiny import ensure_tiny_model
 
         ensure_tiny_model(default_model_path())
         return

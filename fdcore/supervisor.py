@@ -613,7 +613,7 @@ class Supervisor:
         checkpoint's shapes (its headers only: no weights are read here); None without one."""
         if self.config.workers.tensor_parallel_size == 1 or self.config.workers.communicator == "paddle":
             return None
-        from fdcore.models.loader import inspect_checkpoint
+        from fdcore.checkpoint import inspect_checkpoint
         from fdcore.models.tensor_parallel import communicator_capacity
 
         world = self.config.workers.tensor_parallel_size
@@ -776,7 +776,7 @@ def _check_model(config: Config) -> int:
     """--check's look at the checkpoint: print its chat templates and the sampling defaults the
     engine will give requests that leave them unset; a model the engine could not start with is an
     error (exit code 2)."""
-    from fdcore.models.loader import CheckpointError
+    from fdcore.checkpoint import CheckpointError
 
     try:
         print(describe_model(config))
@@ -835,7 +835,7 @@ def describe_model(config: Config) -> str:
     """The model as the engine will serve it, as TOML comments (templates compiled, defaults checked)."""
     from fdcore.core.generation_config import generation_config_file, sampling_defaults
     from fdcore.core.tokenizer import ModelTokenizer
-    from fdcore.models.loader import inspect_checkpoint
+    from fdcore.checkpoint import inspect_checkpoint
 
     path, mode = model_path(config), config.model.generation_config
     args = inspect_checkpoint(path)

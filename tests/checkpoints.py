@@ -20,7 +20,7 @@ import sys
 
 import numpy as np
 
-from fdcore.models import tiny
+from fdcore.checkpoint import tiny
 
 BASE = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 128,

@@ -16,7 +16,7 @@ import psutil
 
 from fdcore.config import parse_config
 from fdcore.ipc import names
-from fdcore.models import tiny
+from fdcore.checkpoint import tiny
 
 EVENT = re.compile(r"^fdcore\.supervisor: event=(\w+)(.*)$")
 FIELD = re.compile(r'(\w+)=("(?:[^"\\]|\\.)*"|\S+)')

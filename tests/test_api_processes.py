@@ -18,7 +18,7 @@ import time
 import httpx
 import pytest
 
-from fdcore.models import tiny
+from fdcore.checkpoint import tiny
 from fdcore.supervisor import actor_pid
 from tests.supervised import Tree
 

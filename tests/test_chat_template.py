@@ -20,8 +20,8 @@ from fdcore.core.chat_template import ChatOptions
 from fdcore.core.generation_config import fit_to_model, read_sampling_defaults
 from fdcore.core.tokenizer import ModelTokenizer
 from fdcore.core.validation import ModelLimits, RequestError
-from fdcore.models import tiny
-from fdcore.models.loader import CheckpointError
+from fdcore.checkpoint import tiny
+from fdcore.checkpoint import CheckpointError
 from tests.supervised import ROOT, Tree
 
 REFERENCE = json.load(open(os.path.join(ROOT, "tests", "data", "chat_templates.json"), encoding="utf-8"))

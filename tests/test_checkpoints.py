@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from fdcore.models.llama import LlamaModel
-from fdcore.models.loader import CheckpointError, load_checkpoint
+from fdcore.checkpoint import CheckpointError, load_checkpoint
 from tests.checkpoints import VARIANTS, make_checkpoint
 from tests.test_model import run_greedy
 
@@ -42,7 +42,7 @@ def models(tmp_path_factory):
 
 @pytest.mark.parametrize("name", list(VARIANTS))
 def test_our_config_and_the_one_transformers_writes_mean_the_same_model(name):
-    from fdcore.models.loader import ModelArgs
+    from fdcore.checkpoint import ModelArgs
     from tests.checkpoints import config_of
 
     ours = ModelArgs.from_config(config_of(name), "ours")
@@ -77,7 +77,7 @@ def test_chunked_prefill_and_the_python_path_agree(models, name):
 
 def test_exporters_notes_pass_and_a_layout_they_ask_for_does_not():
     """SmolLM2's own config.json carries nanotron's and transformers.js's notes."""
-    from fdcore.models.loader import ModelArgs
+    from fdcore.checkpoint import ModelArgs
     from tests.checkpoints import config_of
 
     config = {**config_of("llama-float16"), "is_llama_config": True, "rope_interleaved": False,
@@ -169,7 +169,7 @@ MEMORY_PROBE = r"""
 import json, sys
 import psutil
 from fdcore.models.llama import LlamaModel
-from fdcore.models.loader import load_checkpoint
+from fdcore.checkpoint import load_checkpoint
 
 def high_water_mark():
     with open("/proc/self/status") as f:
@@ -190,7 +190,7 @@ def test_loading_a_sharded_bf16_checkpoint_peaks_below_1_3x_the_weights(tmp_path
     import subprocess
     import sys
 
-    from fdcore.models.tiny import save_weights
+    from fdcore.checkpoint.tiny import save_weights
     from tests.checkpoints import weights
 
     config = {**json.load(open(make_checkpoint(str(tmp_path / "m"), "llama-sharded-bf16") + "/config.json")),

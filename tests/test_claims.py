@@ -238,7 +238,7 @@ def test_actors_talk_only_through_shared_memory(start_tree):
     forbidden = re.compile(r"^\s*(?:import|from)\s+(pickle|multiprocessing|socket|zmq)\b", re.M)
     offenders = {str(path.relative_to(package)): forbidden.findall(path.read_text())
                  for path in package.rglob("*.py") if forbidden.search(path.read_text())}
-    assert offenders == {"actors/api.py": ["socket"], "models/tensor_parallel.py": ["socket"]}, offenders
+    assert offenders == {"server/actor.py": ["socket"], "models/tensor_parallel.py": ["socket"]}, offenders
     os.kill(tree.proc.pid, signal.SIGTERM)
     assert tree.exit_code() == 0
 

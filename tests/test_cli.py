@@ -27,7 +27,7 @@ def test_serve_runs_the_server_with_the_flags_and_leaves_nothing(tmp_path):
     No configuration file (it holds the key) is ever written: the tree reads it from memory. Without
     OMP_NUM_THREADS the worker gets a math thread per core (as LLM's tree does), not the one thread a
     module of the command line once set for every child."""
-    from fdcore.models import tiny
+    from fdcore.checkpoint import tiny
 
     model = tiny.make_tiny_model(str(tmp_path / "model"))
     private = tmp_path / "tmp"

@@ -17,7 +17,7 @@ import pytest
 from fdcore import LLM, AsyncLLM, SamplingParams
 from fdcore.client import EngineDeadError
 from fdcore.config import parse_config
-from fdcore.models import tiny
+from fdcore.checkpoint import tiny
 from fdcore.supervisor import actor_pid
 from tests.supervised import tree_config
 
@@ -291,7 +291,7 @@ def test_an_open_stream_raises_when_the_tree_is_killed(model_dir):
 
 def test_an_unanswered_hello_is_sent_again(monkeypatch):
     """A Hello written while the old engine died is lost with it: the client greets again."""
-    from fdcore import client as client_module
+    from fdcore.client import connection as client_module
     from fdcore.ipc import RingEmpty
     from fdcore.protocol import Welcome
 

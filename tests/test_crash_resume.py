@@ -13,7 +13,7 @@ import pytest
 
 from fdcore import AsyncLLM, SamplingParams
 from fdcore.ipc import names
-from fdcore.models import tiny
+from fdcore.checkpoint import tiny
 from fdcore.actors import topology
 from fdcore.supervisor import actor_census
 from fdcore.supervisor import actor_pid as find_actor

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer
 
 from fdcore.core.detokenizer import IncrementalDetokenizer
-from fdcore.models import tiny
+from fdcore.checkpoint import tiny
 
 TOKENIZER = Tokenizer.from_file(tiny.TOKENIZER)
 

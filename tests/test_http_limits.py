@@ -86,7 +86,7 @@ def test_a_response_budget_counts_tokens_logprobs_echo_and_prompt_scores():
 def test_a_text_prompts_bound_is_never_below_its_token_count():
     from tokenizers import Tokenizer
 
-    from fdcore.models import tiny
+    from fdcore.checkpoint import tiny
 
     tokenizer = Tokenizer.from_file(tiny.TOKENIZER)
     texts = ["", "a", "Grüße aus München", "日本語のテキスト", "x" * 5000, "\u0000\uffff" * 10, "<|im_start|>" * 7]

@@ -99,7 +99,7 @@ def test_a_released_kv_cache_reads_zeros_and_holds_no_memory():
     kernel (what its head-major layout and huge pages made resident by one block's writes), it reads as
     zeros, and it is writable again; an array sharing its region with others is left alone."""
     from fdcore.models.llama import PagedKVCache
-    from fdcore.models.loader import ModelArgs
+    from fdcore.checkpoint import ModelArgs
     from fdcore.models.tensors import release_pages
 
     args = ModelArgs.from_config({"architectures": ["LlamaForCausalLM"], "hidden_size": 256, "num_attention_heads": 4,

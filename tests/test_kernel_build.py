@@ -12,7 +12,7 @@ import time
 import psutil
 import pytest
 
-from fdcore.models import tiny
+from fdcore.checkpoint import tiny
 from tests.supervised import ROOT, Tree
 
 FDCORE = os.path.join(os.path.dirname(sys.executable), "fdcore")

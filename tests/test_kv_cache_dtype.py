@@ -48,9 +48,9 @@ def test_a_row_gets_the_same_bits_in_any_chunk_or_step(bf16_path, tmp_path):
     bfloat16 cache, are the same to the bit prefilled whole, in chunks, or token by token beside others (on
     tiles: a row among 16 / G others of its prompt, or its heads alone)."""
     from fdcore.core.batch import BatchInput
-    from fdcore.models import tiny
+    from fdcore.checkpoint import tiny
     from fdcore.models.llama import LlamaModel
-    from fdcore.models.loader import load_checkpoint
+    from fdcore.checkpoint import load_checkpoint
 
     model = LlamaModel(load_checkpoint(tiny.make_tiny_model(str(tmp_path / "m")), progress=lambda *_: None),
                        "bfloat16")
@@ -70,9 +70,9 @@ def test_a_row_gets_the_same_bits_in_any_chunk_or_step(bf16_path, tmp_path):
 
 def test_auto_follows_the_model_and_refusals_name_the_key(tmp_path, monkeypatch):
     from fdcore.config import ConfigError, parse_config
-    from fdcore.models import tiny
+    from fdcore.checkpoint import tiny
     from fdcore.models.llama import LlamaModel, PagedKVCache
-    from fdcore.models.loader import load_checkpoint
+    from fdcore.checkpoint import load_checkpoint
     from tests.checkpoints import make_checkpoint
 
     f32 = LlamaModel(load_checkpoint(tiny.make_tiny_model(str(tmp_path / "m")), progress=lambda *_: None))

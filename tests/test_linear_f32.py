@@ -91,7 +91,7 @@ def test_two_threads_equal_one_thread_bit_for_bit(on_threads):
 
 @pytest.fixture(scope="module")
 def tiny_path(tmp_path_factory):
-    from fdcore.models import tiny
+    from fdcore.checkpoint import tiny
 
     return tiny.make_tiny_model(str(tmp_path_factory.mktemp("f32") / "tiny"))
 
@@ -115,7 +115,7 @@ def test_without_avx2_float32_stays_with_mkl_and_agrees(tiny_path, monkeypatch):
 
     from fdcore.models import kernels
     from fdcore.models.llama import F32Matrix, LlamaModel
-    from fdcore.models.loader import load_checkpoint
+    from fdcore.checkpoint import load_checkpoint
 
     prompts = [[5, 9, 300, 41], [17]]
     packed = LlamaModel(load_checkpoint(tiny_path, progress=lambda *_: None))
@@ -135,9 +135,9 @@ def test_without_avx2_float32_stays_with_mkl_and_agrees(tiny_path, monkeypatch):
 def test_a_tied_head_is_one_copy_that_the_embedding_reads(tmp_path):
     """A tied model keeps its embedding once, packed as the head; the hidden states it starts from are
     the embedding's rows exactly."""
-    from fdcore.models import tiny
+    from fdcore.checkpoint import tiny
     from fdcore.models.llama import F32Matrix, LlamaModel
-    from fdcore.models.loader import load_checkpoint
+    from fdcore.checkpoint import load_checkpoint
 
     path = tiny.make_tiny_model(str(tmp_path / "tied"), arch="qwen2")  # tied embeddings
     checkpoint = load_checkpoint(path, progress=lambda *_: None)

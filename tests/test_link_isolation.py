@@ -13,9 +13,9 @@ import time
 import pytest
 
 from fdcore import AsyncLLM, SamplingParams
-from fdcore.client import Connection
+from fdcore.client.connection import Connection
 from fdcore.ipc import RingEmpty
-from fdcore.models import tiny
+from fdcore.checkpoint import tiny
 from fdcore.protocol import (AbortRequest, AddRequest, Hello, Ping, Restarted, SeqTokens, ServingStats, Stop,
                              Suspects, Update, Welcome)
 from fdcore.supervisor import actor_pid

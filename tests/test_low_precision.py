@@ -150,7 +150,7 @@ def test_a_bfloat16_mlp_adds_its_biases_in_the_gated_product(tmp_path, bf16_path
     each bfloat16 path (bf16_path)."""
     from fdcore.core.batch import BatchInput
     from fdcore.models.llama import LlamaModel
-    from fdcore.models.loader import load_checkpoint
+    from fdcore.checkpoint import load_checkpoint
     from tests.checkpoints import make_checkpoint
 
     changes = {"intermediate_size": intermediate} if intermediate else None
@@ -294,9 +294,9 @@ def test_low_precision_picks_float32s_token_wherever_float32_is_not_at_a_near_ti
     if kernel_path(kind) is None:
         pytest.skip(f"{setting} is refused on this CPU (needs {missing_cpu_feature(kind)})")
     from fdcore.core.batch import BatchInput
-    from fdcore.models.fetch import fetch_smollm2
+    from fdcore.checkpoint.fetch import fetch_smollm2
     from fdcore.models.llama import LlamaModel
-    from fdcore.models.loader import load_checkpoint
+    from fdcore.checkpoint import load_checkpoint
 
     reference = json.load(open(os.path.join(os.path.dirname(__file__), "data", "gguf_reference.json")))
     path = fetch_smollm2()
@@ -339,7 +339,7 @@ def test_the_tree_serves_the_real_model_in_low_precision(setting, kind):
         pytest.skip(f"{setting} is refused on this CPU (needs {missing_cpu_feature(kind)})")
     from fdcore import LLM, SamplingParams
     from fdcore.config import parse_config
-    from fdcore.models.fetch import fetch_smollm2
+    from fdcore.checkpoint.fetch import fetch_smollm2
 
     config = parse_config(f'[model]\npath = "{fetch_smollm2()}"\n{setting}\n[workers]\nstandby = false\n')
     with LLM(config) as llm:
@@ -387,7 +387,7 @@ def test_x_keeps_16_bits_in_the_int_kernels(kind):
     import paddle
 
     from fdcore.models.llama import _matrix_kind, linear
-    from fdcore.models.quantized import Blocks
+    from fdcore.checkpoint.ggml_blocks import Blocks
 
     _matrix_kind("float32", "wint4")  # loads both kernels
     rng = np.random.default_rng(3)

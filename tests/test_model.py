@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 
 from fdcore.core.batch import BatchInput
-from fdcore.models import tiny
+from fdcore.checkpoint import tiny
 from fdcore.models.llama import LlamaModel, PagedKVCache
-from fdcore.models.loader import CheckpointError, load_checkpoint
+from fdcore.checkpoint import CheckpointError, load_checkpoint
 from fdcore.protocol import SamplingParams
-from fdcore.sampling import SamplerRequest, sample
+from fdcore.models.sampling import SamplerRequest, sample
 
 REFERENCE = json.load(open(os.path.join(os.path.dirname(__file__), "data", "reference.json")))
 BLOCK = 16
@@ -177,7 +177,7 @@ import sys
 import numpy as np
 from fdcore.core.batch import BatchInput
 from fdcore.models.llama import LlamaModel
-from fdcore.models.loader import load_checkpoint
+from fdcore.checkpoint import load_checkpoint
 
 given = np.load(sys.argv[1])
 model = LlamaModel(load_checkpoint(str(given["path"]), progress=lambda *_: None), str(given["dtype"]))

@@ -9,7 +9,7 @@ import pytest
 from fdcore import LLM, SamplingParams
 from fdcore.core import placement
 from fdcore.core.placement import Placement, plan
-from fdcore.models import tiny
+from fdcore.checkpoint import tiny
 from fdcore.supervisor import actor_processes
 from tests.supervised import tree_config
 

@@ -12,10 +12,10 @@ import pytest
 
 from fdcore import LLM, AsyncLLM, SamplingParams
 from fdcore.core.batch import BatchInput
-from fdcore.models import tiny
+from fdcore.checkpoint import tiny
 from fdcore.models.llama import LlamaModel, PagedKVCache
-from fdcore.models.loader import load_checkpoint
-from fdcore.sampling import score_tokens
+from fdcore.checkpoint import load_checkpoint
+from fdcore.models.sampling import score_tokens
 from fdcore.supervisor import actor_pid
 from tests.supervised import tree_config
 

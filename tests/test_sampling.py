@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from fdcore.protocol import SamplingParams
-from fdcore.sampling import SamplerRequest, sample
+from fdcore.models.sampling import SamplerRequest, sample
 
 V = 16
 
@@ -102,7 +102,7 @@ def test_min_tokens_masks_eos_and_stop_tokens_until_reached():
 
 
 def test_the_gumbel_kernel_draws_what_the_numpy_reference_draws():
-    from fdcore import sampling
+    from fdcore.models import sampling
 
     kernel = sampling._gumbel_kernel()
     assert kernel is not None, "the C++ kernel should build on this machine"
@@ -156,7 +156,7 @@ def test_no_token_wins_a_draw_by_its_hash_alone(path, monkeypatch):
     """One token 30 nats above 49,151 others: the others' total probability is 5e-9, so 2,000 seeded
     draws all pick it. (With 24-bit uniforms the hash value 2^24 - 1 rounded u to 1.0, whose noise is
     +inf: about one draw in 340 went to whichever token hashed there.)"""
-    from fdcore import sampling
+    from fdcore.models import sampling
 
     if path == "numpy":
         monkeypatch.setattr(sampling, "_gumbel_kernel", lambda: None)

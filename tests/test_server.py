@@ -32,7 +32,7 @@ def free_port() -> int:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    from fdcore.models import tiny
+    from fdcore.checkpoint import tiny
 
     root = tmp_path_factory.mktemp("server")
     model = tiny.make_tiny_model(str(root / MODEL))
@@ -771,7 +771,7 @@ def test_a_connection_that_sends_half_a_header_is_closed_after_the_header_timeou
 
 
 def test_chat_max_tokens_comes_from_the_model_else_the_config():
-    from fdcore.actors.api import chat_max_tokens
+    from fdcore.server.actor import chat_max_tokens
     from fdcore.config import parse_config
 
     server = parse_config("", check_model=False).server
@@ -956,7 +956,7 @@ def test_the_api_heartbeat_ticks_from_the_event_loop():
     import asyncio
     import itertools
 
-    from fdcore.actors.api import ApiActor
+    from fdcore.server.actor import ApiActor
     from fdcore.config import parse_config
 
     ticks = []
@@ -985,7 +985,7 @@ def test_the_servers_connections_send_without_waiting_for_acks():
     ACK (the first token ~40 ms late with aiohttp, vLLM's benchmark client)."""
     import asyncio
 
-    from fdcore.actors.api import listening_socket
+    from fdcore.server.actor import listening_socket
 
     async def accepted_nodelay() -> int:
         listener = listening_socket("127.0.0.1", 0)

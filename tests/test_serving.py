@@ -12,12 +12,12 @@ import sys
 import pytest
 
 from fdcore import LLM, AsyncLLM, SamplingParams
-from fdcore.core.engine_core import EngineCore
+from fdcore.models.engine_core import EngineCore
 from fdcore.core.kv_cache_manager import KVCacheManager
 from fdcore.core.scheduler import Request, Scheduler, BatchLimits
-from fdcore.models import tiny
+from fdcore.checkpoint import tiny
 from fdcore.models.llama import LlamaModel, PagedKVCache
-from fdcore.models.loader import load_checkpoint
+from fdcore.checkpoint import load_checkpoint
 from tests.supervised import tree_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from fdcore.core.batch import BatchInput
-from fdcore.models import tiny
+from fdcore.checkpoint import tiny
 from fdcore.models.llama import LlamaModel, PagedKVCache
-from fdcore.models.loader import load_checkpoint
+from fdcore.checkpoint import load_checkpoint
 
 BLOCK = 16
 

@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 
 from fdcore.core.batch import BatchInput
-from fdcore.models import tiny
+from fdcore.checkpoint import tiny
 from fdcore.models.llama import LlamaModel, PagedKVCache
-from fdcore.models.loader import Checkpoint, inspect_checkpoint, load_checkpoint
+from fdcore.checkpoint import Checkpoint, inspect_checkpoint, load_checkpoint
 from fdcore.models.shared_weights import EMPTY, PRIVATE, PUBLISHED, WeightFile
 
 REFERENCE = json.load(open(os.path.join(os.path.dirname(__file__), "data", "reference.json")))
@@ -107,7 +107,7 @@ def test_a_builder_that_died_leaves_the_file_to_the_next_one(checkpoints, weight
         import os, signal
         from fdcore.models import tensors
         from fdcore.models.llama import LlamaModel
-        from fdcore.models.loader import load_checkpoint
+        from fdcore.checkpoint import load_checkpoint
         from fdcore.models.shared_weights import WeightFile
         shared = WeightFile({weight_fd})
         shared.lock()

@@ -16,7 +16,7 @@ import textwrap
 import pytest
 
 from fdcore.actors import topology
-from fdcore.models import tiny
+from fdcore.checkpoint import tiny
 from tests.supervised import ROOT, tree_config
 
 

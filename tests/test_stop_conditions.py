@@ -16,7 +16,7 @@ import pytest
 
 from fdcore import LLM, SamplingParams
 from fdcore.config import parse_config
-from fdcore.models import tiny
+from fdcore.checkpoint import tiny
 
 REFERENCE = json.load(open(os.path.join(os.path.dirname(__file__), "data", "reference.json")))
 CASE = REFERENCE["checkpoints"]["llama-gqa"]["cases"]["short"]  # the bundled tiny model's greedy tokens

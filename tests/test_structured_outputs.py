@@ -20,8 +20,9 @@ from fdcore import AsyncLLM, SamplingParams, StructuredOutputs
 from fdcore.core.structured import Grammars, grammar_of
 from fdcore.core.tokenizer import load_tokenizer
 from fdcore.core.validation import RequestError
-from fdcore.models import tiny
-from fdcore.sampling import SamplerRequest, allowed_tokens, pack_allowed, sample
+from fdcore.checkpoint import tiny
+from fdcore.core.token_mask import allowed_tokens, pack_allowed
+from fdcore.models.sampling import SamplerRequest, sample
 from tests.test_crash_resume import actor_pid, config, stream_all
 
 SCHEMAS = 200
@@ -181,7 +182,7 @@ def test_the_sampler_draws_only_allowed_tokens_and_reports_the_models_logprobs(p
 def test_the_gumbel_kernel_reads_the_packed_mask_as_the_numpy_path_does(monkeypatch):
     """A plain temperature batch, half of it constrained (a vocabulary not a multiple of 32): the
     kernel, reading the packed bits itself, draws what the numpy fallback draws from masked logits."""
-    import fdcore.sampling as sampling
+    import fdcore.models.sampling as sampling
 
     rng = np.random.default_rng(5)
     logits = rng.normal(size=(16, 4099)).astype(np.float32)

@@ -13,7 +13,7 @@ import psutil
 import pytest
 
 from fdcore.ipc import names
-from fdcore.models import tiny
+from fdcore.checkpoint import tiny
 from tests.supervised import ROOT, Tree, make_model_dir
 
 CHILDREN = ["cache", "worker0", "scheduler", "engine"]

@@ -8,7 +8,7 @@ import asyncio
 import pytest
 
 from fdcore import AsyncLLM, SamplingParams
-from fdcore.models import tiny
+from fdcore.checkpoint import tiny
 from tests.supervised import tree_config
 
 

@@ -15,8 +15,8 @@ import pytest
 from fdcore.ipc import names
 from fdcore.ipc.allreduce import ShmCommunicator
 from fdcore.ipc.shm import unlink_quietly
-from fdcore.models import tiny
-from fdcore.models.loader import CheckpointError, load_checkpoint
+from fdcore.checkpoint import tiny
+from fdcore.checkpoint import CheckpointError, load_checkpoint
 from fdcore.models.tensor_parallel import head_shares, shard_checkpoint, share
 
 CAPACITY = 8 << 20
@@ -30,7 +30,7 @@ RANK = textwrap.dedent("""
     from fdcore.core.batch import BatchInput
     from fdcore.ipc.allreduce import ShmCommunicator
     from fdcore.models.llama import LlamaModel, PagedKVCache
-    from fdcore.models.loader import load_checkpoint
+    from fdcore.checkpoint import load_checkpoint
     from fdcore.models.tensor_parallel import PaddleCommunicator, TensorGroup, shard_checkpoint
 
     path, quantization, name, rank, world, capacity, steps, out = sys.argv[1:9]
@@ -150,10 +150,10 @@ def test_each_rank_holds_its_slices(checkpoints):
 
 
 def test_a_quantized_files_levels_are_cut_as_its_weights_are(checkpoints):
-    """A GGUF file's blocks (fdcore.models.quantized) go with each rank's slices; a share of the inputs
+    """A GGUF file's blocks (fdcore.checkpoint.ggml_blocks) go with each rank's slices; a share of the inputs
     that does not cut at a block boundary leaves that weight to be quantized again on the rank."""
     from fdcore.models.llama import Int4Matrix
-    from fdcore.models.quantized import Blocks
+    from fdcore.checkpoint.ggml_blocks import Blocks
 
     checkpoint = load_checkpoint(checkpoints["qwen2-bias-tied"], progress=lambda *_: None)
     for name, array in list(checkpoint.tensors.items()):
@@ -214,7 +214,7 @@ def test_two_ranks_with_wint8_weights(checkpoints, tmp_path):
 
 def test_two_ranks_of_the_real_model_give_its_tokens(tmp_path):
     """SmolLM2-135M (9 heads in 3 KV groups: shares of 1 and 2 groups; 49,152-token vocabulary)."""
-    from fdcore.models import fetch
+    from fdcore.checkpoint import fetch
 
     path = fetch.fetch_smollm2()
     solo = run_group(path, 1, tmp_path)[0]

@@ -8,7 +8,7 @@ import os
 from safetensors.numpy import load_file
 from tokenizers import Tokenizer
 
-from fdcore.models import tiny
+from fdcore.checkpoint import tiny
 
 
 def test_two_makes_are_byte_identical_and_complete(tmp_path):

@@ -93,10 +93,10 @@ def test_the_prefetch_setting_changes_no_bit_of_the_kernels():
 @needs_int_kernels
 @pytest.mark.parametrize("quantization", ["none", "wint8", "wint4"])
 def test_a_model_of_streamed_matrices_measures_both_and_keeps_the_faster(tmp_path, quantization):
-    from fdcore.models import tiny
+    from fdcore.checkpoint import tiny
     from fdcore.models.kernels import weight_prefetch
     from fdcore.models.llama import LlamaModel
-    from fdcore.models.loader import load_checkpoint
+    from fdcore.checkpoint import load_checkpoint
 
     path = tiny.make_tiny_model(str(tmp_path / "tiny"))
     model = LlamaModel(load_checkpoint(path, progress=lambda *_: None), "float32", quantization)
@@ -107,9 +107,9 @@ def test_a_model_of_streamed_matrices_measures_both_and_keeps_the_faster(tmp_pat
 
 @pytest.mark.skipif(kernel_path("bfloat16") is None, reason="bfloat16 is refused on CPUs without AVX512-BF16")
 def test_a_bfloat16_model_has_nothing_to_tune(tmp_path):
-    from fdcore.models import tiny
+    from fdcore.checkpoint import tiny
     from fdcore.models.llama import LlamaModel
-    from fdcore.models.loader import load_checkpoint
+    from fdcore.checkpoint import load_checkpoint
 
     path = tiny.make_tiny_model(str(tmp_path / "tiny"))
     plain = LlamaModel(load_checkpoint(path, progress=lambda *_: None), "bfloat16")

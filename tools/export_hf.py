@@ -3,7 +3,7 @@
     python tools/export_hf.py smollm2 OUT_DIR [--dtype float32|bfloat16]
     python tools/export_hf.py FILE.gguf OUT_DIR --check /tmp/refvenv/bin/python
 
-The directory holds exactly the weights fdcore runs from the GGUF (``fdcore.models.gguf.read_gguf``:
+The directory holds exactly the weights fdcore runs from the GGUF (``fdcore.checkpoint.gguf.read_gguf``:
 dequantized to float32, q/k rows back in HF's rotary order), so vLLM, transformers and llama.cpp's
 ``convert_hf_to_gguf.py`` can load the very same model fdcore serves:
 
@@ -54,8 +54,9 @@ def _metadata(file: str) -> dict:
 
 def export_hf(gguf_file: str, out_dir: str, dtype: str = "float32") -> str:
     """Write the HF directory for ``gguf_file`` to ``out_dir`` (atomically: complete or absent)."""
-    from fdcore.models.gguf import gguf_tokenizer, read_gguf
-    from fdcore.models.tiny import atomic_directory, save_weights
+    from fdcore.checkpoint.gguf import read_gguf
+    from fdcore.checkpoint.gguf_tokenizer import gguf_tokenizer
+    from fdcore.checkpoint.tiny import atomic_directory, save_weights
 
     config, tensors, eos, _ = read_gguf(gguf_file)
     tokenizer, settings = gguf_tokenizer(gguf_file)
@@ -120,7 +121,7 @@ print(json.dumps([ref.chat_case(tokenizer, model, messages) for messages in chat
 
 def _fdcore_greedy(path: str, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
     from fdcore.models.llama import LlamaModel
-    from fdcore.models.loader import load_checkpoint
+    from fdcore.checkpoint import load_checkpoint
     from tests.test_model import run_greedy
 
     model = LlamaModel(load_checkpoint(path, progress=lambda *_: None))
@@ -156,14 +157,14 @@ def check(gguf_file: str, out_dir: str, python: str) -> bool:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("gguf", help="a GGUF file, or smollm2 (fetched once; see fdcore.models.fetch)")
+    parser.add_argument("gguf", help="a GGUF file, or smollm2 (fetched once; see fdcore.checkpoint.fetch)")
     parser.add_argument("out_dir")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--check", metavar="PYTHON", help="a python with torch + transformers: check that "
                         "transformers' greedy tokens from the directory equal fdcore's")
     args = parser.parse_args(argv)
     if args.gguf == "smollm2":
-        from fdcore.models.fetch import fetch_smollm2
+        from fdcore.checkpoint.fetch import fetch_smollm2
 
         args.gguf = fetch_smollm2()
     export_hf(args.gguf, args.out_dir, args.dtype)

@@ -27,10 +27,10 @@ def digests(steps: int) -> list[str]:
     import numpy as np
 
     from fdcore.core.batch import BatchInput
-    from fdcore.models.fetch import fetch_smollm2
+    from fdcore.checkpoint.fetch import fetch_smollm2
     from fdcore.models.kernels import missing_cpu_feature
     from fdcore.models.llama import LlamaModel
-    from fdcore.models.loader import load_checkpoint
+    from fdcore.checkpoint import load_checkpoint
 
     path = fetch_smollm2()
     prompts = [chat["prompt"] for chat in json.load(open(GOLDEN))["chats"]][:2]

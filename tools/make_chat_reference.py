@@ -24,8 +24,8 @@ import transformers
 from transformers import AutoTokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TOKENIZER = os.path.join(ROOT, "fdcore", "models", "tiny_tokenizer.json")
-# the special tokens fdcore.models.tiny writes into tokenizer_config.json
+TOKENIZER = os.path.join(ROOT, "fdcore", "checkpoint", "tiny_tokenizer.json")
+# the special tokens fdcore.checkpoint.tiny writes into tokenizer_config.json
 SPECIAL = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "pad_token": "<unk>"}
 
 QWEN25 = """\

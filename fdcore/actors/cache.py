@@ -76,12 +76,12 @@ class CacheActor(Actor):
 
 def prefix_caching_is_exact(config) -> bool:
     """False for a model with dynamic rotary scaling: a key's rotation there depends on the length
-    of the prompt it came with (see fdcore.models.rope), so another prompt sharing its first blocks
+    of the prompt it came with (see fdcore.checkpoint.rope), so another prompt sharing its first blocks
     must not reuse them. (A missing or unreadable checkpoint is the worker's to report.)"""
     if config.model.backend == "null":
         return True
     from fdcore.config import model_path
-    from fdcore.models.loader import CheckpointError, ModelArgs, read_config
+    from fdcore.checkpoint import CheckpointError, ModelArgs, read_config
 
     path = model_path(config)
     try:

@@ -30,7 +30,7 @@ from fdcore.actors.health import HealthBoard, State
 from fdcore.config import Config, load_config, worker_ranks, worker_threads
 from fdcore.core import placement
 from fdcore.ipc import BroadcastRing, Inbox, Receiver, Ring, RingEmpty, Sender
-from fdcore.models.loader import CheckpointError
+from fdcore.checkpoint import CheckpointError
 from fdcore.protocol import ControlMessage, Ping, Pong, Stop, Suspects
 
 PR_SET_PDEATHSIG = 1

@@ -34,7 +34,7 @@ KINDS = {
     "worker": ActorKind("fdcore.actors.worker:WorkerActor", stateful=True),
     "scheduler": ActorKind("fdcore.actors.scheduler:SchedulerActor", stateful=True),
     "engine": ActorKind("fdcore.actors.engine:EngineActor", stateful=False),
-    "api": ActorKind("fdcore.actors.api:ApiActor", stateful=False),
+    "api": ActorKind("fdcore.server.actor:ApiActor", stateful=False),
 }
 
 

@@ -87,7 +87,7 @@ class WorkerActor(Actor):
     suspects_to = "scheduler"  # it forwards the report to the engine
 
     def on_start(self) -> None:
-        from fdcore.models.loader import Checkpoint, inspect_checkpoint, load_checkpoint
+        from fdcore.checkpoint import Checkpoint, inspect_checkpoint, load_checkpoint
 
         self.seqs: dict[int, SeqState] = {}
         self.epoch: int | None = None  # no step is run before the scheduler's WorkerSync
@@ -279,7 +279,7 @@ class WorkerActor(Actor):
             raise
 
     def run_step(self, step: Step) -> StepResult | None:
-        from fdcore.sampling import SamplerRequest, sample
+        from fdcore.models.sampling import SamplerRequest, sample
 
         started = time.perf_counter()
         for seq in step.finished:
@@ -386,7 +386,7 @@ class WorkerActor(Actor):
 
     def _score_prompt(self, item, state: SeqState, hidden) -> PromptScores:
         """prompt_logprobs: how this step's positions of the sequence scored the prompt tokens after them."""
-        from fdcore.sampling import score_tokens
+        from fdcore.models.sampling import score_tokens
 
         count, scores = state.scored_in(item.start, item.start + item.num_tokens), []
         for first in range(0, count, SCORE_ROWS):

@@ -18,7 +18,7 @@ class BatchInput:
     token_ids: list[list[int]]   # the new tokens of each sequence this step
     start_positions: list[int]   # position of each sequence's first new token
     block_tables: list[list[int]]
-    prompt_lengths: list[int] | None = None  # for dynamic rotary scaling (see fdcore.models.rope)
+    prompt_lengths: list[int] | None = None  # for dynamic rotary scaling (see fdcore.checkpoint.rope)
 
     @property
     def num_seqs(self) -> int:

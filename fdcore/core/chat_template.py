@@ -31,7 +31,7 @@ from datetime import datetime
 from functools import lru_cache
 
 from fdcore.core.validation import RequestError
-from fdcore.models.loader import CheckpointError, read_json_object
+from fdcore.checkpoint import CheckpointError, read_json_object
 
 CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "  # transformers' marker for the end of the continued message
 REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")

@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 
 from fdcore.core.validation import ModelLimits, RequestError, check_sampling
-from fdcore.models.loader import CheckpointError, read_json_object
+from fdcore.checkpoint import CheckpointError, read_json_object
 from fdcore.protocol import SamplingParams
 
 # generation_config.json key -> (SamplingParams field, type)

@@ -31,7 +31,7 @@ import numpy as np
 from fdcore.core.productive import empty_start
 from fdcore.core.validation import RequestError
 from fdcore.protocol import StructuredOutputs
-from fdcore.sampling import mask_words
+from fdcore.core.token_mask import mask_words
 
 FIELD = "structured_outputs"
 FORMS = ("json", "regex", "choice", "grammar", "json_object", "llguidance")
@@ -187,7 +187,7 @@ class Grammars:
 
     def allowed(self, matchers: list) -> np.ndarray:
         """[len(matchers), (vocab_size + 31) // 32] int32: the tokens each matcher allows next, bit
-        t % 32 of word t // 32 (filled in parallel, without the GIL; :func:`fdcore.sampling.allowed_tokens`
+        t % 32 of word t // 32 (filled in parallel, without the GIL; :func:`fdcore.core.token_mask.allowed_tokens`
         unpacks a row)."""
         import llguidance
         from llguidance.numpy import fill_next_token_bitmask_par

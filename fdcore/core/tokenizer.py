@@ -31,7 +31,7 @@ from tokenizers import Tokenizer
 from fdcore.core.chat_template import ChatOptions, ChatTemplates, prepare_messages, render
 from fdcore.core.validation import (SPECIAL_TOKENS, ModelLimits, RequestError, check_chat_options, check_one_prompt,
                                    check_token_ids)
-from fdcore.models.loader import CheckpointError, eos_ids, is_gguf, read_config, read_json_object
+from fdcore.checkpoint import CheckpointError, eos_ids, is_gguf, read_config, read_json_object
 
 
 
@@ -174,7 +174,7 @@ def _tokenizer_files(path: str) -> tuple[Tokenizer, dict, dict]:
     """(tokenizer, tokenizer_config.json settings, special_tokens_map.json) of a checkpoint
     directory, or the same built from a GGUF file's metadata."""
     if is_gguf(path):
-        from fdcore.models.gguf import gguf_tokenizer
+        from fdcore.checkpoint.gguf_tokenizer import gguf_tokenizer
 
         tokenizer, settings = gguf_tokenizer(path)
         return tokenizer, {k: v for k, v in settings.items() if v is not None}, {}

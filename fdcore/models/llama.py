@@ -19,7 +19,7 @@ internally (decodes first) and logits come back in the caller's order.
 The variants differ only in small ways, each a flag of ModelArgs: biases on
 q/k/v (Qwen2, ``attention_bias``), on o (``attention_bias``) and on the MLP
 (``mlp_bias``), Qwen3's per-head RMSNorm of q and k, sliding-window layers
-(Mistral, Qwen2/3) and the rotary scaling type (fdcore.models.rope).
+(Mistral, Qwen2/3) and the rotary scaling type (fdcore.checkpoint.rope).
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ import paddle  # noqa: E402
 
 from fdcore.core.batch import BatchInput
 from fdcore.models.kernels import DECODER_KINDS, DECODER_META, DECODER_SLOTS
-from fdcore.models.loader import Checkpoint, ModelArgs
-from fdcore.models.quantized import Blocks, concatenate_rows
+from fdcore.checkpoint import Checkpoint, ModelArgs
+from fdcore.checkpoint.ggml_blocks import Blocks, concatenate_rows
 from fdcore.models.shared_weights import Stored, WeightFile, shared_pages_cost
 from fdcore.models.tensor_parallel import GATHER_ROWS, TensorGroup
 from fdcore.models.tensors import (StepInputs, arrays_in_file, as_paddle, on_huge_pages, packing_shared,
@@ -782,7 +782,7 @@ class Int8Matrix:
 
     @classmethod
     def from_blocks(cls, blocks: Blocks) -> "Int8Matrix":
-        """A GGUF file's Q8_0 weight, level for level (fdcore.models.quantized): ``u = q + 128`` and
+        """A GGUF file's Q8_0 weight, level for level (fdcore.checkpoint.ggml_blocks): ``u = q + 128`` and
         ``minimum = -128 scale`` (exact in float16 but for scales beyond 511, which are quantized again);
         or its 4-bit one (Q4_1, Q4_0, Q4_K), whose levels, scales and minimums are wint8's as they are."""
         if blocks.minimum is not None:
@@ -843,7 +843,7 @@ class Int4Matrix:
 
     @classmethod
     def from_blocks(cls, blocks: Blocks) -> "Int4Matrix":
-        """A GGUF file's Q4_1, Q4_0 or Q4_K weight, level for level (fdcore.models.quantized)."""
+        """A GGUF file's Q4_1, Q4_0 or Q4_K weight, level for level (fdcore.checkpoint.ggml_blocks)."""
         return cls._pack_slices(blocks.levels.shape[0], lambda part: (blocks.levels[part], blocks.scale[part],
                                                                       blocks.minimum[part]))
 
@@ -901,7 +901,7 @@ def _asymmetric_levels(weight: np.ndarray, top: int, name: str) -> tuple[np.ndar
 
 def _blocks_of(file_blocks: dict[str, Blocks], *names: str) -> Blocks | None:
     """The file's blocks of these weights stacked by rows (as the model stacks q, k and v), when it
-    holds them all in one kind of block (fdcore.models.quantized); taken from ``file_blocks``."""
+    holds them all in one kind of block (fdcore.checkpoint.ggml_blocks); taken from ``file_blocks``."""
     return concatenate_rows([file_blocks.pop(name, None) for name in names])
 
 
@@ -973,7 +973,7 @@ _NO_BIAS: list = [None]  # the empty bias tensor swiglu() hands the gated kernel
 _INT8_LINEAR: list = [None]
 _INT4_LINEAR: list = [None]
 _PACKED = {"bfloat16": Bf16Matrix, "wint8": Int8Matrix, "wint4": Int4Matrix}  # a matrix kind's packed form
-# which files' blocks (fdcore.models.quantized.Blocks.kind) a matrix kind takes level for level: wint8's 256
+# which files' blocks (fdcore.checkpoint.ggml_blocks.Blocks.kind) a matrix kind takes level for level: wint8's 256
 # levels hold a 4-bit block's 16 with its scale and minimum, so a Q4_1 file run as wint8 multiplies the file's
 # weights, where quantizing them again moved SmolLM2's logits enough to change a greedy token (bench_quality)
 _HOLDS_BLOCKS = {"wint8": ("wint8", "wint4"), "wint4": ("wint4",)}

@@ -9,7 +9,7 @@ Tokens are a function of the position, never an EOS id, so requests run to
 
 from __future__ import annotations
 
-from fdcore.models.loader import eos_ids, read_config
+from fdcore.checkpoint import eos_ids, read_config
 
 
 class NullModel:

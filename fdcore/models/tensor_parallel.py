@@ -23,7 +23,7 @@ import dataclasses
 
 import numpy as np
 
-from fdcore.models.loader import Checkpoint, CheckpointError, ModelArgs
+from fdcore.checkpoint import Checkpoint, CheckpointError, ModelArgs
 
 GATHER_ROWS = 32  # logits rows gathered at once (a slot holds GATHER_ROWS x the vocabulary share)
 

@@ -8,7 +8,7 @@ environment), and then ``operators()`` is None.
 
 The operators: ``attention_block`` reads the KV cache's blocks in place (rotary and the cache write folded
 in); ``add_rms_norm`` and ``silu_mul`` fuse a layer's small ops; ``gumbel_sample`` draws tokens
-(fdcore.sampling); the ``linear_*`` products multiply by the packed matrices of fdcore.models.llama;
+(fdcore.models.sampling); the ``linear_*`` products multiply by the packed matrices of fdcore.models.llama;
 ``decoder`` runs every decoder layer of a step in one call (decoder.cc). The process-wide settings
 (weight prefetch, AMX tiles) are plain C functions reached through ctypes.
 """

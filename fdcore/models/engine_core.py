@@ -11,7 +11,7 @@ import numpy as np
 
 from fdcore.core.batch import BatchInput
 from fdcore.core.scheduler import Request, ScheduledRequest, Scheduler
-from fdcore.sampling import SamplerRequest, sample
+from fdcore.models.sampling import SamplerRequest, sample
 
 
 class EngineCore:

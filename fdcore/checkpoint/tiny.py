@@ -1,4 +1,4 @@
-"""The bundled tiny model: ``python -m fdcore.models.tiny DIR`` writes an HF-format Llama checkpoint.
+"""The bundled tiny model: ``python -m fdcore.checkpoint.tiny DIR`` writes an HF-format Llama checkpoint.
 
 No download and no training at run time: the tokenizer (byte-level BPE, 4096
 tokens) ships with the package (``tiny_tokenizer.json``, made by
@@ -152,7 +152,7 @@ def atomic_directory(path: str, prefix: str = ".partial-"):
 def save_weights(directory: str, tensors: dict[str, np.ndarray], shards: int, dtype: str = "float32") -> None:
     """safetensors files as transformers writes them: one, or ``shards`` with an index.
 
-    float32 goes through safetensors' numpy writer; bfloat16 / float16 through Paddle's
+    float32 goes through safetensors' numpy writer; bfloat16 / float16 as safetensors' own records
     (numpy has no bfloat16)."""
     save, converted = _writer(tensors, dtype)
     if shards == 1:
@@ -171,14 +171,28 @@ def save_weights(directory: str, tensors: dict[str, np.ndarray], shards: int, dt
 
 
 def _writer(tensors: dict[str, np.ndarray], dtype: str):
+    """(save, tensors to save): numpy arrays for float32; for bfloat16 / float16 the values rounded to nearest
+    even, handed to safetensors as its framework writers hand theirs (a TensorSpec over the array's bytes)."""
     if dtype == "float32":
         from safetensors.numpy import save_file
 
         return save_file, tensors
-    import paddle
-    from safetensors.paddle import save_file
+    from safetensors import TensorSpec, serialize_file
 
-    return save_file, {name: paddle.to_tensor(array).astype(dtype) for name, array in tensors.items()}
+    def save(arrays: dict[str, np.ndarray], file: str, metadata: dict) -> None:
+        serialize_file({name: TensorSpec(dtype=dtype, shape=list(array.shape), data_ptr=array.ctypes.data,
+                                         data_len=array.nbytes) for name, array in arrays.items()},
+                       file, metadata=metadata)
+
+    return save, {name: _rounded(array, dtype) for name, array in tensors.items()}
+
+
+def _rounded(array: np.ndarray, dtype: str) -> np.ndarray:
+    """float32 values as float16, or as bfloat16 bits (the upper half, rounded to nearest even)."""
+    if dtype == "float16":
+        return np.ascontiguousarray(array, dtype=np.float32).astype(np.float16)
+    bits = np.ascontiguousarray(array, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
 
 
 def is_complete(path: str) -> bool:
@@ -213,7 +227,7 @@ def _write_json(path: str, data) -> None:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m fdcore.models.tiny", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m fdcore.checkpoint.tiny", description=__doc__.splitlines()[0])
     parser.add_argument("dir", help="where to write the checkpoint")
     args = parser.parse_args(argv)
     make_tiny_model(args.dir)

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from fdcore.core.token_mask import allowed_tokens, mask_words
 from fdcore.protocol import PromptLogprob, SamplingParams
 
 
@@ -95,23 +96,6 @@ def _constrained(logits: np.ndarray, requests: list[SamplerRequest], rows: list[
         if requests[i].allowed is not None:
             drawn[j, ~allowed_tokens(requests[i].allowed, logits.shape[1])] = -np.inf
     return drawn
-
-
-def mask_words(vocab_size: int) -> int:
-    """int32 words of a packed mask over ``vocab_size`` tokens (bit t % 32 of word t // 32)."""
-    return (vocab_size + 31) // 32
-
-
-def allowed_tokens(bits: np.ndarray, vocab_size: int) -> np.ndarray:
-    """[vocab_size] bool of a grammar's packed mask (little-endian bit order within int32 words)."""
-    return np.unpackbits(np.ascontiguousarray(bits).view(np.uint8), bitorder="little")[:vocab_size].view(bool)
-
-
-def pack_allowed(allowed: np.ndarray) -> np.ndarray:
-    """The packed form of a [vocab] bool mask (what llguidance fills and the Gumbel kernel reads)."""
-    words = np.zeros(mask_words(allowed.size) * 32, dtype=bool)
-    words[:allowed.size] = allowed
-    return np.packbits(words, bitorder="little").view(np.int32)
 
 
 def _kind(request: SamplerRequest) -> int:

@@ -27,13 +27,12 @@ from fdcore.protocol import ControlMessage, Ping, Pong, Stop
 
 class ApiActor(Actor):
     def on_start(self) -> None:
-        from fdcore.client import AsyncLLM, _Tree, check_health
+        from fdcore.client import AsyncLLM, Tree
         from fdcore.core.tokenizer import ModelTokenizer
         from fdcore.server.app import Settings, build_app
 
-        self.tree = _Tree(self.instance_id)
-        self.llm = AsyncLLM(_tree=self.tree)
-        welcome = self.llm._conn.welcome
+        self.llm = AsyncLLM(tree=Tree(self.instance_id))
+        welcome = self.llm.welcome
         server = self.config.server
         settings = Settings(server.model_name or os.path.basename(welcome.model.rstrip("/")),
                             welcome.max_model_len, envs.get(envs.API_KEY) or server.api_key,
@@ -41,7 +40,7 @@ class ApiActor(Actor):
                             server.reasoning_parser, server.max_response_entries,
                             welcome.sampling_defaults.get("max_tokens") or 16)
         self.app = build_app(self.llm, settings, ModelTokenizer(welcome.model),
-                             lambda: check_health(self.tree, self.config.supervisor.hang_timeout),
+                             lambda: self.llm.health(self.config.supervisor.hang_timeout),
                              self._restarts, self._spares)
         # bound before we count as ready; several processes share the port (the kernel spreads connections)
         self.listener = listening_socket(server.host, server.port, reuse_port=server.processes > 1)
