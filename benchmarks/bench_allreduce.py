@@ -28,13 +28,17 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 
-from bench_ipc import FdcoreRing, bench_rtt  # noqa: E402
+from bench_ipc import FdcoreRing, bench_rtt
 
-from fdcore.ipc import BroadcastRing, Doorbell, Inbox, Ring, names  # noqa: E402
-from fdcore.ipc.allreduce import ShmCommunicator  # noqa: E402
+from fdcore.ipc import BroadcastRing, Doorbell, Inbox, Ring, names
+from fdcore.ipc.allreduce import ShmCommunicator
 
-SHAPES = {"tiny hidden (256)": (1, 256), "SmolLM2 hidden (576)": (1, 576), "7B hidden (4096)": (1, 4096),
-          "SmolLM2 x 32 rows": (32, 576)}
+SHAPES = {
+    "tiny hidden (256)": (1, 256),
+    "SmolLM2 hidden (576)": (1, 576),
+    "7B hidden (4096)": (1, 4096),
+    "SmolLM2 x 32 rows": (32, 576),
+}
 CAPACITY = 1 << 20
 
 
@@ -78,8 +82,7 @@ STEP_BYTES = 600  # a decode step of a few dozen sequences, msgpack-encoded
 
 
 def _step_rank(how: str, name: str, rank: int, reply: str, calls: int) -> None:
-    source = (BroadcastRing.attach(name, reader=rank) if how == "broadcast"
-              else Ring.attach(f"{name}.r{rank}"))
+    source = BroadcastRing.attach(name, reader=rank) if how == "broadcast" else Ring.attach(f"{name}.r{rank}")
     answer = Ring.attach(reply)
     for _ in range(calls + 500):
         answer.put(source.get()[:8])
@@ -92,12 +95,16 @@ def step_fan_out(how: str, calls: int, ranks: int = 2) -> tuple[float, float]:
     instance = names.new_instance_id()
     bells = [Doorbell.standalone(names.object_name(instance, f"bell{r}"), create=True) for r in range(ranks)]
     name = names.object_name(instance, "steps")
-    rings = ([BroadcastRing.create([b.name for b in bells], CAPACITY, name=name)] if how == "broadcast"
-             else [Ring.create(CAPACITY, name=f"{name}.r{r}") for r in range(ranks)])
+    rings = (
+        [BroadcastRing.create([b.name for b in bells], CAPACITY, name=name)]
+        if how == "broadcast"
+        else [Ring.create(CAPACITY, name=f"{name}.r{r}") for r in range(ranks)]
+    )
     replies = Inbox.create(names.object_name(instance, "replies"), [f"r{r}" for r in range(ranks)])
     ctx = mp.get_context("fork")
-    procs = [ctx.Process(target=_step_rank, args=(how, name, r, replies.link_name(f"r{r}"), calls))
-             for r in range(ranks)]
+    procs = [
+        ctx.Process(target=_step_rank, args=(how, name, r, replies.link_name(f"r{r}"), calls)) for r in range(ranks)
+    ]
     try:
         for proc in procs:
             proc.start()

@@ -47,8 +47,8 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 
-from fdcore import AsyncLLM, SamplingParams  # noqa: E402
-from fdcore.config import Config, ConfigError, parse_config  # noqa: E402
+from fdcore import AsyncLLM, SamplingParams
+from fdcore.config import Config, ConfigError, parse_config
 
 INPUT_LEN, OUTPUT_LEN = 32, 64
 SETUP_SCRIPT = os.path.normpath(os.path.join(ROOT, "..", "shared", "peers", "llama-cpp", "setup.sh"))
@@ -110,6 +110,7 @@ async def decode_rate(llm: AsyncLLM, prompt: list[int], output_len: int = OUTPUT
 def run_fdcore(config: Config, vocab: int, repeat: int, between=None) -> list[float]:
     """fdcore's timed requests; ``between()`` (if given) runs after each, in a thread, while the tree
     idles: how llama-bench's repetitions alternate with fdcore's requests."""
+
     async def main() -> list[float]:
         async with AsyncLLM(config) as llm:
             warm, *timed = prompts(repeat + 1, vocab)
@@ -158,8 +159,20 @@ def converted_ggufs(source: str, cache: str, python: str, llama_dir: str, outtyp
     for outtype in missing:
         print(f"converting {hf_dir} -> {files[outtype]} (convert_hf_to_gguf.py --outtype {outtype})", flush=True)
         tmp = files[outtype] + ".part"
-        result = subprocess.run([python, os.path.join(llama_dir, "src", "convert_hf_to_gguf.py"), hf_dir,
-                                 "--outtype", outtype, "--outfile", tmp], capture_output=True, text=True, check=False)
+        result = subprocess.run(
+            [
+                python,
+                os.path.join(llama_dir, "src", "convert_hf_to_gguf.py"),
+                hf_dir,
+                "--outtype",
+                outtype,
+                "--outfile",
+                tmp,
+            ],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
         if result.returncode != 0:
             raise RuntimeError(f"convert_hf_to_gguf.py --outtype {outtype} failed:\n{result.stderr[-3000:]}")
         os.replace(tmp, files[outtype])
@@ -175,8 +188,21 @@ def run_llama_bench(llama_dir: str, gguf: str, threads: int, repeat: int) -> tup
     (SIGSEGV) for Q8_0 and Q4_1. Then it runs again with ``--repack 0`` (its own weights, its own
     AVX-512 kernels: for these types on x86 that turns off only the AMX buffer, so it is llama.cpp's best
     setting that runs), and the note says so."""
-    cmd = [os.path.join(llama_dir, "bin", "llama-bench"), "-m", gguf, "-p", str(INPUT_LEN),
-           "-n", str(OUTPUT_LEN), "-t", str(threads), "-r", str(repeat), "-o", "json"]
+    cmd = [
+        os.path.join(llama_dir, "bin", "llama-bench"),
+        "-m",
+        gguf,
+        "-p",
+        str(INPUT_LEN),
+        "-n",
+        str(OUTPUT_LEN),
+        "-t",
+        str(threads),
+        "-r",
+        str(repeat),
+        "-o",
+        "json",
+    ]
     result, note = subprocess.run(cmd, capture_output=True, text=True, check=False), ""
     if result.returncode < 0:
         note = f"llama.cpp: --repack 0 (its default died of signal {-result.returncode})"
@@ -194,9 +220,11 @@ def run_llama_bench(llama_dir: str, gguf: str, threads: int, repeat: int) -> tup
 def llama_cpp_missing(llama_dir: str) -> str:
     for part in ("bin/llama-bench", "src/convert_hf_to_gguf.py"):
         if not os.path.exists(os.path.join(llama_dir, part)):
-            return (f"llama.cpp peer not found ({os.path.join(llama_dir, part)} is missing). Build it "
-                    f"(about 10-15 minutes on 2 cores):\n    bash {SETUP_SCRIPT} {llama_dir}\n"
-                    "or run with --no-llama-cpp for fdcore alone.")
+            return (
+                f"llama.cpp peer not found ({os.path.join(llama_dir, part)} is missing). Build it "
+                f"(about 10-15 minutes on 2 cores):\n    bash {SETUP_SCRIPT} {llama_dir}\n"
+                "or run with --no-llama-cpp for fdcore alone."
+            )
     return ""
 
 
@@ -210,15 +238,22 @@ def mean_sd(values: list[float] | None) -> str:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
-                        help="fdcore's workers.omp_threads and llama-bench's -t (default: every core this "
-                             "process may run on)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=len(os.sched_getaffinity(0)),
+        help="fdcore's workers.omp_threads and llama-bench's -t (default: every core this process may run on)",
+    )
     parser.add_argument("--repeat", type=int, default=5, help="timed requests / llama-bench repetitions")
-    parser.add_argument("--settings", default=",".join(SETTINGS),
-                        help=f"comma-separated subset of {','.join(SETTINGS)}")
+    parser.add_argument(
+        "--settings", default=",".join(SETTINGS), help=f"comma-separated subset of {','.join(SETTINGS)}"
+    )
     parser.add_argument("--llama-dir", default="/tmp/llama-cpp-peer")
-    parser.add_argument("--convert-python", help="a python with torch + transformers for convert_hf_to_gguf.py "
-                        f"(default: the first of {', '.join(CONVERT_PYTHONS)})")
+    parser.add_argument(
+        "--convert-python",
+        help="a python with torch + transformers for convert_hf_to_gguf.py "
+        f"(default: the first of {', '.join(CONVERT_PYTHONS)})",
+    )
     parser.add_argument("--no-llama-cpp", action="store_true", help="fdcore alone")
     parser.add_argument("--no-fdcore", action="store_true", help="llama.cpp alone")
     args = parser.parse_args(argv)
@@ -226,8 +261,8 @@ def main(argv=None) -> int:
     if unknown := [s for s in settings if s not in SETTINGS]:
         parser.error(f"unknown settings {unknown}; known: {', '.join(SETTINGS)}")
 
-    from fdcore.checkpoint.fetch import fetch_smollm2
     from fdcore.checkpoint import read_config
+    from fdcore.checkpoint.fetch import fetch_smollm2
 
     source = fetch_smollm2()
     vocab = read_config(source)["vocab_size"]
@@ -239,8 +274,9 @@ def main(argv=None) -> int:
             return 2
         python = args.convert_python or next((p for p in CONVERT_PYTHONS if os.path.exists(p)), None)
         if python is None:
-            print("no python with torch + transformers for convert_hf_to_gguf.py: pass --convert-python",
-                  file=sys.stderr)
+            print(
+                "no python with torch + transformers for convert_hf_to_gguf.py: pass --convert-python", file=sys.stderr
+            )
             return 2
         outtypes = [SETTINGS[s][3] for s in settings if SETTINGS[s][3]]
         converted = converted_ggufs(source, os.path.join(home, "bench"), python, args.llama_dir, outtypes)
@@ -257,12 +293,15 @@ def main(argv=None) -> int:
             except ConfigError as exc:
                 fd_note = f"not run: {str(exc).split(': ', 1)[-1]}"
             else:
-                print(f"fdcore {setting}: {args.repeat} requests"
-                      + (f", each followed by one llama-bench {SETTINGS[setting][2]} run" if llama else "")
-                      + " ...", flush=True)
+                print(
+                    f"fdcore {setting}: {args.repeat} requests"
+                    + (f", each followed by one llama-bench {SETTINGS[setting][2]} run" if llama else "")
+                    + " ...",
+                    flush=True,
+                )
                 try:
                     fd = run_fdcore(config, vocab, args.repeat, llama)
-                except Exception as exc:  # noqa: BLE001 (one failing setting does not lose the others' figures)
+                except Exception as exc:
                     fd_note = f"failed: {exc}"
         if llama is not None and len(llama.samples.get(f"tg{OUTPUT_LEN}", [])) < args.repeat:
             print(f"llama-bench {SETTINGS[setting][2]}: {os.path.basename(ggufs[setting])} ...", flush=True)
@@ -272,23 +311,31 @@ def main(argv=None) -> int:
             fd_note = "; ".join(n for n in (fd_note, *sorted(llama.notes)) if n)
         rows.append((setting, fd, fd_note, llama.samples if llama else {}))
 
-    print(f"\nSmolLM2-135M-Instruct, batch 1, {INPUT_LEN} tokens in / {OUTPUT_LEN} out, {args.threads} threads "
-          f"each, mean ± sd of {args.repeat}; load average {load:.2f} before, {os.getloadavg()[0]:.2f} after "
-          f"({len(os.sched_getaffinity(0))} cores)")
+    print(
+        f"\nSmolLM2-135M-Instruct, batch 1, {INPUT_LEN} tokens in / {OUTPUT_LEN} out, {args.threads} threads "
+        f"each, mean ± sd of {args.repeat}; load average {load:.2f} before, {os.getloadavg()[0]:.2f} after "
+        f"({len(os.sched_getaffinity(0))} cores)"
+    )
     if runtime := " ".join(f"{k}={os.environ[k]}" for k in THREAD_ENV if k in os.environ):
         print(f"threading environment (fdcore's worker inherits it): {runtime}")
-    header = (f"{'setting':10s} {'fdcore tok/s':>15s} {'llama.cpp tg64 tok/s':>22s} {'ratio':>6s} "
-              f"{'llama.cpp pp32 tok/s':>21s}  note")
+    header = (
+        f"{'setting':10s} {'fdcore tok/s':>15s} {'llama.cpp tg64 tok/s':>22s} {'ratio':>6s} "
+        f"{'llama.cpp pp32 tok/s':>21s}  note"
+    )
     print(header)
     print("-" * len(header))
     for setting, fd, note, llama in rows:
         tg = llama.get(f"tg{OUTPUT_LEN}")
         ratio = f"{statistics.mean(fd) / statistics.mean(tg):.2f}" if fd and tg else "-"
         kind = f"({SETTINGS[setting][2]})" if tg else ""
-        print(f"{setting:10s} {mean_sd(fd):>15s} {mean_sd(tg) + ' ' + kind:>22s} {ratio:>6s} "
-              f"{mean_sd(llama.get(f'pp{INPUT_LEN}')):>21s}  {note}")
-    print("\nratio = fdcore / llama.cpp generation tok/s. fdcore: decode only (first streamed token to last) "
-          "through AsyncLLM and the actor tree; llama.cpp: llama-bench tg64 (decodes from an empty context).")
+        print(
+            f"{setting:10s} {mean_sd(fd):>15s} {mean_sd(tg) + ' ' + kind:>22s} {ratio:>6s} "
+            f"{mean_sd(llama.get(f'pp{INPUT_LEN}')):>21s}  {note}"
+        )
+    print(
+        "\nratio = fdcore / llama.cpp generation tok/s. fdcore: decode only (first streamed token to last) "
+        "through AsyncLLM and the actor tree; llama.cpp: llama-bench tg64 (decodes from an empty context)."
+    )
     return 0
 
 

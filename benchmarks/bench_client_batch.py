@@ -24,7 +24,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 def run_mode(mode: str, prompts: int, limit: int) -> dict:
     from fdcore import LLM, SamplingParams
-    from fdcore.client import base, llm as client_llm
+    from fdcore.client import base
+    from fdcore.client import llm as client_llm
     from fdcore.config import parse_config
 
     if mode == "fixed":  # the window the engine's limit allows, never more: nothing is refused
@@ -43,9 +44,15 @@ def run_mode(mode: str, prompts: int, limit: int) -> dict:
     finally:
         llm.shutdown()
     in_order = all(o.prompt_token_ids == b["prompt_token_ids"] for o, b in zip(outs, batch, strict=True))
-    return {"mode": mode, "seconds": seconds, "outputs": len(outs), "in_order": in_order,
-            "errors": sum(o.outputs.finish_reason != "length" for o in outs), "refused": sent[0] - prompts,
-            "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+    return {
+        "mode": mode,
+        "seconds": seconds,
+        "outputs": len(outs),
+        "in_order": in_order,
+        "errors": sum(o.outputs.finish_reason != "length" for o in outs),
+        "refused": sent[0] - prompts,
+        "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    }
 
 
 def main() -> None:
@@ -59,15 +66,22 @@ def main() -> None:
         return
     rows = []
     for mode in ("fixed", "learnt"):
-        out = subprocess.run([sys.executable, __file__, "--mode", mode, "--prompts", str(args.prompts),
-                              "--limit", str(args.limit)], capture_output=True, text=True, check=True)
+        out = subprocess.run(
+            [sys.executable, __file__, "--mode", mode, "--prompts", str(args.prompts), "--limit", str(args.limit)],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
         rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
     print(f"{args.prompts} prompts of 8 tokens, 4 out; engine.max_pending_requests = {args.limit}")
-    print(f"{'window':<8}{'seconds':>9}{'req/s':>9}{'outputs':>9}{'errors':>8}{'refused':>9}{'in order':>9}"
-          f"{'RSS MB':>8}")
+    print(
+        f"{'window':<8}{'seconds':>9}{'req/s':>9}{'outputs':>9}{'errors':>8}{'refused':>9}{'in order':>9}{'RSS MB':>8}"
+    )
     for r in rows:
-        print(f"{r['mode']:<8}{r['seconds']:>9.1f}{r['outputs'] / r['seconds']:>9.0f}{r['outputs']:>9}"
-              f"{r['errors']:>8}{r['refused']:>9}{r['in_order']!s:>9}{r['rss_mb']:>8.0f}")
+        print(
+            f"{r['mode']:<8}{r['seconds']:>9.1f}{r['outputs'] / r['seconds']:>9.0f}{r['outputs']:>9}"
+            f"{r['errors']:>8}{r['refused']:>9}{r['in_order']!s:>9}{r['rss_mb']:>8.0f}"
+        )
     print(f"learnt / fixed throughput: {rows[0]['seconds'] / rows[1]['seconds']:.3f}")
 
 

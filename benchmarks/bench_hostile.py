@@ -53,15 +53,24 @@ STREAMS, STREAM_TOKENS = 32, 64
 
 
 # ------------------------------------------------------------------ HTTP by hand
-async def request(port: int, body: dict | None, path: str = "/v1/completions", source: str = HONEST,
-                  read_all: bool = True, timeout: float = 120.0) -> tuple[int, bytes, float]:
+async def request(
+    port: int,
+    body: dict | None,
+    path: str = "/v1/completions",
+    source: str = HONEST,
+    read_all: bool = True,
+    timeout: float = 120.0,
+) -> tuple[int, bytes, float]:
     """(status, body, seconds to the first body byte) of one request on a connection of its own."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port, local_addr=(source, 0))
     try:
         payload = b"" if body is None else json.dumps(body).encode()
         method = "GET" if body is None else "POST"
-        writer.write(f"{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     f"Content-Length: {len(payload)}\r\nConnection: close\r\n\r\n".encode() + payload)
+        writer.write(
+            f"{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(payload)}\r\nConnection: close\r\n\r\n".encode()
+            + payload
+        )
         started = time.monotonic()
         head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout)
         status = int(head.split(b" ", 2)[1])
@@ -75,14 +84,23 @@ async def request(port: int, body: dict | None, path: str = "/v1/completions", s
 
 def stream_text(raw: bytes) -> tuple[str, bool]:
     """The text of an SSE completion stream (chunked transfer framing ignored) and whether [DONE] came."""
-    text = "".join(json.loads(m)["choices"][0]["text"] for m in re.findall(rb"data: (\{.*?\})\r?\n", raw)
-                   if json.loads(m)["choices"])
+    text = "".join(
+        json.loads(m)["choices"][0]["text"]
+        for m in re.findall(rb"data: (\{.*?\})\r?\n", raw)
+        if json.loads(m)["choices"]
+    )
     return text, b"data: [DONE]" in raw
 
 
 def honest_body(i: int) -> dict:
-    return {"model": "tiny", "prompt": [5 + i, 17, 29, 41 + i], "max_tokens": STREAM_TOKENS, "temperature": 0,
-            "ignore_eos": True, "stream": True}
+    return {
+        "model": "tiny",
+        "prompt": [5 + i, 17, 29, 41 + i],
+        "max_tokens": STREAM_TOKENS,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
 
 
 async def honest_round(port: int) -> list[tuple[str, bool]]:
@@ -96,14 +114,20 @@ async def forever(stop: asyncio.Event, work, counter: dict, key: str) -> None:
         try:
             await work()
             counter[key] = counter.get(key, 0) + 1
-        except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError, ValueError):
+        except (TimeoutError, OSError, asyncio.IncompleteReadError, ValueError):
             counter[key + " failed"] = counter.get(key + " failed", 0) + 1
             await asyncio.sleep(0.05)
 
 
 async def slow_socket(port: int, body_variant: bool, stop: asyncio.Event, counter: dict) -> None:
-    head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-            b"Content-Length: 100000\r\n\r\n{") if body_variant else b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nCont"
+    head = (
+        (
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 100000\r\n\r\n{"
+        )
+        if body_variant
+        else b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nCont"
+    )
     while not stop.is_set():
         try:
             reader, writer = await asyncio.open_connection("127.0.0.1", port, local_addr=(SLOW, 0))
@@ -124,13 +148,23 @@ async def greedy_client(port: int, source: str, stop: asyncio.Event, counter: di
     reads from (all kept open)."""
     writers = []
     for k in range(1 << 30):
-        body = {"model": "tiny", "prompt": [5 + (j * 7 + k) % 4000 for j in range(1500)], "n": 16,
-                "max_tokens": 500, "ignore_eos": True, "temperature": 1.0, "stream": True}
+        body = {
+            "model": "tiny",
+            "prompt": [5 + (j * 7 + k) % 4000 for j in range(1500)],
+            "n": 16,
+            "max_tokens": 500,
+            "ignore_eos": True,
+            "temperature": 1.0,
+            "stream": True,
+        }
         payload = json.dumps(body).encode()
         try:
             _, writer = await asyncio.open_connection("127.0.0.1", port, local_addr=(source, 0))
-            writer.write(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                         f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
+            writer.write(
+                f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(payload)}\r\n\r\n".encode()
+                + payload
+            )
             writers.append(writer)
             counter["greedy requests"] = counter.get("greedy requests", 0) + 1
         except OSError:
@@ -138,7 +172,7 @@ async def greedy_client(port: int, source: str, stop: asyncio.Event, counter: di
         try:
             await asyncio.wait_for(stop.wait(), every or None)
             break
-        except asyncio.TimeoutError:
+        except TimeoutError:
             continue
     for writer in writers:
         writer.close()
@@ -151,7 +185,7 @@ def ring_attacker(instance: str, stop: threading.Event, counter: dict) -> None:
     from fdcore import SamplingParams
     from fdcore.client import Tree
     from fdcore.client.connection import Connection
-    from fdcore.ipc.ring import HEADER_SIZE, TAIL
+    from fdcore.ipc.ring_layout import HEADER_SIZE, TAIL
 
     conn = Connection(Tree.find(instance))
     rng = random.Random(43)
@@ -172,7 +206,7 @@ def ring_attacker(instance: str, stop: threading.Event, counter: dict) -> None:
             else:
                 start = rng.randrange(0, HEADER_SIZE + 64)
                 garbage = os.urandom(rng.randrange(1, HEADER_SIZE + 64 - start + 1))
-                ring._mm[start:start + len(garbage)] = garbage
+                ring._mm[start : start + len(garbage)] = garbage
             ring._bell.semaphore.release()
             counter["ring attacks"] = counter.get("ring attacks", 0) + 1
             try:
@@ -220,10 +254,30 @@ async def run(port: int, minutes: float, instance: str, without: set[str], greed
     probes, ttfts, honest = [], [], {"streams": 0, "complete": 0, "identical": 0}
     slowest: list[tuple[float, float]] = []  # (probe latency, seconds into the attack)
     began = time.monotonic()
-    heavy = [({"model": "tiny", "prompt": [5 + (i * 37) % 4000 for i in range(2040)], "n": 64, "echo": True,
-               "logprobs": 20, "prompt_logprobs": 20}, "/v1/completions"),
-             ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "n": 64, "logprobs": True,
-               "top_logprobs": 20, "max_tokens": 2000}, "/v1/chat/completions")]
+    heavy = [
+        (
+            {
+                "model": "tiny",
+                "prompt": [5 + (i * 37) % 4000 for i in range(2040)],
+                "n": 64,
+                "echo": True,
+                "logprobs": 20,
+                "prompt_logprobs": 20,
+            },
+            "/v1/completions",
+        ),
+        (
+            {
+                "model": "tiny",
+                "messages": [{"role": "user", "content": "hi"}],
+                "n": 64,
+                "logprobs": True,
+                "top_logprobs": 20,
+                "max_tokens": 2000,
+            },
+            "/v1/chat/completions",
+        ),
+    ]
 
     async def probe():
         started = time.monotonic()
@@ -233,8 +287,9 @@ async def run(port: int, minutes: float, instance: str, without: set[str], greed
         await asyncio.sleep(0.5)
 
     async def light():
-        _, _, ttfb = await request(port, {"model": "tiny", "prompt": [9, 8, 7], "max_tokens": 8, "stream": True},
-                                   source=LIGHT, timeout=60)
+        _, _, ttfb = await request(
+            port, {"model": "tiny", "prompt": [9, 8, 7], "max_tokens": 8, "stream": True}, source=LIGHT, timeout=60
+        )
         ttfts.append(ttfb)
         await asyncio.sleep(1.0)
 
@@ -246,8 +301,10 @@ async def run(port: int, minutes: float, instance: str, without: set[str], greed
     async def scrape():
         await request(port, None, "/metrics", source=METRICS, timeout=30)
 
-    tasks = [asyncio.ensure_future(forever(stop, probe, counter, "probes")),
-             asyncio.ensure_future(forever(stop, light, counter, "light requests"))]
+    tasks = [
+        asyncio.ensure_future(forever(stop, probe, counter, "probes")),
+        asyncio.ensure_future(forever(stop, light, counter, "light requests")),
+    ]
     if "heavy" not in without:
         tasks.append(asyncio.ensure_future(forever(stop, heavy_one, counter, "heavy")))
     if "metrics" not in without:
@@ -272,8 +329,13 @@ async def run(port: int, minutes: float, instance: str, without: set[str], greed
         ring.join(30)
     _, text, _ = await request(port, None, "/metrics")
     counter["preemptions (engine)"] = int(float(re.search(rb"^fdcore_preemptions (\S+)", text, re.M).group(1)))
-    return {"honest": honest, "probes": probes, "ttfts": ttfts, "counter": counter,
-            "slowest": sorted(slowest, reverse=True)[:5]}
+    return {
+        "honest": honest,
+        "probes": probes,
+        "ttfts": ttfts,
+        "counter": counter,
+        "slowest": sorted(slowest, reverse=True)[:5],
+    }
 
 
 def main() -> int:
@@ -281,10 +343,17 @@ def main() -> int:
     parser.add_argument("--minutes", type=float, default=10.0)
     parser.add_argument("--model", default=None, help="what fdcore serve serves (default: the bundled tiny model)")
     parser.add_argument("--port", type=int, default=8431)
-    parser.add_argument("--greedy-every", type=float, default=0.0,
-                        help="seconds between each greedy client's requests (default 0: one request each)")
-    parser.add_argument("--without", default="", help="attackers to leave out, comma-separated: heavy, slow, "
-                        "rings, metrics, greedy (to see what each costs)")
+    parser.add_argument(
+        "--greedy-every",
+        type=float,
+        default=0.0,
+        help="seconds between each greedy client's requests (default 0: one request each)",
+    )
+    parser.add_argument(
+        "--without",
+        default="",
+        help="attackers to leave out, comma-separated: heavy, slow, rings, metrics, greedy (to see what each costs)",
+    )
     args = parser.parse_args()
     import resource
 
@@ -304,14 +373,16 @@ def main() -> int:
     honest, counter = result["honest"], result["counter"]
     probe99, light99 = percentile(result["probes"], 0.99), percentile(result["ttfts"], 0.99)
     identical = honest["identical"] / max(1, honest["streams"])
-    rows = [("honest streams (all rounds)", honest["streams"]),
-            ("  complete", f"{honest['complete']} ({honest['complete'] / max(1, honest['streams']):.1%})"),
-            ("  identical to the quiet run", f"{honest['identical']} ({identical:.1%})"),
-            ("probe latency p50 / p99 (s)", f"{statistics.median(result['probes']):.3f} / {probe99:.3f}"),
-            ("light client TTFT p50 / p99 (s)", f"{statistics.median(result['ttfts']):.3f} / {light99:.3f}"),
-            *((name, count) for name, count in sorted(counter.items())),
-            ("actor restarts (supervisor log)", len(restarts)),
-            ("tree up at the end", up)]
+    rows = [
+        ("honest streams (all rounds)", honest["streams"]),
+        ("  complete", f"{honest['complete']} ({honest['complete'] / max(1, honest['streams']):.1%})"),
+        ("  identical to the quiet run", f"{honest['identical']} ({identical:.1%})"),
+        ("probe latency p50 / p99 (s)", f"{statistics.median(result['probes']):.3f} / {probe99:.3f}"),
+        ("light client TTFT p50 / p99 (s)", f"{statistics.median(result['ttfts']):.3f} / {light99:.3f}"),
+        *((name, count) for name, count in sorted(counter.items())),
+        ("actor restarts (supervisor log)", len(restarts)),
+        ("tree up at the end", up),
+    ]
     width = max(len(name) for name, _ in rows)
     print(f"\nbench_hostile: {args.minutes:g} min against fdcore serve ({args.model or 'tiny model'})")
     for name, value in rows:
@@ -319,8 +390,14 @@ def main() -> int:
     print("  slowest probes (s, at s): " + ", ".join(f"{lat:.2f} at {at:.0f}" for lat, at in result["slowest"]))
     for line in restarts[:10]:
         print("  " + line)
-    passed = (identical == 1.0 and honest["complete"] == honest["streams"] and probe99 < 1.0 and light99 < 2.0
-              and not restarts and up)
+    passed = (
+        identical == 1.0
+        and honest["complete"] == honest["streams"]
+        and probe99 < 1.0
+        and light99 < 2.0
+        and not restarts
+        and up
+    )
     print(f"  {'verdict':<{width}}  {'pass' if passed else 'FAIL'}")
     return 0 if passed else 1
 

@@ -33,8 +33,8 @@ import msgspec
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from fdcore.ipc import Receiver, Ring, Sender  # noqa: E402
-from fdcore.ipc import names as ipc_names  # noqa: E402
+from fdcore.ipc import Receiver, Ring, Sender
+from fdcore.ipc import names as ipc_names
 
 BATCH = 64
 CELL_TIMEOUT = 180  # a peer that wedges costs a NaN cell, never the whole run
@@ -124,7 +124,7 @@ class Zmq(Transport):
         return f"ipc:///tmp/bench-ipc-{os.getpid()}-{time.monotonic_ns()}"
 
     def teardown(self, addr):
-        path = addr[len("ipc://"):]
+        path = addr[len("ipc://") :]
         if os.path.exists(path):
             os.unlink(path)
 
@@ -141,7 +141,7 @@ class Zmq(Transport):
             sock.close(linger=-1)
             ctx.term()
 
-        send = lambda b: sock.send(b, copy=len(b) < big)  # noqa: E731
+        send = lambda b: sock.send(b, copy=len(b) < big)
         return send, _blob_sender(send), close
 
     def receiver(self, addr):
@@ -449,8 +449,11 @@ def render(table, args) -> str:
     head = f"{'workload':10s} {'unit':8s} " + " ".join(f"{n:>12s}" for n in names)
     if "fdcore" in table and peers:
         head += f" {'vs best peer':>13s}"
-    lines = [f"small={args['small_n']:,} msgs, 4KiB x {args['4k_n']:,}, 1MiB x {args['1m_n']:,}, "
-             f"rtt x {args['rtt_n']:,}", head, "-" * len(head)]
+    lines = [
+        f"small={args['small_n']:,} msgs, 4KiB x {args['4k_n']:,}, 1MiB x {args['1m_n']:,}, rtt x {args['rtt_n']:,}",
+        head,
+        "-" * len(head),
+    ]
     for kind, unit, higher in WORKLOADS:
         cells = [table[n].get(kind) for n in names]
         line = f"{kind:10s} {unit:8s} " + " ".join(_fmt(v, kind) for v in cells)

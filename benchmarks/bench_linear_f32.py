@@ -19,11 +19,13 @@ import time
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from fdcore.models import cpu_env  # noqa: E402,F401  (math-library settings before paddle)
-import numpy as np  # noqa: E402
-import paddle  # noqa: E402
+from fdcore.models import cpu_env  # noqa: F401  (math-library settings before paddle)
 
-from fdcore.models.llama import F32Matrix, _f32_kernel, linear  # noqa: E402
+# isort: split
+import numpy as np
+import paddle
+
+from fdcore.models.matrices import F32Matrix, f32_kernel, linear
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
 LAYERS, VOCAB = 30, 49152
@@ -34,7 +36,7 @@ def main(argv=None) -> int:
     parser.add_argument("--rows", default="1,4,8,16,32,64")
     parser.add_argument("--steps", type=int, default=5)
     opts = parser.parse_args(argv)
-    if not _f32_kernel():
+    if not f32_kernel():
         print("no float32 kernel here (needs AVX-512F or AVX2 and fdcore's C++ operators)")
         return 1
     rng = np.random.default_rng(0)
@@ -44,8 +46,10 @@ def main(argv=None) -> int:
         plain.append(paddle.to_tensor(w))
         packed.append(F32Matrix.pack(w))
     total = sum(int(w.numel()) * 4 for w in plain)
-    print(f"OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}, {total / 1e6:.0f} MB of weights per step, "
-          f"median of {opts.steps}")
+    print(
+        f"OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}, {total / 1e6:.0f} MB of weights per step, "
+        f"median of {opts.steps}"
+    )
     print(f"{'rows':>5s} {'MKL ms':>9s} {'kernel ms':>10s} {'MKL GB/s':>9s} {'kernel GB/s':>12s} {'MKL/kernel':>11s}")
     for rows in (int(r) for r in opts.rows.split(",")):
         xs = {k: paddle.randn([rows, k]) for k in (576, 1536)}
@@ -66,8 +70,10 @@ def main(argv=None) -> int:
                 fn()
                 out.append(time.perf_counter() - t0)
         a, b = statistics.median(times[mkl]), statistics.median(times[kernel])
-        print(f"{rows:5d} {a * 1e3:9.2f} {b * 1e3:10.2f} {total / a / 1e9:9.1f} {total / b / 1e9:12.1f} {a / b:10.2f}x",
-              flush=True)
+        print(
+            f"{rows:5d} {a * 1e3:9.2f} {b * 1e3:10.2f} {total / a / 1e9:9.1f} {total / b / 1e9:12.1f} {a / b:10.2f}x",
+            flush=True,
+        )
     return 0
 
 

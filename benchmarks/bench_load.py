@@ -30,12 +30,22 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from fdcore.checkpoint import tiny  # noqa: E402
+from fdcore.checkpoint import tiny
 
-SMOLLM2_SHAPE = {**tiny.CONFIG, "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
-                 "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64, "vocab_size": 49152,
-                 "max_position_embeddings": 8192, "rope_theta": 100000.0, "tie_word_embeddings": True,
-                 "torch_dtype": "bfloat16"}
+SMOLLM2_SHAPE = {
+    **tiny.CONFIG,
+    "hidden_size": 576,
+    "intermediate_size": 1536,
+    "num_hidden_layers": 30,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "head_dim": 64,
+    "vocab_size": 49152,
+    "max_position_embeddings": 8192,
+    "rope_theta": 100000.0,
+    "tie_word_embeddings": True,
+    "torch_dtype": "bfloat16",
+}
 
 FDCORE_PROBE = r"""
 import json, sys, time
@@ -73,8 +83,11 @@ def make_checkpoint(path: str) -> str:
     os.makedirs(path, exist_ok=True)
     config = {k: v for k, v in SMOLLM2_SHAPE.items() if k != "fdcore_tiny_version"}
     tiny.save_weights(path, tiny.weights(1, config), 2, "bfloat16")
-    for name, data in (("config.json", config), ("tokenizer_config.json", tiny.TOKENIZER_CONFIG),
-                       ("generation_config.json", {"bos_token_id": 1, "eos_token_id": 2})):
+    for name, data in (
+        ("config.json", config),
+        ("tokenizer_config.json", tiny.TOKENIZER_CONFIG),
+        ("generation_config.json", {"bos_token_id": 1, "eos_token_id": 2}),
+    ):
         with open(os.path.join(path, name), "w") as f:
             json.dump(data, f, indent=2)
     with open(tiny.TOKENIZER, "rb") as src, open(os.path.join(path, "tokenizer.json"), "wb") as dst:
@@ -92,8 +105,13 @@ def warm_page_cache(path: str) -> int:
 
 
 def fdcore_weights(path: str) -> dict:
-    out = subprocess.run([sys.executable, "-c", FDCORE_PROBE, path], capture_output=True, text=True, check=True,
-                         env={**os.environ, "FDCORE_NO_KERNELS": "1"})
+    out = subprocess.run(
+        [sys.executable, "-c", FDCORE_PROBE, path],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, "FDCORE_NO_KERNELS": "1"},
+    )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -140,10 +158,15 @@ def main(argv=None) -> int:
     size = warm_page_cache(path)
     fd = [fdcore_weights(path) for _ in range(args.repeat)]
     ready = [fdcore_ready(path) for _ in range(args.repeat)]
-    rows = [("fdcore weights (read + build)", median([r["read_s"] + r["build_s"] for r in fd]),
-             f"read {median([r['read_s'] for r in fd]):.2f} s + build {median([r['build_s'] for r in fd]):.2f} s; "
-             f"peak growth {median([r['growth'] / r['weights'] for r in fd]):.2f}x the float32 weights"),
-            ("fdcore LLM() to ready", median(ready), "every actor started, model and KV cache in place")]
+    rows = [
+        (
+            "fdcore weights (read + build)",
+            median([r["read_s"] + r["build_s"] for r in fd]),
+            f"read {median([r['read_s'] for r in fd]):.2f} s + build {median([r['build_s'] for r in fd]):.2f} s; "
+            f"peak growth {median([r['growth'] / r['weights'] for r in fd]):.2f}x the float32 weights",
+        ),
+        ("fdcore LLM() to ready", median(ready), "every actor started, model and KV cache in place"),
+    ]
     if not args.no_peer:
         for dtype in ("float32", "bfloat16"):
             runs = [r for r in (vllm_load(path, dtype, args.peer_dir) for _ in range(args.repeat)) if r]

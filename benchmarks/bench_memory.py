@@ -30,9 +30,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
-from bench_batch1 import SETTINGS, llama_cpp_missing  # noqa: E402
-from bench_serving import HOME, Server, llama_ggufs, model_dir, start_llama_server  # noqa: E402
-from bench_serving import start_fdcore as start_serving  # noqa: E402
+from bench_batch1 import SETTINGS, llama_cpp_missing
+from bench_serving import HOME, Server, llama_ggufs, model_dir, start_llama_server
+from bench_serving import start_fdcore as start_serving
 
 BLOCK = 16  # fdcore's default cache.block_size
 
@@ -65,15 +65,22 @@ def tree_pss(root: int) -> dict[str, int]:
 
 def one_request(server: Server, input_len: int) -> None:
     prompt = " ".join(["hello"] * input_len)
-    r = httpx.post(f"http://127.0.0.1:{server.port}/v1/completions", timeout=600,
-                   json={"model": server.model, "prompt": prompt, "max_tokens": 16, "temperature": 0,
-                         "ignore_eos": True})
+    r = httpx.post(
+        f"http://127.0.0.1:{server.port}/v1/completions",
+        timeout=600,
+        json={"model": server.model, "prompt": prompt, "max_tokens": 16, "temperature": 0, "ignore_eos": True},
+    )
     r.raise_for_status()
 
 
 def start_fdcore(model: str, setting: str, threads: int, kv_tokens: int, standby: bool, tp: int) -> Server:
-    return start_serving(model, setting, threads, f"standby = {'true' if standby else 'false'}\n"
-                         f"tensor_parallel_size = {tp}\n[cache]\nnum_blocks = {-(-kv_tokens // BLOCK)}\n")
+    return start_serving(
+        model,
+        setting,
+        threads,
+        f"standby = {'true' if standby else 'false'}\n"
+        f"tensor_parallel_size = {tp}\n[cache]\nnum_blocks = {-(-kv_tokens // BLOCK)}\n",
+    )
 
 
 def measure(server: Server, input_len: int) -> dict[str, int]:
@@ -104,25 +111,34 @@ def main(argv=None) -> int:
         parser.error(problem)
     model = model_dir(args)
     python = os.path.join(args.peer_dir, "venv", "bin", "python")
-    ggufs = {} if args.no_llama_cpp else llama_ggufs(model, os.path.join(HOME, "bench"), python, args.llama_dir,
-                                                      settings)
+    ggufs = (
+        {} if args.no_llama_cpp else llama_ggufs(model, os.path.join(HOME, "bench"), python, args.llama_dir, settings)
+    )
     mib = 1 << 20
     rows = []
     for setting in settings:
         runs = {}
         for standby in (False, True):
             print(f"{setting}: fdcore serve, spare {'on' if standby else 'off'} ...", flush=True)
-            runs[standby] = measure(start_fdcore(model, setting, args.threads, args.kv_tokens, standby,
-                                                 args.tensor_parallel), args.input_len)
+            runs[standby] = measure(
+                start_fdcore(model, setting, args.threads, args.kv_tokens, standby, args.tensor_parallel),
+                args.input_len,
+            )
         llama = None
         if setting in ggufs:
             print(f"{setting}: llama-server {SETTINGS[setting][2]} ...", flush=True)
-            llama = sum(measure(start_llama_server(args.llama_dir, ggufs[setting], args.threads, 32,
-                                                   args.kv_tokens // 32), args.input_len).values())
+            llama = sum(
+                measure(
+                    start_llama_server(args.llama_dir, ggufs[setting], args.threads, 32, args.kv_tokens // 32),
+                    args.input_len,
+                ).values()
+            )
         rows.append((setting, runs, llama))
 
-    print(f"\nPSS after one request ({args.input_len} tokens in, 16 out) in MiB; KV capacity {args.kv_tokens} tokens; "
-          f"{args.threads} threads; tensor parallel {args.tensor_parallel}; model {model}")
+    print(
+        f"\nPSS after one request ({args.input_len} tokens in, 16 out) in MiB; KV capacity {args.kv_tokens} tokens; "
+        f"{args.threads} threads; tensor parallel {args.tensor_parallel}; model {model}"
+    )
     for setting, runs, llama in rows:
         print(f"\n{setting}:")
         titles = sorted({t for run in runs.values() for t in run})
@@ -131,12 +147,16 @@ def main(argv=None) -> int:
             print(f"{t:28s}" + "".join(f"{runs[s].get(t, 0) / mib:12.0f}" for s in (False, True)))
         totals = {s: sum(runs[s].values()) for s in (False, True)}
         print(f"{'total':28s}{totals[False] / mib:12.0f}{totals[True] / mib:12.0f}")
-        workers = {s: sum(v for t, v in runs[s].items() if t.startswith(("fdcore:worker", "fdcore:standby")))
-                   for s in (False, True)}
+        workers = {
+            s: sum(v for t, v in runs[s].items() if t.startswith(("fdcore:worker", "fdcore:standby")))
+            for s in (False, True)
+        }
         print(f"workers + spares / workers without a spare: {workers[True] / workers[False]:.2f}")
         if llama:
-            print(f"llama-server {SETTINGS[setting][2]}: {llama / mib:.0f} MiB; fdcore / llama-server: "
-                  f"{totals[False] / llama:.2f} without a spare, {totals[True] / llama:.2f} with it")
+            print(
+                f"llama-server {SETTINGS[setting][2]}: {llama / mib:.0f} MiB; fdcore / llama-server: "
+                f"{totals[False] / llama:.2f} without a spare, {totals[True] / llama:.2f} with it"
+            )
     return 0
 
 

@@ -29,13 +29,16 @@ import time
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from fdcore.models import cpu_env  # noqa: E402,F401  (math-library settings before paddle)
-import paddle  # noqa: E402
+from fdcore.models import cpu_env  # noqa: F401  (math-library settings before paddle)
 
-from fdcore.core.batch import BatchInput  # noqa: E402
-from fdcore.models import kernels, tiny  # noqa: E402
-from fdcore.models.llama import Bf16Matrix, LlamaModel, linear, swiglu  # noqa: E402
-from fdcore.checkpoint import load_checkpoint  # noqa: E402
+# isort: split
+import paddle
+
+from fdcore.checkpoint import load_checkpoint
+from fdcore.core.batch import BatchInput
+from fdcore.models import kernels, tiny
+from fdcore.models.llama import LlamaModel
+from fdcore.models.matrices import Bf16Matrix, linear, swiglu
 
 BLOCK = 16
 CONTEXT = 128
@@ -137,19 +140,25 @@ def main(argv=None) -> int:
         opts.model = fetch_smollm2()
     path = opts.model or tiny.make_tiny_model(os.path.join(tempfile.mkdtemp(), "tiny"))
     model = LlamaModel(load_checkpoint(path, progress=lambda *_: None), opts.dtype, opts.quantization)
-    print(f"model {path} ({model.matrix_dtype} weights): {model.args.num_layers} layers, hidden {model.args.hidden_size}, "
-          f"vocab {model.args.vocab_size}; OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}, "
-          f"context {CONTEXT}, median of {opts.steps} steps")
+    print(
+        f"model {path} ({model.matrix_dtype} weights): {model.args.num_layers} layers, "
+        f"hidden {model.args.hidden_size}, "
+        f"vocab {model.args.vocab_size}; OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}, "
+        f"context {CONTEXT}, median of {opts.steps} steps"
+    )
     print(f"{'decode batch':>12s} {'step ms':>9s} {'GEMM floor ms':>14s} {'step/floor':>11s} {'tok/s':>9s}")
     for batch in (int(b) for b in opts.batches.split(",")):
         padded = -(-(CONTEXT + 2 * opts.steps + 2) // BLOCK) * BLOCK
-        step, floor = timed_pair(decode_step(model, batch, opts.steps),
-                                 gemm_floor(model, batch, decode_context=padded), opts.steps)
+        step, floor = timed_pair(
+            decode_step(model, batch, opts.steps), gemm_floor(model, batch, decode_context=padded), opts.steps
+        )
         print(f"{batch:12d} {step * 1e3:9.2f} {floor * 1e3:14.2f} {step / floor:10.2f}x {batch / step:9.0f}")
     tokens = 512
     step, floor = timed_pair(prefill(model, tokens), gemm_floor(model, tokens), max(3, opts.steps // 4))
-    print(f"{'prefill':>12s} {step * 1e3:9.2f} {floor * 1e3:14.2f} {step / floor:10.2f}x "
-          f"{tokens / step:9.0f}  ({tokens}-token prompt)")
+    print(
+        f"{'prefill':>12s} {step * 1e3:9.2f} {floor * 1e3:14.2f} {step / floor:10.2f}x "
+        f"{tokens / step:9.0f}  ({tokens}-token prompt)"
+    )
     return 0
 
 

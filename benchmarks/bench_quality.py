@@ -103,20 +103,25 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--chunk", type=int, default=256, help="tokens per teacher-forced piece")
     parser.add_argument("--tokens", type=int, default=16, help="greedy tokens compared per golden prompt")
-    parser.add_argument("--cache-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
-                        help="every setting's KV cache (cache.dtype; float32's reference keeps a float32 one)")
-    parser.add_argument("--no-rounded-weights", action="store_true",
-                        help="leave out the float32 row on bfloat16-rounded weights")
+    parser.add_argument(
+        "--cache-dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16"],
+        help="every setting's KV cache (cache.dtype; float32's reference keeps a float32 one)",
+    )
+    parser.add_argument(
+        "--no-rounded-weights", action="store_true", help="leave out the float32 row on bfloat16-rounded weights"
+    )
     args = parser.parse_args()
 
-    from fdcore.core.tokenizer import ModelTokenizer
-    from fdcore.checkpoint.fetch import fetch_smollm2
-    from fdcore.models.llama import LlamaModel
     from fdcore.checkpoint import load_checkpoint
+    from fdcore.checkpoint.fetch import fetch_smollm2
+    from fdcore.core.tokenizer import ModelTokenizer
+    from fdcore.models.llama import LlamaModel
 
     path = fetch_smollm2()
     ids = ModelTokenizer(path).encode(open(TEXT).read())
-    chunks = [ids[i:i + args.chunk] for i in range(0, len(ids) - args.chunk + 1, args.chunk)]
+    chunks = [ids[i : i + args.chunk] for i in range(0, len(ids) - args.chunk + 1, args.chunk)]
     prompts = [chat["prompt"] for chat in json.load(open(GOLDEN))["chats"]]
     rows, reference = [], None
     settings = SETTINGS + ([] if args.no_rounded_weights else [ROUNDED])
@@ -135,27 +140,37 @@ def main() -> int:
         ppl = perplexity(model, chunks, cache_dtype)
         outputs = [greedy(model, p, args.tokens, cache_dtype) for p in prompts]
         reference = reference or outputs
-        agree = [next((i for i, (a, b) in enumerate(zip(o[0], r[0])) if a != b), args.tokens)
-                 for o, r in zip(outputs, reference, strict=True)]
+        agree = [
+            next((i for i, (a, b) in enumerate(zip(o[0], r[0], strict=False)) if a != b), args.tokens)
+            for o, r in zip(outputs, reference, strict=True)
+        ]
         # where one differs: float32's own gap between its two best logits at that step
         agree = [(a, reference[i][1][a] if a < args.tokens else None) for i, a in enumerate(agree)]
         rows.append((name, ppl, agree, model.cache_dtype(cache_dtype)))
         print(f"{name}: perplexity {ppl:.4f}", file=sys.stderr, flush=True)
     base = rows[0][1]
-    print(f"\nSmolLM2-135M-Instruct (Q4_1 GGUF weights), {len(chunks)} x {args.chunk} tokens of "
-          f"{os.path.relpath(TEXT)}; greedy: first {args.tokens} tokens of {len(prompts)} golden chat prompts")
-    print(f"{'setting':17s} {'KV cache':>9s} {'perplexity':>11s} {'vs float32':>11s}  greedy tokens equal to "
-          "float32's, per prompt")
+    print(
+        f"\nSmolLM2-135M-Instruct (Q4_1 GGUF weights), {len(chunks)} x {args.chunk} tokens of "
+        f"{os.path.relpath(TEXT)}; greedy: first {args.tokens} tokens of {len(prompts)} golden chat prompts"
+    )
+    print(
+        f"{'setting':17s} {'KV cache':>9s} {'perplexity':>11s} {'vs float32':>11s}  greedy tokens equal to "
+        "float32's, per prompt"
+    )
     for name, ppl, agree, cache in rows:
         if ppl is None:
             print(f"{name:17s} {'-':>9s} {'-':>11s} {'-':>11s}  not run: {cache}")
             continue
         full = sum(a == args.tokens for a, _ in agree)
-        where = ", ".join(f"prompt {i} token {a} (float32's top-two gap {gap:.3f})"
-                          for i, (a, gap) in enumerate(agree) if gap is not None)
-        print(f"{name:17s} {cache:>9s} {ppl:11.4f} {100 * (ppl / base - 1):+10.2f}%  {full}/{len(agree)} prompts all "
-              f"{args.tokens}"
-              + (f"; first differences: {where}" if where else ""))
+        where = ", ".join(
+            f"prompt {i} token {a} (float32's top-two gap {gap:.3f})"
+            for i, (a, gap) in enumerate(agree)
+            if gap is not None
+        )
+        print(
+            f"{name:17s} {cache:>9s} {ppl:11.4f} {100 * (ppl / base - 1):+10.2f}%  {full}/{len(agree)} prompts all "
+            f"{args.tokens}" + (f"; first differences: {where}" if where else "")
+        )
     return 0
 
 

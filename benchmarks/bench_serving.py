@@ -49,7 +49,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 
-from bench_batch1 import SETTINGS, llama_cpp_missing  # noqa: E402
+from bench_batch1 import SETTINGS, llama_cpp_missing
 
 HOME = os.environ.get("FDCORE_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "fdcore")
 
@@ -65,8 +65,9 @@ class Server:
 
     def __init__(self, cmd: list[str], port: int, model: str, env=None, config: str | None = None):
         self.port, self.model, self.config = port, model, config  # (config: a file to delete at stop)
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT,
-                                     start_new_session=True, env=env)
+        self.proc = subprocess.Popen(
+            cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT, start_new_session=True, env=env
+        )
 
     def wait_ready(self, timeout: float = 600) -> None:
         deadline = time.monotonic() + timeout
@@ -97,8 +98,10 @@ class Server:
 
 def fdcore_toml(model: str, setting: str, threads: int, max_num_seqs: int = 128) -> str:
     dtype, quantization = SETTINGS[setting][:2]
-    return (f'[model]\npath = "{model}"\ndtype = "{dtype}"\nquantization = "{quantization}"\n'
-            f'[scheduler]\nmax_num_seqs = {max_num_seqs}\n[workers]\nomp_threads = {threads}\n')
+    return (
+        f'[model]\npath = "{model}"\ndtype = "{dtype}"\nquantization = "{quantization}"\n'
+        f"[scheduler]\nmax_num_seqs = {max_num_seqs}\n[workers]\nomp_threads = {threads}\n"
+    )
 
 
 def start_fdcore(model: str, setting: str, threads: int, extra: str = "") -> Server:
@@ -106,18 +109,42 @@ def start_fdcore(model: str, setting: str, threads: int, extra: str = "") -> Ser
     and the math threads (the spare worker included); ``extra``: TOML lines that follow ``[workers]``."""
     port = free_port()
     config = tempfile.NamedTemporaryFile("w", suffix=".toml", delete=False, prefix="fdcore-bench-")
-    config.write(fdcore_toml(model, setting, threads) + extra
-                 + f'[server]\nenabled = true\nport = {port}\nmodel_name = "bench"\n')
+    config.write(
+        fdcore_toml(model, setting, threads)
+        + extra
+        + f'[server]\nenabled = true\nport = {port}\nmodel_name = "bench"\n'
+    )
     config.close()
-    return Server([sys.executable, "-m", "fdcore.supervisor", "--config", config.name], port, "bench",
-                  config=config.name)
+    return Server(
+        [sys.executable, "-m", "fdcore.supervisor", "--config", config.name], port, "bench", config=config.name
+    )
 
 
 def start_llama_server(llama_dir: str, gguf: str, threads: int, slots: int, context: int) -> Server:
     port = free_port()
-    return Server([os.path.join(llama_dir, "bin", "llama-server"), "-m", gguf, "-t", str(threads), "-tb",
-                   str(threads), "-np", str(slots), "-c", str(slots * context), "--host", "127.0.0.1", "--port",
-                   str(port), "--alias", "bench"], port, "bench")
+    return Server(
+        [
+            os.path.join(llama_dir, "bin", "llama-server"),
+            "-m",
+            gguf,
+            "-t",
+            str(threads),
+            "-tb",
+            str(threads),
+            "-np",
+            str(slots),
+            "-c",
+            str(slots * context),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--alias",
+            "bench",
+        ],
+        port,
+        "bench",
+    )
 
 
 def offline_tpot(model: str, args) -> float:
@@ -130,6 +157,7 @@ def offline_tpot(model: str, args) -> float:
     import random
 
     from bench_batch1 import decode_rate
+
     from fdcore import AsyncLLM
     from fdcore.checkpoint import read_config
 
@@ -160,8 +188,10 @@ def alternate_c1(servers: dict[str, Server], model: str, args) -> tuple[dict[str
         for name, server in servers.items():
             runs[name].append(bench_serve(server, args.peer_dir, model, args, 1, args.prompts_c1))
         pairs.append((off, runs[fdcore][-1]["tpot median ms"]))
-    return {name: {metric: statistics.median(r[metric] for r in results) for metric in results[0]}
-            for name, results in runs.items()}, pairs
+    return {
+        name: {metric: statistics.median(r[metric] for r in results) for metric in results[0]}
+        for name, results in runs.items()
+    }, pairs
 
 
 def llama_ggufs(hf_dir: str, cache: str, python: str, llama_dir: str, settings: list[str]) -> dict[str, str]:
@@ -179,8 +209,15 @@ def llama_ggufs(hf_dir: str, cache: str, python: str, llama_dir: str, settings: 
                 f32 = llama_ggufs(hf_dir, cache, python, llama_dir, ["float32"])["float32"]
                 cmd = [os.path.join(llama_dir, "bin", "llama-quantize"), f32, tmp, "Q4_1"]
             else:
-                cmd = [python, os.path.join(llama_dir, "src", "convert_hf_to_gguf.py"), hf_dir, "--outtype",
-                       kind.lower(), "--outfile", tmp]
+                cmd = [
+                    python,
+                    os.path.join(llama_dir, "src", "convert_hf_to_gguf.py"),
+                    hf_dir,
+                    "--outtype",
+                    kind.lower(),
+                    "--outfile",
+                    tmp,
+                ]
             print(f"making {path}: {' '.join(cmd[:2])} ...", flush=True)
             done = subprocess.run(cmd, capture_output=True, text=True, check=False)
             if done.returncode != 0:
@@ -194,36 +231,41 @@ def start_vllm(model: str, peer_dir: str, max_num_seqs: int, dtype: str) -> Serv
     port = free_port()
     python = os.path.join(peer_dir, "venv", "bin", "python")
     cli = os.path.join(peer_dir, "vllm_cli.py")
-    cmd = (f"source {peer_dir}/env.sh && exec {python} {cli} serve {model} --host 127.0.0.1 --port {port} "
-           f"--dtype {dtype} --max-model-len 1024 --max-num-seqs {max_num_seqs} --served-model-name bench")
+    cmd = (
+        f"source {peer_dir}/env.sh && exec {python} {cli} serve {model} --host 127.0.0.1 --port {port} "
+        f"--dtype {dtype} --max-model-len 1024 --max-num-seqs {max_num_seqs} --served-model-name bench"
+    )
     return Server(["bash", "-c", cmd], port, "bench")
 
 
 METRICS = [("output tok/s", "output_throughput")] + [
-    (f"{name} {stat} ms", f"{stat}_{key}_ms") for name, key in (("ttft", "ttft"), ("tpot", "tpot"), ("itl", "itl"),
-                                                                  ("e2e", "e2el"))
-    for stat in ("mean", "median", "p99")]
+    (f"{name} {stat} ms", f"{stat}_{key}_ms")
+    for name, key in (("ttft", "ttft"), ("tpot", "tpot"), ("itl", "itl"), ("e2e", "e2el"))
+    for stat in ("mean", "median", "p99")
+]
 
 
-def bench_serve(server: Server, peer_dir: str, tokenizer: str, args, concurrency: int | None,
-                prompts: int) -> dict:
+def bench_serve(server: Server, peer_dir: str, tokenizer: str, args, concurrency: int | None, prompts: int) -> dict:
     """One ``vllm bench serve`` run against ``server``; its saved JSON result."""
     with tempfile.TemporaryDirectory(prefix="fdcore-bench-serve-") as out:
         return _bench_serve_into(out, server, peer_dir, tokenizer, args, concurrency, prompts)
 
 
-def _bench_serve_into(out: str, server: Server, peer_dir: str, tokenizer: str, args, concurrency: int | None,
-                      prompts: int) -> dict:
+def _bench_serve_into(
+    out: str, server: Server, peer_dir: str, tokenizer: str, args, concurrency: int | None, prompts: int
+) -> dict:
     python = os.path.join(peer_dir, "venv", "bin", "python")
     cli = os.path.join(peer_dir, "vllm_cli.py")
     load = f"--max-concurrency {concurrency} --request-rate inf" if concurrency else f"--request-rate {args.rate}"
-    cmd = (f"source {peer_dir}/env.sh && exec {python} {cli} bench serve --backend openai "
-           f"--base-url http://127.0.0.1:{server.port} --endpoint /v1/completions --model {server.model} "
-           f"--tokenizer {tokenizer} --dataset-name random --random-input-len {args.input_len} "
-           f"--random-output-len {args.output_len} --random-range-ratio 0 --num-prompts {prompts} "
-           f"--ignore-eos --temperature 0 --seed {args.seed} {load} --num-warmups 2 --disable-tqdm "
-           f"--percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 99 "
-           f"--save-result --result-dir {out} --result-filename result.json")
+    cmd = (
+        f"source {peer_dir}/env.sh && exec {python} {cli} bench serve --backend openai "
+        f"--base-url http://127.0.0.1:{server.port} --endpoint /v1/completions --model {server.model} "
+        f"--tokenizer {tokenizer} --dataset-name random --random-input-len {args.input_len} "
+        f"--random-output-len {args.output_len} --random-range-ratio 0 --num-prompts {prompts} "
+        f"--ignore-eos --temperature 0 --seed {args.seed} {load} --num-warmups 2 --disable-tqdm "
+        f"--percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 99 "
+        f"--save-result --result-dir {out} --result-filename result.json"
+    )
     done = subprocess.run(["bash", "-c", cmd], capture_output=True, text=True, cwd=ROOT)
     path = os.path.join(out, "result.json")
     if done.returncode != 0 or not os.path.exists(path):
@@ -266,8 +308,12 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="", help="an HF directory or a GGUF file (default: SmolLM2's)")
     parser.add_argument("--settings", default="float32,wint8,wint4", help=f"a subset of {','.join(SETTINGS)}")
-    parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
-                        help="fdcore's workers.omp_threads and llama-server's -t (default: every core)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=len(os.sched_getaffinity(0)),
+        help="fdcore's workers.omp_threads and llama-server's -t (default: every core)",
+    )
     parser.add_argument("--concurrency", type=int, nargs="*", default=[1, 32])
     parser.add_argument("--rate", type=float, default=None, help="Poisson arrivals per second instead")
     parser.add_argument("--prompts", type=int, default=128)
@@ -276,8 +322,11 @@ def main(argv=None) -> int:
     parser.add_argument("--input-len", type=int, default=32)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--peer-dir", default="/tmp/vllm-peer", help="the vLLM peer: its `vllm bench serve` "
-                        "drives every server, its python converts checkpoints for llama.cpp")
+    parser.add_argument(
+        "--peer-dir",
+        default="/tmp/vllm-peer",
+        help="the vLLM peer: its `vllm bench serve` drives every server, its python converts checkpoints for llama.cpp",
+    )
     parser.add_argument("--llama-dir", default="/tmp/llama-cpp-peer")
     parser.add_argument("--no-llama-cpp", action="store_true")
     parser.add_argument("--vllm", action="store_true", help="vLLM's server too, beside fdcore's float32")
@@ -287,13 +336,16 @@ def main(argv=None) -> int:
         parser.error(f"unknown settings {unknown}; known: {', '.join(SETTINGS)}")
     python = os.path.join(args.peer_dir, "venv", "bin", "python")
     if not os.path.exists(python):
-        parser.error(f"the vLLM peer (its `vllm bench serve` drives every server) is not in {args.peer_dir}: "
-                     "run ../shared/peers/vllm-cpu/setup.sh first")
+        parser.error(
+            f"the vLLM peer (its `vllm bench serve` drives every server) is not in {args.peer_dir}: "
+            "run ../shared/peers/vllm-cpu/setup.sh first"
+        )
     if not args.no_llama_cpp and (problem := llama_cpp_missing(args.llama_dir)):
         parser.error(problem)
     model = model_dir(args)
-    ggufs = {} if args.no_llama_cpp else llama_ggufs(model, os.path.join(HOME, "bench"), python, args.llama_dir,
-                                                      settings)
+    ggufs = (
+        {} if args.no_llama_cpp else llama_ggufs(model, os.path.join(HOME, "bench"), python, args.llama_dir, settings)
+    )
     loads = [("rate", None)] if args.rate else [(f"concurrency {c}", c) for c in args.concurrency]
     slots = max(args.concurrency) if not args.rate else 64
     # a slot's context: the random prompt's text re-tokenized by the server can be longer than it was
@@ -303,10 +355,16 @@ def main(argv=None) -> int:
     offline: dict[str, float] = {}
     load_before = os.getloadavg()[0]
     for setting in settings:
-        systems = [(f"fdcore {setting}", lambda: start_fdcore(model, setting, args.threads))]
+        systems = [(f"fdcore {setting}", lambda setting=setting: start_fdcore(model, setting, args.threads))]
         if setting in ggufs:
-            systems.append((f"llama-server {SETTINGS[setting][2]}", lambda: start_llama_server(
-                args.llama_dir, ggufs[setting], args.threads, slots, context)))
+            systems.append(
+                (
+                    f"llama-server {SETTINGS[setting][2]}",
+                    lambda setting=setting: start_llama_server(
+                        args.llama_dir, ggufs[setting], args.threads, slots, context
+                    ),
+                )
+            )
         if args.vllm and setting == "float32":
             systems.append(("vLLM fp32", lambda: start_vllm(model, args.peer_dir, 128, "float32")))
             if has_avx512_bf16():
@@ -323,20 +381,26 @@ def main(argv=None) -> int:
                     continue
                 for name, server in servers.items():
                     print(f"{setting}: {name}, {label} ...", flush=True)
-                    table.setdefault((setting, label), {})[name] = bench_serve(server, args.peer_dir, model, args,
-                                                                               concurrency, args.prompts)
+                    table.setdefault((setting, label), {})[name] = bench_serve(
+                        server, args.peer_dir, model, args, concurrency, args.prompts
+                    )
         finally:
             for server in servers.values():
                 server.stop()
 
-    print(f"\n{args.input_len} tokens in, {args.output_len} out (greedy, ignore_eos, streaming), load from "
-          f"`vllm bench serve`; {args.threads} threads each; model {model}; load average {load_before:.2f} "
-          f"before, {os.getloadavg()[0]:.2f} after ({len(os.sched_getaffinity(0))} cores)")
+    print(
+        f"\n{args.input_len} tokens in, {args.output_len} out (greedy, ignore_eos, streaming), load from "
+        f"`vllm bench serve`; {args.threads} threads each; model {model}; load average {load_before:.2f} "
+        f"before, {os.getloadavg()[0]:.2f} after ({len(os.sched_getaffinity(0))} cores)"
+    )
     for (setting, label), by_system in table.items():
         names = list(by_system)
         print(f"\n{setting}, {label}:")
-        print(f"{'metric':18s}" + "".join(f"{n:>20s}" for n in names) + "".join(
-            f"{'fdcore/' + n.split()[0]:>20s}" for n in names[1:]))
+        print(
+            f"{'metric':18s}"
+            + "".join(f"{n:>20s}" for n in names)
+            + "".join(f"{'fdcore/' + n.split()[0]:>20s}" for n in names[1:])
+        )
         for metric, _key in [*METRICS, ("failed requests", None), ("tok/s if all done", None)]:
             values = [by_system[n][metric] for n in names]
             ratios = [values[0] / v if v else float("nan") for v in values[1:]]
@@ -344,8 +408,10 @@ def main(argv=None) -> int:
         if label == "concurrency 1" and setting in offline:
             pairs = offline[setting]
             ratios = [http / off for off, http in pairs]
-            print(f"{'offline tpot ms':18s}{statistics.median(off for off, _ in pairs):20.2f}   (HTTP / offline, "
-                  f"round by round: {' '.join(f'{r:.2f}' for r in ratios)}; median {statistics.median(ratios):.2f})")
+            print(
+                f"{'offline tpot ms':18s}{statistics.median(off for off, _ in pairs):20.2f}   (HTTP / offline, "
+                f"round by round: {' '.join(f'{r:.2f}' for r in ratios)}; median {statistics.median(ratios):.2f})"
+            )
     return 0
 
 

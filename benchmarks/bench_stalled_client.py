@@ -103,8 +103,11 @@ async def one_round(llm, mode: str, args) -> dict:
     streams = [asyncio.ensure_future(stream(i)) for i in range(NEIGHBOUR_STREAMS)]
     await asyncio.gather(*(e.wait() for e in first))  # running before the crowd queues behind them
     before = (await llm.stats()).disconnected_clients
-    proc = subprocess.Popen([sys.executable, __file__, "--crowd", llm.instance, "--requests", str(args.requests)],
-                            stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, __file__, "--crowd", llm.instance, "--requests", str(args.requests)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         line = await asyncio.to_thread(proc.stdout.readline)
         assert line.strip() == "submitted", f"the crowd did not start: {line!r}"
@@ -156,8 +159,10 @@ async def main(args) -> None:
     from fdcore import AsyncLLM
     from fdcore.config import parse_config
 
-    config = parse_config(f"[engine]\nclient_stall_timeout = {args.stall_timeout}\nmax_clients = 4\n"
-                          f"max_pending_requests = {args.requests + 100}\n")
+    config = parse_config(
+        f"[engine]\nclient_stall_timeout = {args.stall_timeout}\nmax_clients = 4\n"
+        f"max_pending_requests = {args.requests + 100}\n"
+    )
     rows = []
     async with AsyncLLM(config) as llm:
         for _ in range(args.rounds):
@@ -168,9 +173,11 @@ async def main(args) -> None:
         cut = f"{row['cut_after']:.2f}" if row["cut_after"] is not None else "-"
         print(f"{row['mode']:<10} {row['rate']:>16.0f} {cut:>16}  {(row['errors'] or '-').strip()}")
     median = {m: statistics.median(r["rate"] for r in rows if r["mode"] == m) for m in ("reading", "stalled")}
-    print(f"neighbour throughput, stalled / reading crowd (medians over {args.rounds} rounds): "
-          f"{median['stalled'] / median['reading']:.3f}   (stall timeout {args.stall_timeout:g} s, "
-          f"window {args.window:g} s, {args.requests} crowd requests)")
+    print(
+        f"neighbour throughput, stalled / reading crowd (medians over {args.rounds} rounds): "
+        f"{median['stalled'] / median['reading']:.3f}   (stall timeout {args.stall_timeout:g} s, "
+        f"window {args.window:g} s, {args.requests} crowd requests)"
+    )
 
 
 if __name__ == "__main__":

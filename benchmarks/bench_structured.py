@@ -22,28 +22,38 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from benchmarks.bench_throughput import fdcore_config, has_avx512_bf16, make_prompts, run_in_peer  # noqa: E402
-from fdcore import LLM, SamplingParams, StructuredOutputs  # noqa: E402
-from fdcore.config import default_model_path  # noqa: E402
-from fdcore.checkpoint.tiny import ensure_tiny_model  # noqa: E402
+from benchmarks.bench_throughput import fdcore_config, has_avx512_bf16, make_prompts, run_in_peer
+from fdcore import LLM, SamplingParams, StructuredOutputs
+from fdcore.checkpoint.tiny import ensure_tiny_model
+from fdcore.config import default_model_path
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-RECORD = {"type": "object", "properties": {
-    "id": {"type": "integer", "minimum": 0, "maximum": 100000},
-    "name": {"type": "string", "maxLength": 12},
-    "ok": {"type": "boolean"},
-    "kind": {"enum": ["alpha", "beta", "gamma"]}},
-    "required": ["id", "name", "ok", "kind"], "additionalProperties": False}
-SCHEMA = {"type": "object", "properties": {"records": {"type": "array", "items": RECORD, "minItems": 500}},
-          "required": ["records"], "additionalProperties": False}
+RECORD = {
+    "type": "object",
+    "properties": {
+        "id": {"type": "integer", "minimum": 0, "maximum": 100000},
+        "name": {"type": "string", "maxLength": 12},
+        "ok": {"type": "boolean"},
+        "kind": {"enum": ["alpha", "beta", "gamma"]},
+    },
+    "required": ["id", "name", "ok", "kind"],
+    "additionalProperties": False,
+}
+SCHEMA = {
+    "type": "object",
+    "properties": {"records": {"type": "array", "items": RECORD, "minItems": 500}},
+    "required": ["records"],
+    "additionalProperties": False,
+}
 
 
 def run_fdcore(model: str, args) -> dict:
     vocab = json.load(open(os.path.join(model, "config.json")))["vocab_size"]
     prompts = make_prompts(args.prompts, args.input_len, vocab)
     free = SamplingParams(temperature=1.0, seed=0, max_tokens=args.output_len, ignore_eos=True)
-    held = SamplingParams(temperature=1.0, seed=0, max_tokens=args.output_len,
-                          structured_outputs=StructuredOutputs(json=SCHEMA))
+    held = SamplingParams(
+        temperature=1.0, seed=0, max_tokens=args.output_len, structured_outputs=StructuredOutputs(json=SCHEMA)
+    )
     rates: dict[str, list[float]] = {"unconstrained": [], "constrained": []}
     with LLM(fdcore_config(model, args, "paddle")) as llm:
         llm.generate(prompts[:4], held, use_tqdm=False)  # warm-up: the tokenizer, the grammar, the kernels
@@ -62,9 +72,25 @@ def run_fdcore(model: str, args) -> dict:
 
 def run_vllm(model: str, args) -> dict | None:
     dtype = "bfloat16" if has_avx512_bf16() else "float32"  # vLLM's best CPU dtype here
-    result = run_in_peer(args.peer_dir, [os.path.join(HERE, "vllm_structured.py"), model, "--prompts", args.prompts,
-                                         "--input-len", args.input_len, "--output-len", args.output_len,
-                                         "--repeat", args.repeat, "--dtype", dtype, "--schema", json.dumps(SCHEMA)])
+    result = run_in_peer(
+        args.peer_dir,
+        [
+            os.path.join(HERE, "vllm_structured.py"),
+            model,
+            "--prompts",
+            args.prompts,
+            "--input-len",
+            args.input_len,
+            "--output-len",
+            args.output_len,
+            "--repeat",
+            args.repeat,
+            "--dtype",
+            dtype,
+            "--schema",
+            json.dumps(SCHEMA),
+        ],
+    )
     return None if result is None else {**result, "dtype": dtype}
 
 
@@ -87,8 +113,10 @@ def main(argv=None) -> int:
     print(f"\n{args.prompts} requests x {args.input_len} in / {args.output_len} out, {os.path.basename(model)}")
     print(f"{'engine':<32} {'unconstrained tok/s':>20} {'constrained tok/s':>18} {'cost':>6}")
     for name, r in rows:
-        print(f"{name:<32} {r['unconstrained']:>20.1f} {r['constrained']:>18.1f} "
-              f"{r['unconstrained'] / r['constrained']:>5.2f}x")
+        print(
+            f"{name:<32} {r['unconstrained']:>20.1f} {r['constrained']:>18.1f} "
+            f"{r['unconstrained'] / r['constrained']:>5.2f}x"
+        )
     return 0
 
 

@@ -38,9 +38,9 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from fdcore import LLM, SamplingParams  # noqa: E402
-from fdcore.config import Config, default_model_path, parse_config  # noqa: E402
-from fdcore.checkpoint.tiny import ensure_tiny_model  # noqa: E402
+from fdcore import LLM, SamplingParams
+from fdcore.checkpoint.tiny import ensure_tiny_model
+from fdcore.config import Config, default_model_path, parse_config
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PEER_SCRIPT = os.path.join(HERE, "..", "..", "shared", "peers", "vllm-cpu", "offline_bench.py")
@@ -90,8 +90,12 @@ def run_fdcore(model: str, args, backend: str = "paddle", setting: str = "float3
             assert produced == args.prompts * args.output_len, f"{produced} tokens, expected more"
             rates.append(produced / elapsed)
             per_step.append(elapsed / steps * 1e3)
-    return {"gen_tok_per_s": statistics.median(rates), "all": rates, "ms_per_step": statistics.median(per_step),
-            "init_s": init_s}
+    return {
+        "gen_tok_per_s": statistics.median(rates),
+        "all": rates,
+        "ms_per_step": statistics.median(per_step),
+        "init_s": init_s,
+    }
 
 
 def has_avx512_bf16() -> bool:
@@ -104,9 +108,25 @@ def run_vllm(model: str, args, dtype: str) -> dict | None:
     script = os.path.join(args.peer_dir, "offline_bench.py")
     if not os.path.exists(script):
         script = PEER_SCRIPT
-    return run_in_peer(args.peer_dir, [script, model, "--prompts", args.prompts, "--input-len", args.input_len,
-                                       "--output-len", args.output_len, "--dtype", dtype, "--max-num-seqs",
-                                       args.prompts, "--repeat", args.repeat])
+    return run_in_peer(
+        args.peer_dir,
+        [
+            script,
+            model,
+            "--prompts",
+            args.prompts,
+            "--input-len",
+            args.input_len,
+            "--output-len",
+            args.output_len,
+            "--dtype",
+            dtype,
+            "--max-num-seqs",
+            args.prompts,
+            "--repeat",
+            args.repeat,
+        ],
+    )
 
 
 def run_in_peer(peer_dir: str, argv: list) -> dict | None:
@@ -132,8 +152,12 @@ def main(argv=None) -> int:
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--null", action="store_true", help="also run fdcore with the null model")
-    parser.add_argument("--null-output-len", type=int, default=256,
-                        help="output length of the null-model run (more steps at full batch)")
+    parser.add_argument(
+        "--null-output-len",
+        type=int,
+        default=256,
+        help="output length of the null-model run (more steps at full batch)",
+    )
     parser.add_argument("--no-peer", action="store_true", help="skip vLLM")
     parser.add_argument("--bf16", action="store_true", help="also run vLLM in bfloat16 (the stretch goal)")
     parser.add_argument("--peer-dir", default="/tmp/vllm-peer")
@@ -150,8 +174,13 @@ def main(argv=None) -> int:
     if args.null:
         null_args = argparse.Namespace(**{**vars(args), "output_len": args.null_output_len})
         null = run_fdcore(model, null_args, backend="null")
-        rows.append((f"fdcore (null model, {args.prompts} running)", null["gen_tok_per_s"],
-                     f"{null['ms_per_step']:.3f} ms/step engine overhead"))
+        rows.append(
+            (
+                f"fdcore (null model, {args.prompts} running)",
+                null["gen_tok_per_s"],
+                f"{null['ms_per_step']:.3f} ms/step engine overhead",
+            )
+        )
     peers = {}
     if not args.no_peer:
         for dtype in ["float32"] + (["bfloat16"] if args.bf16 or has_avx512_bf16() else []):
@@ -159,8 +188,10 @@ def main(argv=None) -> int:
             if result:
                 peers[dtype] = result["gen_tok_per_s"]
                 rows.append((f"vLLM CPU ({dtype})", result["gen_tok_per_s"], ""))
-    print(f"\n{args.prompts} prompts x {args.input_len} tokens in, {args.output_len} out (ignore_eos, "
-          f"temperature 1, seed 0), median of {args.repeat}; model {model}")
+    print(
+        f"\n{args.prompts} prompts x {args.input_len} tokens in, {args.output_len} out (ignore_eos, "
+        f"temperature 1, seed 0), median of {args.repeat}; model {model}"
+    )
     best = max(peers, key=peers.get) if peers else None
     print(f"{'system':42s} {'gen tok/s':>10s}  {'vs vLLM ' + (best or '-'):>16s}  note")
     for name, rate, note in rows:

@@ -20,7 +20,8 @@ restart that leaves a second engine, or none, fails the run).
 
 Usage: python benchmarks/chaos.py [--streams 32] [--kills 10] [--seed 0] [--max-tokens 300]
                                   [--strategy one_for_one|one_for_all|rest_for_one]
-                                  [--model tiny|smollm2|PATH] [--dtype float32|bfloat16] [--quantization none|wint8|wint4]
+                                  [--model tiny|smollm2|PATH] [--dtype float32|bfloat16]
+                                  [--quantization none|wint8|wint4]
                                   [--shared-weights auto|on|off] [--shared-kv on|off] [--wait-warm] [--from-decode]
 """
 
@@ -37,14 +38,14 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from fdcore import AsyncLLM, SamplingParams  # noqa: E402
-from fdcore.config import default_model_path, parse_config  # noqa: E402
-from fdcore.checkpoint.fetch import fetch_smollm2  # noqa: E402
-from fdcore.checkpoint.tiny import ensure_tiny_model  # noqa: E402
-from fdcore.actors import health, topology  # noqa: E402
-from fdcore.actors.health import HealthBoard  # noqa: E402
-from fdcore.supervisor import actor_census  # noqa: E402
-from fdcore.supervisor import actor_pid as find_actor  # noqa: E402
+from fdcore import AsyncLLM, SamplingParams
+from fdcore.actors import health, topology
+from fdcore.actors.health import HealthBoard
+from fdcore.checkpoint.fetch import fetch_smollm2
+from fdcore.checkpoint.tiny import ensure_tiny_model
+from fdcore.config import default_model_path, parse_config
+from fdcore.supervisor import actor_census
+from fdcore.supervisor import actor_pid as find_actor
 
 CHILDREN = {"worker": "worker0", "scheduler": "scheduler", "cache": "cache", "engine": "engine"}  # kind: child
 
@@ -55,9 +56,12 @@ def actor_pid(client: AsyncLLM, kind: str) -> int | None:
 
 def workload(streams: int, max_tokens: int, rng: random.Random):
     prompts = [[rng.randrange(5, 4000) for _ in range(rng.randrange(16, 64))] for _ in range(streams)]
-    params = [SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True) if i % 2 else
-              SamplingParams(temperature=0.9, top_p=0.95, seed=i, max_tokens=max_tokens, ignore_eos=True)
-              for i in range(streams)]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        if i % 2
+        else SamplingParams(temperature=0.9, top_p=0.95, seed=i, max_tokens=max_tokens, ignore_eos=True)
+        for i in range(streams)
+    ]
     return prompts, params
 
 
@@ -92,7 +96,11 @@ class Clock:
         return {r for r in streams if r not in self.done and len(self.after(r, moment)) < AFTER_KILL}
 
     def longest_silence(self, moment: float, streams: set[str]) -> float | None:
-        gaps = [max(b - a for a, b in zip([moment, *times], times)) for r in streams if (times := self.after(r, moment))]
+        gaps = [
+            max(b - a for a, b in zip([moment, *times], times, strict=False))
+            for r in streams
+            if (times := self.after(r, moment))
+        ]
         return max(gaps, default=None)
 
 
@@ -127,8 +135,19 @@ async def wait_for_warm_spare(board: HealthBoard, slot: int, timeout: float = 12
     return board.spare(slot) == health.SPARE_WARM
 
 
-async def chaos(client, clock: Clock, kills: int, rng: random.Random, kinds: list[str], log: list,
-                child_ids: list[str], census: list, board: HealthBoard, wait_warm: bool, decoding: int = 0):
+async def chaos(
+    client,
+    clock: Clock,
+    kills: int,
+    rng: random.Random,
+    kinds: list[str],
+    log: list,
+    child_ids: list[str],
+    census: list,
+    board: HealthBoard,
+    wait_warm: bool,
+    decoding: int = 0,
+):
     await clock.tick.wait()
     while len(clock.arrivals) < decoding:  # (--from-decode: until that many streams have their first token)
         clock.tick.clear()
@@ -161,25 +180,46 @@ async def chaos(client, clock: Clock, kills: int, rng: random.Random, kinds: lis
 async def main_async(args) -> int:
     rng = random.Random(args.seed)
     prompts, params = workload(args.streams, args.max_tokens, rng)
-    model = ensure_tiny_model(default_model_path()) if args.model == "tiny" else \
-        fetch_smollm2() if args.model == "smollm2" else args.model
-    config = parse_config(f'[model]\npath = "{model}"\ndtype = "{args.dtype}"\nquantization = "{args.quantization}"\n'
-                          f'[supervisor]\nmax_restarts = {args.kills + 5}\nperiod = 600.0\nstrategy = "{args.strategy}"\n'
-                          f'[workers]\nshared_weights = "{args.shared_weights}"\n'
-                          f'[cache]\nshared_memory = {"true" if args.shared_kv == "on" else "false"}\n')
+    model = (
+        ensure_tiny_model(default_model_path())
+        if args.model == "tiny"
+        else fetch_smollm2()
+        if args.model == "smollm2"
+        else args.model
+    )
+    config = parse_config(
+        f'[model]\npath = "{model}"\ndtype = "{args.dtype}"\nquantization = "{args.quantization}"\n'
+        f'[supervisor]\nmax_restarts = {args.kills + 5}\nperiod = 600.0\nstrategy = "{args.strategy}"\n'
+        f'[workers]\nshared_weights = "{args.shared_weights}"\n'
+        f"[cache]\nshared_memory = {'true' if args.shared_kv == 'on' else 'false'}\n"
+    )
     async with AsyncLLM(config) as client:
         clean_started = time.monotonic()
-        clean = await asyncio.gather(*(stream(client, p, s, f"clean-{i}", None)
-                                       for i, (p, s) in enumerate(zip(prompts, params, strict=True))))
+        clean = await asyncio.gather(
+            *(stream(client, p, s, f"clean-{i}", None) for i, (p, s) in enumerate(zip(prompts, params, strict=True)))
+        )
         clean_elapsed = time.monotonic() - clean_started
         clock, log, census = Clock(), [], []
         started = time.monotonic()
         board = HealthBoard.attach(topology.health_name(client._tree.instance))
-        chaos_task = asyncio.ensure_future(chaos(client, clock, args.kills, rng, args.actors.split(","), log,
-                                                 topology.child_ids(config), census, board, args.wait_warm,
-                                                 args.streams if args.from_decode else 0))
-        crashed = await asyncio.gather(*(stream(client, p, s, f"chaos-{i}", clock)
-                                         for i, (p, s) in enumerate(zip(prompts, params, strict=True))))
+        chaos_task = asyncio.ensure_future(
+            chaos(
+                client,
+                clock,
+                args.kills,
+                rng,
+                args.actors.split(","),
+                log,
+                topology.child_ids(config),
+                census,
+                board,
+                args.wait_warm,
+                args.streams if args.from_decode else 0,
+            )
+        )
+        crashed = await asyncio.gather(
+            *(stream(client, p, s, f"chaos-{i}", clock) for i, (p, s) in enumerate(zip(prompts, params, strict=True)))
+        )
         elapsed = time.monotonic() - started
         chaos_task.cancel()
         healthy = await client.check_health()
@@ -187,29 +227,41 @@ async def main_async(args) -> int:
     identical = sum(1 for a, b in zip(clean, crashed, strict=True) if a[:2] == b[:2] and not b[2])
     for i, (a, b) in enumerate(zip(clean, crashed, strict=True)):
         if a[:2] != b[:2] or b[2]:
-            at = next((j for j, (x, y) in enumerate(zip(a[0], b[0], strict=False)) if x != y), min(len(a[0]), len(b[0])))
-            print(f"stream {i} differs ({'greedy' if i % 2 else 'seeded'}): {len(a[0])} vs {len(b[0])} tokens, "
-                  f"first difference at token {at}: {a[0][at:at + 4]} vs {b[0][at:at + 4]}; "
-                  f"text equal: {a[1] == b[1]}; error: {b[2]!r}")
+            at = next(
+                (j for j, (x, y) in enumerate(zip(a[0], b[0], strict=False)) if x != y), min(len(a[0]), len(b[0]))
+            )
+            print(
+                f"stream {i} differs ({'greedy' if i % 2 else 'seeded'}): {len(a[0])} vs {len(b[0])} tokens, "
+                f"first difference at token {at}: {a[0][at : at + 4]} vs {b[0][at : at + 4]}; "
+                f"text equal: {a[1] == b[1]}; error: {b[2]!r}"
+            )
     skipped = [k for k, p in log if p is None]
     idle = [k for k, p in log if p == "idle"]
     log = [(k, p) for k, p in log if p is not None]
-    print(f"\nchaos ({args.strategy}; {os.path.basename(model)} {args.dtype}, quantization {args.quantization}): {args.streams} streams x {args.max_tokens} tokens, {len(log)} of "
-          f"{args.kills} kills done in {elapsed:.1f} s (fault-free run: {clean_elapsed:.1f} s; seed {args.seed}); "
-          f"health after: {healthy}" + (f"\nkills skipped (no such process then): {skipped}" if skipped else "")
-          + (f"\nkills after every stream had its last token (no pause to measure): {idle}" if idle else ""))
+    print(
+        f"\nchaos ({args.strategy}; {os.path.basename(model)} {args.dtype}, quantization {args.quantization}): "
+        f"{args.streams} streams x {args.max_tokens} tokens, {len(log)} of "
+        f"{args.kills} kills done in {elapsed:.1f} s (fault-free run: {clean_elapsed:.1f} s; seed {args.seed}); "
+        f"health after: {healthy}"
+        + (f"\nkills skipped (no such process then): {skipped}" if skipped else "")
+        + (f"\nkills after every stream had its last token (no pause to measure): {idle}" if idle else "")
+    )
     print(f"identical to the fault-free run: {identical}/{args.streams}")
     wrong = [f"after kill {i + 1}: {w}" for i, w in enumerate(census) if w]
-    print(f"one process per actor after each restart: {len(census) - len(wrong)}/{len(census)}"
-          + "".join(f"\n  {w}" for w in wrong))
+    print(
+        f"one process per actor after each restart: {len(census) - len(wrong)}/{len(census)}"
+        + "".join(f"\n  {w}" for w in wrong)
+    )
     print(f"{'actor':10s} {'kills':>5s} {'pause p50 s':>12s} {'pause max s':>12s}")
     for kind in [*CHILDREN, "worker*", "all"]:
         pauses = [p for k, p in log if kind in (k, "all") and p != "idle"]
         if pauses:
             print(f"{kind:10s} {len(pauses):5d} {statistics.median(pauses):12.3f} {max(pauses):12.3f}")
     if any(k == "worker*" for k, _ in log):
-        print("worker*: a worker killed while its spare was still loading (the replacement loads; "
-              "--wait-warm spaces the kills)")
+        print(
+            "worker*: a worker killed while its spare was still loading (the replacement loads; "
+            "--wait-warm spaces the kills)"
+        )
     if len(log) < args.kills and not skipped:
         print("the streams ended before every kill was done (restarts outlasted the workload)")
     return 0 if identical == args.streams and len(log) == args.kills and not wrong else 1
@@ -226,7 +278,9 @@ def main(argv=None) -> int:
     parser.add_argument("--model", default="tiny", help="tiny (the bundled model), smollm2 (fetched once) or a path")
     parser.add_argument("--dtype", default="float32", help="model.dtype")
     parser.add_argument("--quantization", default="none", help="model.quantization")
-    parser.add_argument("--shared-weights", default="auto", choices=["auto", "on", "off"], help="workers.shared_weights")
+    parser.add_argument(
+        "--shared-weights", default="auto", choices=["auto", "on", "off"], help="workers.shared_weights"
+    )
     parser.add_argument("--shared-kv", default="on", choices=["on", "off"], help="cache.shared_memory")
     parser.add_argument("--wait-warm", action="store_true", help="before each worker kill, wait for its warm spare")
     parser.add_argument("--from-decode", action="store_true", help="the first kill once every stream has a token")

@@ -28,8 +28,12 @@ def main():
     rng = random.Random(0)  # bench_throughput.make_prompts' prompts
     prompts = [{"prompt_token_ids": [rng.randrange(3, vocab) for _ in range(a.input_len)]} for _ in range(a.prompts)]
     free = SamplingParams(max_tokens=a.output_len, ignore_eos=True, temperature=1.0, seed=0)
-    held = SamplingParams(max_tokens=a.output_len, temperature=1.0, seed=0,
-                          structured_outputs=StructuredOutputsParams(json=json.loads(a.schema)))
+    held = SamplingParams(
+        max_tokens=a.output_len,
+        temperature=1.0,
+        seed=0,
+        structured_outputs=StructuredOutputsParams(json=json.loads(a.schema)),
+    )
     llm.generate(prompts[:4], held, use_tqdm=False)
     rates = {"unconstrained": [], "constrained": []}
     for _ in range(a.repeat):

@@ -2,7 +2,7 @@
 
 __version__ = "0.1.0"
 
-from fdcore.client import LLM, AsyncLLM, CompletionOutput, EngineError, RequestOutput  # noqa: E402
-from fdcore.protocol import SamplingParams, StructuredOutputs  # noqa: E402
+from fdcore.client import LLM, AsyncLLM, CompletionOutput, EngineError, RequestOutput
+from fdcore.protocol import SamplingParams, StructuredOutputs
 
 __all__ = ["AsyncLLM", "LLM", "SamplingParams", "StructuredOutputs", "RequestOutput", "CompletionOutput", "EngineError"]

@@ -43,11 +43,18 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="fdcore", description="fdcore: an LLM serving engine core on shared memory")
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("generate", help="generate text for prompts and exit (fdcore generate --help)")
-    commands.add_parser("build-kernels", help="compile fdcore's C++ operators for this CPU (a tree's supervisor does "
-                        "it before starting, once per CPU and source version)")
+    commands.add_parser(
+        "build-kernels",
+        help="compile fdcore's C++ operators for this CPU (a tree's supervisor does "
+        "it before starting, once per CPU and source version)",
+    )
     serve = commands.add_parser("serve", help="the OpenAI-compatible HTTP server over the actor tree")
-    serve.add_argument("model", nargs="?", default=None,
-                       help="checkpoint directory, GGUF file, or smollm2 (default: --config's, else the tiny model)")
+    serve.add_argument(
+        "model",
+        nargs="?",
+        default=None,
+        help="checkpoint directory, GGUF file, or smollm2 (default: --config's, else the tiny model)",
+    )
     serve.add_argument("--config", help="a TOML configuration file; the flags override its keys")
     serve.add_argument("--host", help="address to listen on (server.host; default 127.0.0.1)")
     serve.add_argument("--port", type=int, help="port to listen on (server.port; default 8000)")
@@ -56,8 +63,9 @@ def main(argv=None) -> int:
     serve.add_argument("--max-model-len", type=int, help="scheduler.max_model_len")
     serve.add_argument("--served-model-name", help="the model's name in the API (server.model_name)")
     serve.add_argument("--api-key", help="the bearer token every request must carry (server.api_key)")
-    serve.add_argument("--reasoning-parser", help="server.reasoning_parser: deepseek_r1 or qwen3 (<think> as "
-                       "reasoning_content)")
+    serve.add_argument(
+        "--reasoning-parser", help="server.reasoning_parser: deepseek_r1 or qwen3 (<think> as reasoning_content)"
+    )
     serve.add_argument("--check", action="store_true", help="validate, print the effective configuration, exit")
     if argv[:1] == ["build-kernels"]:
         parser.parse_args(argv)
@@ -101,8 +109,10 @@ def build_kernels() -> int:
     try:
         path = kernels.build(progress)
     except kernels.KernelBuildError as exc:
-        print(f"fdcore: cannot build fdcore's C++ operators: {exc} (model.kernels = \"python\" runs without them, "
-              "slower)", file=sys.stderr)
+        print(
+            f'fdcore: cannot build fdcore\'s C++ operators: {exc} (model.kernels = "python" runs without them, slower)',
+            file=sys.stderr,
+        )
         return 1
     print(f"fdcore: operators ready ({time.monotonic() - started:.0f} s): {path}", file=sys.stderr)
     return 0

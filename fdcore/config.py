@@ -147,7 +147,7 @@ class WorkersConfig(_Section):
     shared_weights: Literal["auto", "on", "off"] = "auto"  # fdcore.models.shared_weights
 
 
-def kv_outlives_workers(config: "Config") -> bool:
+def kv_outlives_workers(config: Config) -> bool:
     """Whether each worker's KV cache lives in shared memory the supervisor holds (``cache.shared_memory``;
     the null backend has none): the supervisor then makes the files, and the scheduler keeps the prefix
     cache across a restart, its blocks' keys and values being still there."""
@@ -213,24 +213,49 @@ class Config(_Section):
     server: ServerConfig = msgspec.field(default_factory=ServerConfig)
 
 
-_SECTIONS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig, "engine": EngineConfig,
-             "workers": WorkersConfig, "supervisor": SupervisorConfig, "server": ServerConfig}
+_SECTIONS = {
+    "model": ModelConfig,
+    "cache": CacheConfig,
+    "scheduler": SchedulerConfig,
+    "engine": EngineConfig,
+    "workers": WorkersConfig,
+    "supervisor": SupervisorConfig,
+    "server": ServerConfig,
+}
 
 # (section, key, lowest allowed value) for every number that must be positive
 _MINIMA = [
-    ("cache", "block_size", 1), ("cache", "num_blocks", 1),
-    ("scheduler", "max_num_seqs", 1), ("scheduler", "max_num_batched_tokens", 1), ("scheduler", "long_prefill_tokens", 1),
-    ("scheduler", "max_model_len", 1), ("engine", "max_clients", 1),
-    ("engine", "max_pending_requests", 1), ("engine", "client_stall_timeout", 0.001),
-    ("workers", "count", 1), ("workers", "tensor_parallel_size", 1), ("workers", "omp_threads", 0),
-    ("supervisor", "max_restarts", 0), ("supervisor", "period", 0.001),
-    ("supervisor", "start_timeout", 0.001), ("supervisor", "shutdown_timeout", 0.0),
-    ("supervisor", "heartbeat_interval", 0.001), ("supervisor", "hang_timeout", 0.001),
-    ("supervisor", "ring_capacity", 4096), ("server", "port", 0),
-    ("server", "max_request_bytes", 1024), ("server", "timeout_keep_alive", 0.001),
-    ("server", "header_timeout", 0.001), ("server", "body_timeout", 0.001), ("server", "max_connections", 1),
-    ("server", "max_connections_per_peer", 1), ("server", "limit_concurrency", 0), ("server", "default_max_tokens", 0),
-    ("server", "max_response_entries", 1), ("server", "processes", 1), ("server", "drain_timeout", 0.0),
+    ("cache", "block_size", 1),
+    ("cache", "num_blocks", 1),
+    ("scheduler", "max_num_seqs", 1),
+    ("scheduler", "max_num_batched_tokens", 1),
+    ("scheduler", "long_prefill_tokens", 1),
+    ("scheduler", "max_model_len", 1),
+    ("engine", "max_clients", 1),
+    ("engine", "max_pending_requests", 1),
+    ("engine", "client_stall_timeout", 0.001),
+    ("workers", "count", 1),
+    ("workers", "tensor_parallel_size", 1),
+    ("workers", "omp_threads", 0),
+    ("supervisor", "max_restarts", 0),
+    ("supervisor", "period", 0.001),
+    ("supervisor", "start_timeout", 0.001),
+    ("supervisor", "shutdown_timeout", 0.0),
+    ("supervisor", "heartbeat_interval", 0.001),
+    ("supervisor", "hang_timeout", 0.001),
+    ("supervisor", "ring_capacity", 4096),
+    ("server", "port", 0),
+    ("server", "max_request_bytes", 1024),
+    ("server", "timeout_keep_alive", 0.001),
+    ("server", "header_timeout", 0.001),
+    ("server", "body_timeout", 0.001),
+    ("server", "max_connections", 1),
+    ("server", "max_connections_per_peer", 1),
+    ("server", "limit_concurrency", 0),
+    ("server", "default_max_tokens", 0),
+    ("server", "max_response_entries", 1),
+    ("server", "processes", 1),
+    ("server", "drain_timeout", 0.0),
 ]
 
 
@@ -323,38 +348,50 @@ def _check_ranges(config: Config, source: str) -> None:
         if value < lowest:
             raise ConfigError(f"{source}: key '{section}.{key}' is {value}, must be >= {lowest}")
     if config.workers.count != 1:
-        raise ConfigError(f"{source}: key 'workers.count' is {config.workers.count}; this version runs exactly 1 "
-                          "worker group (data-parallel groups are not built yet); for several worker processes "
-                          "on one model use workers.tensor_parallel_size")
+        raise ConfigError(
+            f"{source}: key 'workers.count' is {config.workers.count}; this version runs exactly 1 "
+            "worker group (data-parallel groups are not built yet); for several worker processes "
+            "on one model use workers.tensor_parallel_size"
+        )
     _check_compute(config.model, config.cache, source)
     w = config.workers
     if w.communicator == "paddle" and w.standby and w.tensor_parallel_size > 1:
-        raise ConfigError(f"{source}: key 'workers.standby' is true with workers.communicator = \"paddle\": a "
-                          "paddle.distributed group is joined by all its ranks at once, which warm spares cannot do; "
-                          "set workers.standby = false (or use the \"shm\" communicator)")
+        raise ConfigError(
+            f"{source}: key 'workers.standby' is true with workers.communicator = \"paddle\": a "
+            "paddle.distributed group is joined by all its ranks at once, which warm spares cannot do; "
+            'set workers.standby = false (or use the "shm" communicator)'
+        )
     if config.server.port > 65535:
         raise ConfigError(f"{source}: key 'server.port' is {config.server.port}, must be <= 65535")
     if config.server.enabled and config.server.processes >= config.engine.max_clients:
-        raise ConfigError(f"{source}: key 'server.processes' is {config.server.processes}: each takes one of the "
-                          f"engine.max_clients = {config.engine.max_clients} client slots, and others need some")
+        raise ConfigError(
+            f"{source}: key 'server.processes' is {config.server.processes}: each takes one of the "
+            f"engine.max_clients = {config.engine.max_clients} client slots, and others need some"
+        )
 
 
-def _check_compute(model: "ModelConfig", cache: "CacheConfig", source: str) -> None:
+def _check_compute(model: ModelConfig, cache: CacheConfig, source: str) -> None:
     """float32 anywhere; bfloat16 (weights or KV cache), wint8 and wint4 where the CPU has the instructions
     their kernels use (bfloat16: AVX512-BF16; wint8 and wint4: AVX2 at least)."""
     from fdcore.models.kernels import missing_cpu_feature, needed_cpu_feature
 
     if model.dtype == "float16":
-        raise ConfigError(f"{source}: key 'model.dtype' is 'float16'; the CPU model computes in float32 or "
-                          "bfloat16 (float16 checkpoints load and are widened)")
-    for key, value, instead in (("model.dtype", model.dtype, "float32"),
-                                ("model.quantization", model.quantization, "none"),
-                                ("cache.dtype", cache.dtype, "auto")):
+        raise ConfigError(
+            f"{source}: key 'model.dtype' is 'float16'; the CPU model computes in float32 or "
+            "bfloat16 (float16 checkpoints load and are widened)"
+        )
+    for key, value, instead in (
+        ("model.dtype", model.dtype, "float32"),
+        ("model.quantization", model.quantization, "none"),
+        ("cache.dtype", cache.dtype, "auto"),
+    ):
         missing = missing_cpu_feature(value)
         if missing:
-            raise ConfigError(f"{source}: key '{key}' is {value!r}, which needs a CPU with {missing} "
-                              f"({needed_cpu_feature(value)[0]} in /proc/cpuinfo); this one has none: use "
-                              f"{instead!r}")
+            raise ConfigError(
+                f"{source}: key '{key}' is {value!r}, which needs a CPU with {missing} "
+                f"({needed_cpu_feature(value)[0]} in /proc/cpuinfo); this one has none: use "
+                f"{instead!r}"
+            )
 
 
 def default_model_path() -> str:

@@ -9,6 +9,7 @@ its CPU list) and name the variable in their errors.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 
 # For users
 HOME = "FDCORE_HOME"  # fdcore's files: the bundled and fetched models, the weight files (~/.cache/fdcore)
@@ -27,11 +28,22 @@ INSTANCE_TAG = "FDCORE_INSTANCE_TAG"  # up to 4 hex digits that begin this proce
 TEST_FAULT = "FDCORE_TEST_FAULT"  # "<child id>:<behaviour>[:<n>]": one child misbehaves
 TEST_POISON = "FDCORE_TEST_POISON"  # "<actor kind>:<token id>": a token that makes that actor raise
 
-VARIABLES = (HOME, KERNEL_DIR, ISA, API_KEY, NO_KERNELS, BUILD_FOR_PID, CPUS, GROUP_MASTER, INSTANCE_TAG,
-             TEST_FAULT, TEST_POISON)
+VARIABLES = (
+    HOME,
+    KERNEL_DIR,
+    ISA,
+    API_KEY,
+    NO_KERNELS,
+    BUILD_FOR_PID,
+    CPUS,
+    GROUP_MASTER,
+    INSTANCE_TAG,
+    TEST_FAULT,
+    TEST_POISON,
+)
 
 
-def get(name: str, environ: dict[str, str] | None = None) -> str:
+def get(name: str, environ: Mapping[str, str] | None = None) -> str:
     """The variable's value ("" when unset) in ``environ`` (default: this process's environment)."""
     if name not in VARIABLES:
         raise KeyError(f"{name} is not one of fdcore's environment variables (fdcore.envs)")

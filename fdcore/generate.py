@@ -37,8 +37,12 @@ def resolve_model(model: str) -> str:
 def main(argv=None, prog: str = "python -m fdcore.generate") -> int:
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     parser.add_argument("prompts", nargs="+", help="one or more prompts, generated concurrently")
-    parser.add_argument("--model", default="", help="checkpoint directory, GGUF file, or a named model: "
-                        f"{', '.join(NAMED_MODELS)} (default: the bundled tiny model)")
+    parser.add_argument(
+        "--model",
+        default="",
+        help="checkpoint directory, GGUF file, or a named model: "
+        f"{', '.join(NAMED_MODELS)} (default: the bundled tiny model)",
+    )
     parser.add_argument("--chat", action="store_true", help="each prompt is a user message of a chat")
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--temperature", type=float, default=0.0)
@@ -54,13 +58,14 @@ def main(argv=None, prog: str = "python -m fdcore.generate") -> int:
 
     from tokenizers import Tokenizer
 
-    from fdcore.config import default_model_path
-    from fdcore.models.engine_core import EngineCore
-    from fdcore.core.kv_cache_manager import KVCacheManager
-    from fdcore.core.scheduler import Request, Scheduler, BatchLimits
-    from fdcore.models.llama import LlamaModel, PagedKVCache
     from fdcore.checkpoint import load_checkpoint
     from fdcore.checkpoint.tiny import ensure_tiny_model
+    from fdcore.config import default_model_path
+    from fdcore.core.kv_cache_manager import KVCacheManager
+    from fdcore.core.scheduler import BatchLimits, Request, Scheduler
+    from fdcore.models.engine_core import EngineCore
+    from fdcore.models.kv_cache import PagedKVCache
+    from fdcore.models.llama import LlamaModel
     from fdcore.protocol import SamplingParams
 
     path = opts.model or ensure_tiny_model(default_model_path())
@@ -68,12 +73,16 @@ def main(argv=None, prog: str = "python -m fdcore.generate") -> int:
     tokenizer = Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
     model = LlamaModel(checkpoint)
     block_size, num_blocks = 16, 1024
-    core = EngineCore(model, PagedKVCache(checkpoint.args, num_blocks, block_size),
-                      Scheduler(BatchLimits(), KVCacheManager(num_blocks, block_size)))
-    params = SamplingParams(temperature=opts.temperature, top_p=opts.top_p, seed=opts.seed,
-                            max_tokens=opts.max_tokens)
-    requests = [Request(f"req-{i}", tokenizer.encode(p).ids, params, checkpoint.eos_token_ids)
-                for i, p in enumerate(opts.prompts)]
+    core = EngineCore(
+        model,
+        PagedKVCache(checkpoint.args, num_blocks, block_size),
+        Scheduler(BatchLimits(), KVCacheManager(num_blocks, block_size)),
+    )
+    params = SamplingParams(temperature=opts.temperature, top_p=opts.top_p, seed=opts.seed, max_tokens=opts.max_tokens)
+    requests = [
+        Request(f"req-{i}", tokenizer.encode(p).ids, params, checkpoint.eos_token_ids)
+        for i, p in enumerate(opts.prompts)
+    ]
     for request in requests:
         core.add(request)
     start = time.perf_counter()
@@ -83,8 +92,7 @@ def main(argv=None, prog: str = "python -m fdcore.generate") -> int:
         text = tokenizer.decode(request.output_token_ids)
         print(f"{prompt!r} -> {text!r}  [{len(request.output_token_ids)} tokens, {request.finish_reason}]")
     produced = sum(len(r.output_token_ids) for r in requests)
-    print(f"{produced} tokens in {elapsed:.2f} s ({produced / elapsed:.0f} tokens/s) from {path}",
-          file=sys.stderr)
+    print(f"{produced} tokens in {elapsed:.2f} s ({produced / elapsed:.0f} tokens/s) from {path}", file=sys.stderr)
     return 0
 
 
@@ -93,8 +101,7 @@ def _through_the_tree(opts) -> int:
     from fdcore.config import parse_config
 
     config = parse_config(f"[model]\npath = {opts.model!r}\n".replace("'", '"'))
-    params = SamplingParams(temperature=opts.temperature, top_p=opts.top_p, seed=opts.seed,
-                            max_tokens=opts.max_tokens)
+    params = SamplingParams(temperature=opts.temperature, top_p=opts.top_p, seed=opts.seed, max_tokens=opts.max_tokens)
     with LLM(config) as llm:
         start = time.perf_counter()
         if opts.chat:
@@ -109,8 +116,11 @@ def _through_the_tree(opts) -> int:
         c = out.outputs
         print(f"{prompt!r} -> {c.text!r}  [{len(c.token_ids)} tokens, {c.finish_reason}]")
     produced = sum(len(o.outputs.token_ids) for o in outputs)
-    print(f"{produced} tokens in {elapsed:.2f} s ({produced / elapsed:.0f} tokens/s) through the actor tree "
-          f"({llm.instance})", file=sys.stderr)
+    print(
+        f"{produced} tokens in {elapsed:.2f} s ({produced / elapsed:.0f} tokens/s) through the actor tree "
+        f"({llm.instance})",
+        file=sys.stderr,
+    )
     return 0 if all(o.error_code == 0 for o in outputs) else 1
 
 

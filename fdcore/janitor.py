@@ -25,8 +25,12 @@ def start(instance: str) -> tuple[subprocess.Popen, int]:
     (close-on-exec: no child of the caller keeps it) until it has removed the instance itself."""
     read_fd, write_fd = os.pipe()
     try:
-        proc = subprocess.Popen([sys.executable, "-m", "fdcore.janitor", instance, str(read_fd)],
-                                pass_fds=(read_fd,), start_new_session=True, stdin=subprocess.DEVNULL)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "fdcore.janitor", instance, str(read_fd)],
+            pass_fds=(read_fd,),
+            start_new_session=True,
+            stdin=subprocess.DEVNULL,
+        )
     except BaseException:
         os.close(write_fd)
         raise

@@ -97,21 +97,31 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, om
     structured_outputs: StructuredOutputs | None = None  # the output must match this (JSON schema, regex...)
     prompt_logprobs: int | None = None  # each prompt token's logprob (after the first), and the top-N there
 
-    def with_defaults(self, defaults: dict | None = None) -> "SamplingParams":
+    def with_defaults(self, defaults: dict | None = None) -> SamplingParams:
         """Every unset field filled: from ``defaults`` (the model's) where it has one, else neutral."""
-        if None not in (self.temperature, self.top_p, self.top_k, self.min_p, self.repetition_penalty,
-                        self.max_tokens):
+        if None not in (self.temperature, self.top_p, self.top_k, self.min_p, self.repetition_penalty, self.max_tokens):
             return self  # the common case on the hot path: already filled
         defaults = defaults or {}
-        return msgspec.structs.replace(self, **{name: defaults.get(name, neutral)
-                                                for name, neutral in SAMPLING_DEFAULTS.items()
-                                                if getattr(self, name) is None})
+        return msgspec.structs.replace(
+            self,
+            **{
+                name: defaults.get(name, neutral)
+                for name, neutral in SAMPLING_DEFAULTS.items()
+                if getattr(self, name) is None
+            },
+        )
 
 
 # What an unset field means when the model has no default for it (vLLM's and OpenAI's values;
 # max_tokens as vLLM's SamplingParams).
-SAMPLING_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0,
-                     "max_tokens": 16}
+SAMPLING_DEFAULTS = {
+    "temperature": 1.0,
+    "top_p": 1.0,
+    "top_k": 0,
+    "min_p": 0.0,
+    "repetition_penalty": 1.0,
+    "max_tokens": 16,
+}
 
 
 # ------------------------------------------------------------ client <-> engine
@@ -129,7 +139,7 @@ class Welcome(Message):
     vocab_size: int
     max_model_len: int
     model: str
-    engine_pid: int = 0   # a client watches it: when it dies, the client re-submits to the next engine
+    engine_pid: int = 0  # a client watches it: when it dies, the client re-submits to the next engine
     sampling_defaults: dict[str, int | float] = {}  # what the engine fills unset sampling fields with
 
 
@@ -143,8 +153,8 @@ class AddRequest(Message):
     body: msgspec.Raw
     arrival_time: float
     resume_token_ids: list[int] = []  # tokens the client already received (engine restart)
-    resume_text_chars: int = 0        # characters of text the client already received
-    tenant: str = ""                  # whom it is for, within the client (the HTTP server: the peer)
+    resume_text_chars: int = 0  # characters of text the client already received
+    tenant: str = ""  # whom it is for, within the client (the HTTP server: the peer)
 
 
 class AbortRequest(Message):
@@ -368,11 +378,11 @@ class ServingStats(Message):
     nonce: int
     running: int = 0
     waiting: int = 0
-    requests: int = 0          # requests the engine is tracking
+    requests: int = 0  # requests the engine is tracking
     steps: int = 0
     preemptions: int = 0
     cache: CacheStats = CacheStats()
-    client: int = -1           # who asked (the engine answers that client)
+    client: int = -1  # who asked (the engine answers that client)
     disconnected_clients: int = 0  # clients the engine cut off (bad records, stopped reading)
 
 
@@ -387,8 +397,8 @@ class NewSeq(msgspec.Struct, array_like=True, gc=False):
 
 class StepItem(msgspec.Struct, array_like=True, gc=False):
     seq: int
-    start: int               # position of the first token computed
-    num_tokens: int          # tokens computed this step
+    start: int  # position of the first token computed
+    num_tokens: int  # tokens computed this step
     blocks: list[int] | None = None  # the full block table when it changed, else None
 
 
@@ -425,7 +435,8 @@ SupervisorToEngine = Stop | Ping | Restarted
 SchedulerToEngine = SeqTokens | ServingStats | Suspects
 ClientToEngine = Hello | AddRequest | AbortRequest | StatsQuery
 EngineMessage = SupervisorToEngine | SchedulerToEngine | ClientToEngine
-SchedulerMessage = (Stop | Ping | Resync | AddSeq | FinishSeq | StatsQuery | StepResult | CacheReply | GrowReply
-                    | Suspects)
+SchedulerMessage = (
+    Stop | Ping | Resync | AddSeq | FinishSeq | StatsQuery | StepResult | CacheReply | GrowReply | Suspects
+)
 CacheMessage = Stop | Ping | Allocate | Grow | GrowMany | Free | Computed | CacheStatsQuery | CacheReset
 WorkerMessage = Stop | Ping | WorkerSync | Step

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import collections
 import time
-from typing import Callable, Literal
+from collections.abc import Callable, Collection, Sequence
+from typing import Literal
 
 import msgspec
 
@@ -44,19 +45,24 @@ def to_restart(strategy: Strategy, order: list[str], failed: str) -> list[str]:
     if strategy == "one_for_all":
         return list(order)
     if strategy == "rest_for_one":
-        return order[order.index(failed):]
+        return order[order.index(failed) :]
     raise ValueError(f"unknown strategy {strategy!r}")
 
 
 class RestartPlan(msgspec.Struct, frozen=True):
     """What one failure makes the supervisor do, in this order."""
 
-    stop: list[str]   # running siblings to stop for the restart, in reverse start order
+    stop: list[str]  # running siblings to stop for the restart, in reverse start order
     start: list[str]  # children to start again, in start order (the failed one among them)
 
 
-def plan_restart(strategy: Strategy, order: list[str], failed: str, running,
-                 groups: list[list[str]] = ()) -> RestartPlan:
+def plan_restart(
+    strategy: Strategy,
+    order: list[str],
+    failed: str,
+    running: Collection[str],
+    groups: Sequence[Sequence[str]] = (),
+) -> RestartPlan:
     """The restart of ``failed`` (no longer running) under ``strategy``: as OTP, siblings the
     strategy takes along are stopped in reverse start order, then everything is started again in
     start order. ``order`` is the start order of the children that may be restarted. A child of one
@@ -106,8 +112,13 @@ class Backoff:
     failure, doubling with each failure that follows within ``reset_after`` seconds of the previous
     one, at most ``cap``. A respawn loop then costs a few processes a minute, not twenty a second."""
 
-    def __init__(self, base: float = 0.1, cap: float = 30.0, reset_after: float = 60.0,
-                 clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        base: float = 0.1,
+        cap: float = 30.0,
+        reset_after: float = 60.0,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         if not 0 < base <= cap:
             raise ValueError(f"backoff needs 0 < base ({base}) <= cap ({cap})")
         self.base, self.cap, self.reset_after, self.clock = base, cap, reset_after, clock
@@ -121,7 +132,7 @@ class Backoff:
             self.failures = 0
         self.failures += 1
         self._last_failure = now
-        delay = min(self.cap, self.base * 2 ** (self.failures - 1))
+        delay = float(min(self.cap, self.base * 2 ** (self.failures - 1)))
         self._not_before = now + delay
         return delay
 

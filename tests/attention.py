@@ -15,7 +15,7 @@ def attend(heads: int, kv_heads: int, dim: int, block: int, window: int, lengths
     row -> (sequence, position) map)."""
     import paddle
 
-    from fdcore.models.llama import PagedKVCache
+    from fdcore.models.kv_cache import PagedKVCache
 
     rng = np.random.default_rng(seed)
     total = sum(lengths)
@@ -23,7 +23,7 @@ def attend(heads: int, kv_heads: int, dim: int, block: int, window: int, lengths
     order = rng.permutation(sum(blocks_each))  # scattered block ids
     tables, start = [], 0
     for count in blocks_each:
-        tables.append(order[start:start + count].tolist())
+        tables.append(order[start : start + count].tolist())
         start += count
     width = max(blocks_each)
     args = types.SimpleNamespace(num_kv_heads=kv_heads, head_dim=dim, num_layers=1)
@@ -36,17 +36,32 @@ def attend(heads: int, kv_heads: int, dim: int, block: int, window: int, lengths
             slots.append(tables[seq][pos // block] * block + pos % block)
             table_rows.append(tables[seq] + [0] * (width - len(tables[seq])))
             row_lengths.append(pos + 1)
-    scale = dim ** -0.5
+    scale = dim**-0.5
     k_cache, v_cache = cache.tensors(0)
-    out = operators().attention_block(paddle.to_tensor(qkv), paddle.ones([total, dim // 2]), paddle.zeros([total, dim // 2]),
-                         paddle.to_tensor(np.array(slots, dtype=np.int64)), k_cache, v_cache,
-                         paddle.to_tensor(np.array(table_rows, dtype=np.int64)),
-                         paddle.to_tensor(np.array(row_lengths, dtype=np.int64)),
-                         paddle.empty([0], dtype="float32"), paddle.empty([0], dtype="float32"),
-                         heads, scale, window, 1e-6).numpy().reshape(total, heads, dim)
+    out = (
+        operators()
+        .attention_block(
+            paddle.to_tensor(qkv),
+            paddle.ones([total, dim // 2]),
+            paddle.zeros([total, dim // 2]),
+            paddle.to_tensor(np.array(slots, dtype=np.int64)),
+            k_cache,
+            v_cache,
+            paddle.to_tensor(np.array(table_rows, dtype=np.int64)),
+            paddle.to_tensor(np.array(row_lengths, dtype=np.int64)),
+            paddle.empty([0], dtype="float32"),
+            paddle.empty([0], dtype="float32"),
+            heads,
+            scale,
+            window,
+            1e-6,
+        )
+        .numpy()
+        .reshape(total, heads, dim)
+    )
     split = qkv.reshape(total, heads + 2 * kv_heads, dim)
     q = split[:, :heads] * np.float32(scale)
-    return out, q, split[:, heads:heads + kv_heads], split[:, heads + kv_heads:], rows
+    return out, q, split[:, heads : heads + kv_heads], split[:, heads + kv_heads :], rows
 
 
 def reference(q, k, v, rows, heads: int, kv_heads: int, window: int, rounded=None) -> np.ndarray:
@@ -57,7 +72,7 @@ def reference(q, k, v, rows, heads: int, kv_heads: int, window: int, rounded=Non
     q, k, v = rounded(q), rounded(k), rounded(v)
     out = np.zeros(q.shape)
     first_row = {}
-    for t, (seq, pos) in enumerate(rows):
+    for t, (seq, _pos) in enumerate(rows):
         first_row.setdefault(seq, t)
     for t, (seq, pos) in enumerate(rows):
         begin = max(0, pos + 1 - window) if window else 0

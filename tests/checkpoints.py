@@ -23,37 +23,77 @@ import numpy as np
 from fdcore.checkpoint import tiny
 
 BASE = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 128,
-    "intermediate_size": 256, "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2,
-    "head_dim": 32, "vocab_size": 4096, "max_position_embeddings": 2048, "rms_norm_eps": 1e-5,
-    "rope_theta": 10000.0, "hidden_act": "silu", "tie_word_embeddings": False, "bos_token_id": 1,
-    "eos_token_id": 2, "transformers_version": "5.24.0",
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "vocab_size": 4096,
+    "max_position_embeddings": 2048,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "hidden_act": "silu",
+    "tie_word_embeddings": False,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "transformers_version": "5.24.0",
 }
-LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-               "high_freq_factor": 4.0, "original_max_position_embeddings": 128}
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 500000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 128,
+}
 QWEN2 = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2"}
 QWEN3 = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3"}
 MISTRAL = {"architectures": ["MistralForCausalLM"], "model_type": "mistral"}
 
 # name: (config changes (None removes a key), dtype, shards)
 VARIANTS: dict[str, tuple[dict, str, int]] = {
-    "llama-rope-parameters-bf16": ({"rope_theta": None, "rope_parameters": {"rope_type": "default",
-                                                                           "rope_theta": 100000.0}},
-                                   "bfloat16", 1),
+    "llama-rope-parameters-bf16": (
+        {"rope_theta": None, "rope_parameters": {"rope_type": "default", "rope_theta": 100000.0}},
+        "bfloat16",
+        1,
+    ),
     "llama-float16": ({"rope_theta": 500000.0}, "float16", 1),
     "llama-attention-and-mlp-bias": ({"attention_bias": True, "mlp_bias": True}, "float32", 1),
-    "llama3-scaling": ({"rope_theta": None, "max_position_embeddings": 1024, "rope_parameters": LLAMA3_ROPE},
-                       "bfloat16", 1),
-    "yarn-scaling": ({**QWEN2, "head_dim": None, "max_position_embeddings": 512, "tie_word_embeddings": True,
-                      "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128}},
-                     "float32", 1),
-    "linear-scaling": ({"max_position_embeddings": 256, "rope_scaling": {"type": "linear", "factor": 2.0}},
-                       "float32", 1),
-    "dynamic-scaling": ({"max_position_embeddings": 128, "rope_scaling": {"rope_type": "dynamic", "factor": 2.0}},
-                        "float32", 1),
+    "llama3-scaling": (
+        {"rope_theta": None, "max_position_embeddings": 1024, "rope_parameters": LLAMA3_ROPE},
+        "bfloat16",
+        1,
+    ),
+    "yarn-scaling": (
+        {
+            **QWEN2,
+            "head_dim": None,
+            "max_position_embeddings": 512,
+            "tie_word_embeddings": True,
+            "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128},
+        },
+        "float32",
+        1,
+    ),
+    "linear-scaling": (
+        {"max_position_embeddings": 256, "rope_scaling": {"type": "linear", "factor": 2.0}},
+        "float32",
+        1,
+    ),
+    "dynamic-scaling": (
+        {"max_position_embeddings": 128, "rope_scaling": {"rope_type": "dynamic", "factor": 2.0}},
+        "float32",
+        1,
+    ),
     "mistral-sliding-window": ({**MISTRAL, "sliding_window": 48}, "bfloat16", 1),
-    "qwen2-sliding-window": ({**QWEN2, "head_dim": None, "use_sliding_window": True, "sliding_window": 48,
-                              "max_window_layers": 1}, "float32", 1),
+    "qwen2-sliding-window": (
+        {**QWEN2, "head_dim": None, "use_sliding_window": True, "sliding_window": 48, "max_window_layers": 1},
+        "float32",
+        1,
+    ),
     "qwen3": ({**QWEN3, "head_dim": 48, "attention_bias": True}, "bfloat16", 1),
     "llama-sharded-bf16": ({}, "bfloat16", 3),
 }
@@ -84,11 +124,15 @@ def weights(config: dict, seed: int) -> dict[str, np.ndarray]:
     t = {"model.embed_tokens.weight": normal(c["vocab_size"], hidden, std=0.05 if tied else 1.0)}
     for i in range(c["num_hidden_layers"]):
         p = f"model.layers.{i}."
-        for name, out, inp in (("q", q_out, hidden), ("k", kv_out, hidden), ("v", kv_out, hidden),
-                               ("o", hidden, q_out)):
-            t[p + f"self_attn.{name}_proj.weight"] = normal(out, inp, std=inp ** -0.5)
+        for name, out, inp in (
+            ("q", q_out, hidden),
+            ("k", kv_out, hidden),
+            ("v", kv_out, hidden),
+            ("o", hidden, q_out),
+        ):
+            t[p + f"self_attn.{name}_proj.weight"] = normal(out, inp, std=inp**-0.5)
         for name, out, inp in (("gate", inter, hidden), ("up", inter, hidden), ("down", hidden, inter)):
-            t[p + f"mlp.{name}_proj.weight"] = normal(out, inp, std=inp ** -0.5)
+            t[p + f"mlp.{name}_proj.weight"] = normal(out, inp, std=inp**-0.5)
         t[p + "input_layernorm.weight"] = norm(hidden)
         t[p + "post_attention_layernorm.weight"] = norm(hidden)
         qkv_bias = c["model_type"] == "qwen2" or c.get("attention_bias")
@@ -105,7 +149,7 @@ def weights(config: dict, seed: int) -> dict[str, np.ndarray]:
             t[p + "self_attn.k_norm.weight"] = norm(head_dim)
     t["model.norm.weight"] = norm(hidden)
     if not tied:
-        t["lm_head.weight"] = normal(c["vocab_size"], hidden, std=hidden ** -0.5)
+        t["lm_head.weight"] = normal(c["vocab_size"], hidden, std=hidden**-0.5)
     return t
 
 

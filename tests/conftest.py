@@ -88,9 +88,14 @@ def on_threads(tmp_path):
     def run(script: str, arrays: dict, threads: int = 2, env: dict | None = None) -> dict:
         inputs, outputs = tmp_path / "threads-in.npz", tmp_path / "threads-out.npz"
         np.savez(inputs, **arrays)
-        done = subprocess.run([sys.executable, "-c", script, str(inputs), str(outputs)],
-                              env={**os.environ, "OMP_NUM_THREADS": str(threads), **(env or {})},
-                              capture_output=True, text=True, timeout=600, check=False)
+        done = subprocess.run(
+            [sys.executable, "-c", script, str(inputs), str(outputs)],
+            env={**os.environ, "OMP_NUM_THREADS": str(threads), **(env or {})},
+            capture_output=True,
+            text=True,
+            timeout=600,
+            check=False,
+        )
         assert done.returncode == 0, done.stderr[-2000:]
         return dict(np.load(outputs))
 
@@ -101,7 +106,7 @@ def on_threads(tmp_path):
 def bf16_path(request):
     """Each bfloat16 path this CPU has (the products, and attention over a bfloat16 cache): AMX tiles (where it has
     AMX-BF16) and AVX512-BF16."""
-    from fdcore.models.kernels import bf16_tiles, operators, kernel_path, set_bf16_tiles
+    from fdcore.models.kernels import bf16_tiles, kernel_path, operators, set_bf16_tiles
 
     if kernel_path("bfloat16") is None or operators() is None:
         pytest.skip("bfloat16 compute is refused on CPUs without AVX512-BF16")

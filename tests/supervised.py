@@ -14,9 +14,9 @@ import time
 
 import psutil
 
+from fdcore.checkpoint import tiny
 from fdcore.config import parse_config
 from fdcore.ipc import names
-from fdcore.checkpoint import tiny
 
 EVENT = re.compile(r"^fdcore\.supervisor: event=(\w+)(.*)$")
 FIELD = re.compile(r'(\w+)=("(?:[^"\\]|\\.)*"|\S+)')
@@ -44,8 +44,13 @@ class Tree:
         """``env``: variables over ours (None: unset)."""
         self.proc = subprocess.Popen(
             command or [sys.executable, "-m", "fdcore.supervisor", "--config", config_path],
-            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, cwd=ROOT,
-            start_new_session=True, env={k: v for k, v in {**os.environ, **(env or {})}.items() if v is not None})
+            stderr=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            text=True,
+            cwd=ROOT,
+            start_new_session=True,
+            env={k: v for k, v in {**os.environ, **(env or {})}.items() if v is not None},
+        )
         self.events: queue.Queue = queue.Queue()
         self.log: list[str] = []
         self.pids: dict[str, int] = {}
@@ -117,11 +122,17 @@ class Tree:
         self.proc.wait(10)
         psutil.wait_procs([p for p in procs if p.is_running()], timeout=5)
         if killed_supervisor:  # (before "ready" the instance is known only by the supervisor's pid in its name)
-            instances = {self.instance} if self.instance else {
-                e.instance_id for e in names.list_entries() if e.instance_id.endswith(f".{self.proc.pid}")}
+            instances = (
+                {self.instance}
+                if self.instance
+                else {e.instance_id for e in names.list_entries() if e.instance_id.endswith(f".{self.proc.pid}")}
+            )
             for instance in instances:
                 names.unlink_instance(instance)
 
     def alive_children(self) -> list[int]:
-        return [pid for pid in self.seen_pids if psutil.pid_exists(pid)
-                and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
+        return [
+            pid
+            for pid in self.seen_pids
+            if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        ]

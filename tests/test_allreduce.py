@@ -63,9 +63,16 @@ def segment():
 
 
 def run_ranks(name: str, world: int, rounds: int) -> list[str]:
-    procs = [subprocess.Popen([sys.executable, "-c", RANK, name, str(rank), str(world), str(rounds)],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-             for rank in range(world)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", RANK, name, str(rank), str(world), str(rounds)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+        for rank in range(world)
+    ]
     try:
         outs = [proc.communicate(timeout=120) for proc in procs]
     finally:
@@ -73,7 +80,7 @@ def run_ranks(name: str, world: int, rounds: int) -> list[str]:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-    for proc, (out, err) in zip(procs, outs, strict=True):
+    for proc, (_out, err) in zip(procs, outs, strict=True):
         assert proc.returncode == 0, err[-2000:]
     return [out.strip() for out, _ in outs]
 

@@ -35,8 +35,10 @@ def two_apis(tmp_path_factory):
     model = tiny.make_tiny_model(str(root / "tiny"))
     port = _free_port()
     config = root / "tree.toml"
-    config.write_text(f'[model]\npath = "{model}"\n[server]\nenabled = true\nport = {port}\nprocesses = 2\n'
-                      '[supervisor]\nmax_restarts = 20\n')
+    config.write_text(
+        f'[model]\npath = "{model}"\n[server]\nenabled = true\nport = {port}\nprocesses = 2\n'
+        "[supervisor]\nmax_restarts = 20\n"
+    )
     tree = Tree(str(config))
     try:
         tree.wait("ready", timeout=120)
@@ -56,8 +58,10 @@ def _stream(base: str, i: int, out: dict, started: threading.Barrier | None = No
     """One streamed completion on a connection of its own: (text, whether [DONE] came, the error if any)."""
     text, done, error = "", False, None
     try:
-        with httpx.Client(timeout=60) as http, http.stream(
-                "POST", f"{base}/v1/completions", json={**BODY, "prompt": [5 + i, 6, 7, 8]}) as response:
+        with (
+            httpx.Client(timeout=60) as http,
+            http.stream("POST", f"{base}/v1/completions", json={**BODY, "prompt": [5 + i, 6, 7, 8]}) as response,
+        ):
             for line in response.iter_lines():
                 if line == "data: [DONE]":
                     done = True
@@ -102,8 +106,9 @@ def test_a_killed_api_process_loses_only_its_own_connections(two_apis):
         # listener in between is reset, whatever the server does, unless net.ipv4.tcp_migrate_req = 1)
         select.select([pidfd], [], [], 10)
         os.close(pidfd)
-        reply = httpx.post(f"{base}/v1/completions", json={**BODY, "stream": False, "prompt": "hi", "max_tokens": 2},
-                           timeout=30)
+        reply = httpx.post(
+            f"{base}/v1/completions", json={**BODY, "stream": False, "prompt": "hi", "max_tokens": 2}, timeout=30
+        )
         assert reply.status_code == 200
         served_at.append(time.monotonic() - killed)
 

@@ -11,14 +11,20 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def test_bench_ipc_quick_prints_a_table_with_ratios():
     out = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "benchmarks", "bench_ipc.py"), "--quick",
-         "--only", "fdcore", "mp.Pipe"],
-        capture_output=True, text=True, timeout=240, check=True).stdout
+        [sys.executable, os.path.join(ROOT, "benchmarks", "bench_ipc.py"), "--quick", "--only", "fdcore", "mp.Pipe"],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=True,
+    ).stdout
     lines = out.splitlines()
     header = next(line for line in lines if line.startswith("workload"))
     assert "fdcore" in header and "mp.Pipe" in header and "vs best peer" in header
-    rows = {line.split()[0]: line.split() for line in lines if line.split() and line.split()[0] in
-            ("small", "batch64", "4KiB", "1MiB", "rtt", "idle")}
+    rows = {
+        line.split()[0]: line.split()
+        for line in lines
+        if line.split() and line.split()[0] in ("small", "batch64", "4KiB", "1MiB", "rtt", "idle")
+    }
     assert set(rows) == {"small", "batch64", "4KiB", "1MiB", "rtt", "idle"}
     for row in rows.values():
         assert row[-1].endswith("x") and float(row[-1][:-1]) > 0
@@ -34,8 +40,11 @@ def test_the_best_peer_ignores_a_failed_cell_wherever_it_stands():
     kinds = [kind for kind, _, _ in bench_ipc.WORKLOADS]
     ratios = set()
     for peers in ([nan, 2.0], [2.0, nan]):
-        table = {"fdcore": dict.fromkeys(kinds, 4.0), "a": dict.fromkeys(kinds, peers[0]),
-                 "b": dict.fromkeys(kinds, peers[1])}
+        table = {
+            "fdcore": dict.fromkeys(kinds, 4.0),
+            "a": dict.fromkeys(kinds, peers[0]),
+            "b": dict.fromkeys(kinds, peers[1]),
+        }
         small = next(line for line in bench_ipc.render(table, args).splitlines() if line.startswith("small "))
         ratios.add(small.split()[-1])
     assert ratios == {"2.00x"}

@@ -23,10 +23,12 @@ class Group:
 
     def __init__(self, readers: int, capacity: int):
         instance = names.new_instance_id()
-        self.bells = [Doorbell.standalone(names.object_name(instance, f"worker{i}"), create=True)
-                      for i in range(readers)]
-        self.ring = BroadcastRing.create([bell.name for bell in self.bells], capacity,
-                                         name=names.object_name(instance, "steps"))
+        self.bells = [
+            Doorbell.standalone(names.object_name(instance, f"worker{i}"), create=True) for i in range(readers)
+        ]
+        self.ring = BroadcastRing.create(
+            [bell.name for bell in self.bells], capacity, name=names.object_name(instance, "steps")
+        )
 
     def reader(self, i: int) -> BroadcastRing:
         return BroadcastRing.attach(self.ring.name, reader=i)
@@ -98,9 +100,15 @@ def test_the_slowest_reader_bounds_the_producers_room(group3):
 
 
 @settings(max_examples=100, deadline=None)
-@given(ops=st.lists(st.one_of(st.integers(min_value=0, max_value=300),
-                              st.tuples(st.sampled_from([0, 1]), st.sampled_from(["get", "drain"]))),
-                    max_size=150))
+@given(
+    ops=st.lists(
+        st.one_of(
+            st.integers(min_value=0, max_value=300),
+            st.tuples(st.sampled_from([0, 1]), st.sampled_from(["get", "drain"])),
+        ),
+        max_size=150,
+    )
+)
 def test_framing_and_wrap_around_match_a_fifo_model_per_reader(ops):
     group = Group(2, 512)
     readers = [group.reader(0), group.reader(1)]
@@ -177,8 +185,9 @@ def _read(ring_name: str, reader: int, count: int, report_name: str, die_after: 
 
 def _reports(readers: int) -> Inbox:
     """Where reader processes report what they got: one link each (a ring has one producer)."""
-    return Inbox.create(names.object_name(names.new_instance_id(), "reports"),
-                        [f"r{i}" for i in range(readers)], capacity=1 << 20)
+    return Inbox.create(
+        names.object_name(names.new_instance_id(), "reports"), [f"r{i}" for i in range(readers)], capacity=1 << 20
+    )
 
 
 def _produce(ring_name: str, count: int, size: int):
@@ -262,8 +271,7 @@ def test_one_publish_wakes_every_sleeping_reader_through_its_inbox_doorbell(spaw
     monkeypatch.setattr(doorbell, "MAX_NAP", 30.0)
     instance = names.new_instance_id()
     inboxes = [Inbox.create(names.object_name(instance, f"worker{i}"), ["supervisor"]) for i in range(2)]
-    ring = BroadcastRing.create([inbox.name for inbox in inboxes], 4096,
-                                name=names.object_name(instance, "steps"))
+    ring = BroadcastRing.create([inbox.name for inbox in inboxes], 4096, name=names.object_name(instance, "steps"))
     try:
         with _reports(2) as report:
             for i, inbox in enumerate(inboxes):
@@ -290,8 +298,10 @@ def test_an_inbox_takes_a_reader_beside_its_own_links(group3):
         supervisor.put_nowait(b"from the supervisor")
         supervisor.close()
         group3.ring.put_nowait(b"a step")
-        assert sorted(inbox.get_many_by_link_nowait()) == [("scheduler", b"a step"),
-                                                           ("supervisor", b"from the supervisor")]
+        assert sorted(inbox.get_many_by_link_nowait()) == [
+            ("scheduler", b"a step"),
+            ("supervisor", b"from the supervisor"),
+        ]
         inbox.remove_link("scheduler")  # the ring is not the inbox's: it stays
         assert os.path.exists("/dev/shm" + group3.ring.name)
     finally:

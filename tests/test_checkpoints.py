@@ -16,8 +16,8 @@ import os
 import numpy as np
 import pytest
 
-from fdcore.models.llama import LlamaModel
 from fdcore.checkpoint import CheckpointError, load_checkpoint
+from fdcore.models.llama import LlamaModel
 from tests.checkpoints import VARIANTS, make_checkpoint
 from tests.test_model import run_greedy
 
@@ -35,9 +35,10 @@ def transformers_checkpoint(path: str, name: str) -> str:
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("variants")
-    return {name: LlamaModel(load_checkpoint(transformers_checkpoint(str(root / name), name),
-                                             progress=lambda *_: None))
-            for name in VARIANTS}
+    return {
+        name: LlamaModel(load_checkpoint(transformers_checkpoint(str(root / name), name), progress=lambda *_: None))
+        for name in VARIANTS
+    }
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))
@@ -80,8 +81,12 @@ def test_exporters_notes_pass_and_a_layout_they_ask_for_does_not():
     from fdcore.checkpoint import ModelArgs
     from tests.checkpoints import config_of
 
-    config = {**config_of("llama-float16"), "is_llama_config": True, "rope_interleaved": False,
-              "transformers.js_config": {"kv_cache_dtype": {"q4f16": "float16"}}}
+    config = {
+        **config_of("llama-float16"),
+        "is_llama_config": True,
+        "rope_interleaved": False,
+        "transformers.js_config": {"kv_cache_dtype": {"q4f16": "float16"}},
+    }
     assert ModelArgs.from_config(config, "c") == ModelArgs.from_config(config_of("llama-float16"), "c")
     with pytest.raises(CheckpointError, match="key 'rope_interleaved' = True is not implemented"):
         ModelArgs.from_config({**config, "rope_interleaved": True}, "c")
@@ -109,17 +114,25 @@ def _edit_config(path: str, **changes) -> None:
     json.dump(config, open(file, "w"))
 
 
-@pytest.mark.parametrize("changes, message", [
-    ({"rope_scaling": {"rope_type": "longrope", "factor": 2.0}}, r"'rope_scaling.rope_type' = 'longrope' is not implemented"),
-    ({"rope_parameters": {"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0, "extra_knob": 3}},
-     r"'rope_parameters.extra_knob' = 3 is not implemented for rope_type 'linear'"),
-    ({"rope_scaling": {"type": "llama3", "factor": 8.0}}, r"'rope_scaling.low_freq_factor' is required"),
-    ({"partial_rotary_factor": 0.5}, r"'partial_rotary_factor' = 0.5 is not implemented"),
-    ({"hidden_act": "gelu"}, r"'hidden_act' = 'gelu' is not implemented"),
-    ({"sliding_window": 64}, r"key 'sliding_window' = 64 is not implemented by fdcore for llama"),
-    ({"quantization_config": {"quant_method": "awq"}}, r"key 'quantization_config' = .* is not implemented"),
-    ({"attention_bias": "yes"}, r"'attention_bias' = 'yes' must be true or false"),
-])
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        (
+            {"rope_scaling": {"rope_type": "longrope", "factor": 2.0}},
+            r"'rope_scaling.rope_type' = 'longrope' is not implemented",
+        ),
+        (
+            {"rope_parameters": {"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0, "extra_knob": 3}},
+            r"'rope_parameters.extra_knob' = 3 is not implemented for rope_type 'linear'",
+        ),
+        ({"rope_scaling": {"type": "llama3", "factor": 8.0}}, r"'rope_scaling.low_freq_factor' is required"),
+        ({"partial_rotary_factor": 0.5}, r"'partial_rotary_factor' = 0.5 is not implemented"),
+        ({"hidden_act": "gelu"}, r"'hidden_act' = 'gelu' is not implemented"),
+        ({"sliding_window": 64}, r"key 'sliding_window' = 64 is not implemented by fdcore for llama"),
+        ({"quantization_config": {"quant_method": "awq"}}, r"key 'quantization_config' = .* is not implemented"),
+        ({"attention_bias": "yes"}, r"'attention_bias' = 'yes' must be true or false"),
+    ],
+)
 def test_an_unimplemented_setting_is_named_with_its_file(tmp_path, changes, message):
     path = make_checkpoint(str(tmp_path / "m"), "llama-float16")
     _edit_config(path, **changes)
@@ -160,7 +173,7 @@ def test_bfloat16_is_widened_exactly(tmp_path):
     from tests.checkpoints import config_of, weights
 
     original = weights(config_of("llama-rope-parameters-bf16"), 7)["model.layers.0.self_attn.q_proj.weight"]
-    np.testing.assert_allclose(loaded, original, rtol=2 ** -8)
+    np.testing.assert_allclose(loaded, original, rtol=2**-8)
 
 
 # NOTE: VmHWM, not getrusage's ru_maxrss: the latter survives exec, so a child of a big pytest
@@ -193,17 +206,29 @@ def test_loading_a_sharded_bf16_checkpoint_peaks_below_1_3x_the_weights(tmp_path
     from fdcore.checkpoint.tiny import save_weights
     from tests.checkpoints import weights
 
-    config = {**json.load(open(make_checkpoint(str(tmp_path / "m"), "llama-sharded-bf16") + "/config.json")),
-              "hidden_size": 1024, "intermediate_size": 2816, "num_hidden_layers": 6, "num_attention_heads": 16,
-              "num_key_value_heads": 4, "head_dim": 64, "vocab_size": 4096}
+    config = {
+        **json.load(open(make_checkpoint(str(tmp_path / "m"), "llama-sharded-bf16") + "/config.json")),
+        "hidden_size": 1024,
+        "intermediate_size": 2816,
+        "num_hidden_layers": 6,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 4,
+        "head_dim": 64,
+        "vocab_size": 4096,
+    }
     path = str(tmp_path / "m")
     json.dump(config, open(os.path.join(path, "config.json"), "w"))
     for name in os.listdir(path):
         if name.startswith("model-"):
             os.remove(os.path.join(path, name))
     save_weights(path, weights(config, 1), 6, "bfloat16")
-    out = subprocess.run([sys.executable, "-c", MEMORY_PROBE, path], capture_output=True, text=True,
-                         check=True, env={**os.environ, "FDCORE_NO_KERNELS": "1"})
+    out = subprocess.run(
+        [sys.executable, "-c", MEMORY_PROBE, path],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, "FDCORE_NO_KERNELS": "1"},
+    )
     figures = json.loads(out.stdout.strip().splitlines()[-1])
     growth = figures["peak"] - figures["before"]
     assert figures["weights"] > 250e6  # float32, i.e. twice the files

@@ -97,15 +97,18 @@ def _free_port() -> int:
 
 
 def test_the_server_takes_its_key_from_the_environment_its_name_from_the_config_and_health_says_503(
-        start_tree, monkeypatch):
+    start_tree, monkeypatch
+):
     """README: FDCORE_API_KEY (over server.api_key), server.model_name, /health 503 with the reason
     while an actor is not serving, 200 again once it is back."""
     import httpx
 
     port = _free_port()
     monkeypatch.setenv("FDCORE_API_KEY", "from-env")
-    tree = start_tree(f'[server]\nenabled = true\nport = {port}\nmodel_name = "my-model"\napi_key = "from-file"\n'
-                      "[workers]\nstandby = false\n")
+    tree = start_tree(
+        f'[server]\nenabled = true\nport = {port}\nmodel_name = "my-model"\napi_key = "from-file"\n'
+        "[workers]\nstandby = false\n"
+    )
     tree.wait("ready")
     base = f"http://127.0.0.1:{port}"
     with httpx.Client(base_url=base, timeout=10) as http:
@@ -204,12 +207,18 @@ def test_metrics_count_what_happened(start_tree):
         bad = {"model": model, "prompt": "x", "temperature": -1}
         assert http.post("/v1/completions", json=bad).status_code == 400
         after = http.get("/metrics").text
-    for histogram in ("fdcore_time_to_first_token_seconds", "fdcore_time_per_output_token_seconds",
-                      "fdcore_e2e_request_latency_seconds"):
+    for histogram in (
+        "fdcore_time_to_first_token_seconds",
+        "fdcore_time_per_output_token_seconds",
+        "fdcore_e2e_request_latency_seconds",
+    ):
         assert _metric(after, histogram + "_count") - _metric(before, histogram + "_count") == 3, histogram
         assert _metric(after, histogram + "_sum") > _metric(before, histogram + "_sum"), histogram
-    grown = {outcome: _metric(after, f'fdcore_requests_total{{outcome="{outcome}"}}')
-             - _metric(before, f'fdcore_requests_total{{outcome="{outcome}"}}') for outcome in ("length", "error")}
+    grown = {
+        outcome: _metric(after, f'fdcore_requests_total{{outcome="{outcome}"}}')
+        - _metric(before, f'fdcore_requests_total{{outcome="{outcome}"}}')
+        for outcome in ("length", "error")
+    }
     assert grown == {"length": 3, "error": 1}, grown
     os.kill(tree.proc.pid, signal.SIGTERM)
     assert tree.exit_code() == 0
@@ -236,8 +245,11 @@ def test_actors_talk_only_through_shared_memory(start_tree):
     assert sockets == {cid: [] for cid in tree.pids}, sockets
     package = pathlib.Path(__file__).resolve().parent.parent / "fdcore"
     forbidden = re.compile(r"^\s*(?:import|from)\s+(pickle|multiprocessing|socket|zmq)\b", re.M)
-    offenders = {str(path.relative_to(package)): forbidden.findall(path.read_text())
-                 for path in package.rglob("*.py") if forbidden.search(path.read_text())}
+    offenders = {
+        str(path.relative_to(package)): forbidden.findall(path.read_text())
+        for path in package.rglob("*.py")
+        if forbidden.search(path.read_text())
+    }
     assert offenders == {"server/actor.py": ["socket"], "models/tensor_parallel.py": ["socket"]}, offenders
     os.kill(tree.proc.pid, signal.SIGTERM)
     assert tree.exit_code() == 0
@@ -259,10 +271,10 @@ def test_the_first_spare_loads_before_ready_and_later_ones_at_idle_priority(star
     spare loads at the normal priority: nothing is served yet, and one at SCHED_IDLE would starve on a busy
     machine and hold the start for start_timeout. Once promoted, it serves at the normal policy; the spare
     that loads behind it, beside a serving tree, takes only CPU time nothing else wants (SCHED_IDLE, every
-    thread, from its start); promoted in turn, every thread of it (OpenMP's, made while it loaded) runs normally again."""
-    from fdcore.actors import health
+    thread, from its start); promoted in turn, every thread of it (OpenMP's, made while it loaded) runs normally
+    again."""
+    from fdcore.actors import health, topology
     from fdcore.actors.health import HealthBoard
-    from fdcore.actors import topology
 
     tree = start_tree("[workers]\nstandby = true\n")
     spare = int(tree.wait("standby", id="worker0")["pid"])
@@ -295,8 +307,10 @@ def test_a_first_spare_slower_than_start_timeout_goes_on_at_idle_priority(start_
     """A first spare that is not warm within start_timeout is waited for no more: the tree says ready, and
     the spare goes on loading at SCHED_IDLE, every thread, so that it slows no request; promoted before it
     is warm (its worker died), it loads on at the normal priority."""
-    tree = start_tree("[supervisor]\nstart_timeout = 15.0\n[workers]\nstandby = true\n",
-                      env={"FDCORE_TEST_FAULT": "worker0:stall_spare"})
+    tree = start_tree(
+        "[supervisor]\nstart_timeout = 15.0\n[workers]\nstandby = true\n",
+        env={"FDCORE_TEST_FAULT": "worker0:stall_spare"},
+    )
     spare = int(tree.wait("standby", id="worker0")["pid"])
     assert tree.wait("spares_warm")["count"] == "0"
     tree.wait("ready")

@@ -18,8 +18,15 @@ FDCORE = os.path.join(os.path.dirname(sys.executable), "fdcore")  # the console 
 
 
 def _fdcore(*args: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([FDCORE, *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT,
-                          env={**os.environ, **(env or {})}, check=False)
+    return subprocess.run(
+        [FDCORE, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+        env={**os.environ, **(env or {})},
+        check=False,
+    )
 
 
 def test_serve_runs_the_server_with_the_flags_and_leaves_nothing(tmp_path):
@@ -33,9 +40,23 @@ def test_serve_runs_the_server_with_the_flags_and_leaves_nothing(tmp_path):
     private = tmp_path / "tmp"
     private.mkdir()
     port = free_port()
-    tree = Tree(None, env={"TMPDIR": str(private), "OMP_NUM_THREADS": None},
-                command=[FDCORE, "serve", model, "--port", str(port), "--served-model-name", "little",
-                         "--api-key", "sk-cli", "--max-model-len", "512"])
+    tree = Tree(
+        None,
+        env={"TMPDIR": str(private), "OMP_NUM_THREADS": None},
+        command=[
+            FDCORE,
+            "serve",
+            model,
+            "--port",
+            str(port),
+            "--served-model-name",
+            "little",
+            "--api-key",
+            "sk-cli",
+            "--max-model-len",
+            "512",
+        ],
+    )
     try:
         ready = tree.wait("ready", timeout=120)
         assert list(private.iterdir()) == []
@@ -44,11 +65,19 @@ def test_serve_runs_the_server_with_the_flags_and_leaves_nothing(tmp_path):
         assert httpx.get(f"{base}/v1/models", timeout=10).status_code == 401
         models = httpx.get(f"{base}/v1/models", headers=auth, timeout=10).json()
         assert [m["id"] for m in models["data"]] == ["little"]
-        out = httpx.post(f"{base}/v1/completions", headers=auth, timeout=60,
-                         json={"model": "little", "prompt": "def main():", "max_tokens": 4}).json()
+        out = httpx.post(
+            f"{base}/v1/completions",
+            headers=auth,
+            timeout=60,
+            json={"model": "little", "prompt": "def main():", "max_tokens": 4},
+        ).json()
         assert out["usage"]["completion_tokens"] == 4
-        too_long = httpx.post(f"{base}/v1/completions", headers=auth, timeout=60,
-                              json={"model": "little", "prompt": "x", "max_tokens": 600})
+        too_long = httpx.post(
+            f"{base}/v1/completions",
+            headers=auth,
+            timeout=60,
+            json={"model": "little", "prompt": "x", "max_tokens": 600},
+        )
         assert too_long.status_code == 400 and "512" in too_long.text  # --max-model-len reached the engine
         tree.proc.send_signal(signal.SIGINT)
         assert tree.exit_code(30) == 0

@@ -15,9 +15,9 @@ import psutil
 import pytest
 
 from fdcore import LLM, AsyncLLM, SamplingParams
+from fdcore.checkpoint import tiny
 from fdcore.client import EngineDeadError
 from fdcore.config import parse_config
-from fdcore.checkpoint import tiny
 from fdcore.supervisor import actor_pid
 from tests.supervised import tree_config
 
@@ -53,8 +53,9 @@ def test_a_batch_far_above_the_engine_limit_is_served_whole_and_in_order(small):
     submit = small._conn.submit
     small._conn.submit = lambda request_id, *args, **kw: (sent.append(request_id), submit(request_id, *args, **kw))
     try:
-        outs = small.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=4, **GREEDY),
-                              use_tqdm=False)
+        outs = small.generate(
+            [{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=4, **GREEDY), use_tqdm=False
+        )
     finally:
         del small._conn.submit
     assert len(outs) == len(prompts)
@@ -62,8 +63,9 @@ def test_a_batch_far_above_the_engine_limit_is_served_whole_and_in_order(small):
     assert [o.prompt_token_ids for o in outs] == prompts, "outputs are in the order of the prompts"
     assert all(len(o.outputs.token_ids) == 4 for o in outs)
     assert len(sent) > len(prompts), "the engine's limit was meant to refuse (and the client to resend) some"
-    again = small.generate([{"prompt_token_ids": p} for p in prompts[:40]], SamplingParams(max_tokens=4, **GREEDY),
-                           use_tqdm=False)
+    again = small.generate(
+        [{"prompt_token_ids": p} for p in prompts[:40]], SamplingParams(max_tokens=4, **GREEDY), use_tqdm=False
+    )
     assert [o.outputs.token_ids for o in again] == [o.outputs.token_ids for o in outs[:40]]
 
 
@@ -214,9 +216,15 @@ def test_the_tree_stops_when_the_process_that_started_it_dies(model_dir, tmp_pat
 
     private = tmp_path / "tmp"
     private.mkdir()
-    proc = subprocess.Popen([sys.executable, "-c", EMBEDDER, f'[model]\npath = "{model_dir}"\n'],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT,
-                            start_new_session=True, env={**os.environ, "TMPDIR": str(private)})
+    proc = subprocess.Popen(
+        [sys.executable, "-c", EMBEDDER, f'[model]\npath = "{model_dir}"\n'],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+        start_new_session=True,
+        env={**os.environ, "TMPDIR": str(private)},
+    )
     try:
         pid, instance = proc.stdout.readline().split()
         assert list(private.iterdir()) == []
@@ -239,7 +247,7 @@ def test_a_full_engine_link_never_blocks_the_event_loop(model_dir):
     prompts = prompts_of(1000)  # ~130 kB of requests: twice what the engine's link holds
 
     async def one(i):
-        async for out in client.generate(prompts[i], params, wait=True):
+        async for out in client.generate(prompts[i], params, wait=True):  # noqa: B007 (the last one is read)
             pass
         return out.outputs.finish_reason
 

@@ -17,9 +17,9 @@ import sys
 import numpy as np
 import paddle
 from fdcore.models import kernels
-from fdcore.models.llama import F32Matrix, Int4Matrix, Int8Matrix, _f32_kernel, _matrix_kind, linear
-assert _f32_kernel()
-_matrix_kind("float32", "wint4")  # loads both int kernels
+from fdcore.models.matrices import F32Matrix, Int4Matrix, Int8Matrix, f32_kernel, matrix_kind, linear
+assert f32_kernel()
+matrix_kind("float32", "wint4")  # loads both int kernels
 data = np.load(sys.argv[1])
 out = {"paths": np.array([kernels.kernel_path(kind) for kind in ("float32", "wint8", "wint4")])}
 for kind, cls in (("f32", F32Matrix), ("int8", Int8Matrix), ("int4", Int4Matrix)):
@@ -51,23 +51,26 @@ def test_the_avx2_build_gives_this_builds_bits(on_threads):
     AVX-512 against AVX2 code; on an AVX2 one: two builds of the AVX2 code)."""
     import paddle
 
-    from fdcore.models.llama import F32Matrix, Int4Matrix, Int8Matrix, _f32_kernel, _matrix_kind, linear
+    from fdcore.models.matrices import F32Matrix, Int4Matrix, Int8Matrix, f32_kernel, linear, matrix_kind
 
     rng = np.random.default_rng(5)
-    arrays = {"x": rng.standard_normal((37, 200)).astype(np.float32),
-              "w": rng.standard_normal((100, 200)).astype(np.float32),
-              "logits": (rng.standard_normal((5, 1003)) * 3).astype(np.float32),
-              "keys": rng.integers(0, 2 ** 62, size=5, dtype=np.int64),
-              "inv_t": np.array([1.0, 0.5, 2.0, 1.3, 0.7], dtype=np.float32)}
+    arrays = {
+        "x": rng.standard_normal((37, 200)).astype(np.float32),
+        "w": rng.standard_normal((100, 200)).astype(np.float32),
+        "logits": (rng.standard_normal((5, 1003)) * 3).astype(np.float32),
+        "keys": rng.integers(0, 2**62, size=5, dtype=np.int64),
+        "inv_t": np.array([1.0, 0.5, 2.0, 1.3, 0.7], dtype=np.float32),
+    }
     avx2 = on_threads(_PATHS, arrays, threads=1, env={"FDCORE_ISA": "avx2"})
     assert avx2["paths"].tolist() == ["AVX2", "AVX2", "AVX2"]
-    assert _f32_kernel()
-    _matrix_kind("float32", "wint4")
+    assert f32_kernel()
+    matrix_kind("float32", "wint4")
     for kind, cls in (("f32", F32Matrix), ("int8", Int8Matrix), ("int4", Int4Matrix)):
         matrix = cls.pack(arrays["w"])
         for m in (1, 3, 37):
             here = linear(paddle.to_tensor(arrays["x"][:m]), matrix).numpy()
             assert np.array_equal(avx2[f"{kind}-{m}"], here), (kind, m)
-    tokens = kernels.gumbel_sample()(paddle.to_tensor(arrays["logits"]), paddle.to_tensor(arrays["keys"]),
-                                     paddle.to_tensor(arrays["inv_t"])).numpy()
+    tokens = kernels.gumbel_sample()(
+        paddle.to_tensor(arrays["logits"]), paddle.to_tensor(arrays["keys"]), paddle.to_tensor(arrays["inv_t"])
+    ).numpy()
     assert np.array_equal(avx2["tokens"], tokens)

@@ -12,9 +12,9 @@ import psutil
 import pytest
 
 from fdcore import AsyncLLM, SamplingParams
-from fdcore.ipc import names
-from fdcore.checkpoint import tiny
 from fdcore.actors import topology
+from fdcore.checkpoint import tiny
+from fdcore.ipc import names
 from fdcore.supervisor import actor_census
 from fdcore.supervisor import actor_pid as find_actor
 from tests.supervised import tree_config
@@ -23,8 +23,9 @@ CHILDREN = {"worker": "worker0", "scheduler": "scheduler", "cache": "cache", "en
 
 
 def config(model: str, **supervisor):
-    return tree_config(model, scheduler={"max_num_batched_tokens": 64},
-                       supervisor={"max_restarts": 100, "period": 60.0, **supervisor})
+    return tree_config(
+        model, scheduler={"max_num_batched_tokens": 64}, supervisor={"max_restarts": 100, "period": 60.0, **supervisor}
+    )
 
 
 @pytest.fixture(scope="module")
@@ -38,9 +39,12 @@ def actor_pid(client: AsyncLLM, kind: str) -> int | None:
 
 def requests(count: int = 8, length: int = 24, max_tokens: int = 40):
     prompts = [[5 + (i * 131 + j * 17) % 4000 for j in range(length + 3 * i)] for i in range(count)]
-    params = [SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True) if i % 2 else
-              SamplingParams(temperature=0.8, top_p=0.95, seed=40 + i, max_tokens=max_tokens, ignore_eos=True)
-              for i in range(count)]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        if i % 2
+        else SamplingParams(temperature=0.8, top_p=0.95, seed=40 + i, max_tokens=max_tokens, ignore_eos=True)
+        for i in range(count)
+    ]
     return prompts, params
 
 
@@ -118,6 +122,7 @@ def kill_at(kind: str, tokens: int):
             kill(client, kind)
             return True
         return False
+
     return scenario
 
 
@@ -163,6 +168,7 @@ def test_killed_twice_in_a_row(model_dir, kind):
         second = await wait_for_new(client, kind, first)
         os.kill(second, signal.SIGKILL)  # again, while it starts or while requests recompute
         return True
+
     run(model_dir, scenario)
 
 
@@ -260,7 +266,7 @@ def test_a_poisoned_request_fails_alone_and_the_others_resume_identical(model_di
     prompts, params = requests(count=32, max_tokens=40)  # 31 healthy streams beside the poisoned one
     assert not any(POISON in p for p in prompts)
     bad = 3
-    poisoned = [*prompts[:bad], [POISON, *prompts[bad]], *prompts[bad + 1:]]
+    poisoned = [*prompts[:bad], [POISON, *prompts[bad]], *prompts[bad + 1 :]]
     monkeypatch.setenv("FDCORE_TEST_POISON", f"{kind}:{POISON}")
     tree_config = config(model_dir, max_restarts=5)  # the shipped intensity: the tree must stay up
 
@@ -268,14 +274,21 @@ def test_a_poisoned_request_fails_alone_and_the_others_resume_identical(model_di
         async with AsyncLLM(tree_config) as client:
             clean = await stream_all(client, prompts, params)
             crashed = await stream_all(client, poisoned, params)
-            return (clean, crashed, await client.check_health(),
-                    actor_census(client._tree.proc.pid, topology.child_ids(tree_config)))
+            return (
+                clean,
+                crashed,
+                await client.check_health(),
+                actor_census(client._tree.proc.pid, topology.child_ids(tree_config)),
+            )
 
     clean, crashed, health, census = asyncio.run(main())
     _tokens, _text, reason, error, code = crashed[bad]
     assert (reason, code) == ("error", 500)
-    wanted = "request failed in fdcore:engine: PoisonedRequest" if kind == "engine" else \
-        f"request crashed fdcore:{kind} twice"
+    wanted = (
+        "request failed in fdcore:engine: PoisonedRequest"
+        if kind == "engine"
+        else f"request crashed fdcore:{kind} twice"
+    )
     assert error.startswith(wanted), error
     for i in range(len(prompts)):
         if i != bad:

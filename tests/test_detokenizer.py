@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer
 
-from fdcore.core.detokenizer import IncrementalDetokenizer
 from fdcore.checkpoint import tiny
+from fdcore.core.detokenizer import IncrementalDetokenizer
 
 TOKENIZER = Tokenizer.from_file(tiny.TOKENIZER)
 
@@ -41,12 +40,15 @@ def test_an_emoji_split_over_tokens_appears_only_when_whole():
     assert deltas[-1].endswith("🚀") and all("🚀" not in d for d in deltas[:-1])
 
 
-@pytest.mark.parametrize("text, stop, shown", [
-    ("hello world. goodbye", ["."], "hello world"),
-    ("hello world. goodbye", ["wor"], "hello "),
-    ("one two three four", ["three f", "xyz"], "one two "),
-    ("no stop here", ["zzz"], "no stop here"),
-])
+@pytest.mark.parametrize(
+    "text, stop, shown",
+    [
+        ("hello world. goodbye", ["."], "hello world"),
+        ("hello world. goodbye", ["wor"], "hello "),
+        ("one two three four", ["three f", "xyz"], "one two "),
+        ("no stop here", ["zzz"], "no stop here"),
+    ],
+)
 def test_stop_strings_end_the_text_and_are_not_leaked(text, stop, shown):
     deltas, detok = stream(text, stop=stop)
     assert "".join(deltas) == shown
@@ -76,17 +78,43 @@ def test_sentencepiece_style_byte_fallback_detokenizes_like_the_tokenizer():
 
     vocab = {"<unk>": 0, "<s>": 1, "\u2581hi": 2, "x": 3, "<0xC3>": 4, "<0xA9>": 5, "<0x41>": 6, "\u2581": 7}
     spec = {
-        "version": "1.0", "truncation": None, "padding": None, "normalizer": None, "pre_tokenizer": None,
+        "version": "1.0",
+        "truncation": None,
+        "padding": None,
+        "normalizer": None,
+        "pre_tokenizer": None,
         "post_processor": None,
-        "added_tokens": [{"id": 1, "content": "<s>", "single_word": False, "lstrip": False, "rstrip": False,
-                          "normalized": False, "special": True}],
-        "decoder": {"type": "Sequence", "decoders": [
-            {"type": "Replace", "pattern": {"String": "\u2581"}, "content": " "},
-            {"type": "ByteFallback"}, {"type": "Fuse"},
-            {"type": "Strip", "content": " ", "start": 1, "stop": 0}]},
-        "model": {"type": "BPE", "dropout": None, "unk_token": "<unk>", "continuing_subword_prefix": None,
-                  "end_of_word_suffix": None, "fuse_unk": True, "byte_fallback": True, "vocab": vocab,
-                  "merges": []},
+        "added_tokens": [
+            {
+                "id": 1,
+                "content": "<s>",
+                "single_word": False,
+                "lstrip": False,
+                "rstrip": False,
+                "normalized": False,
+                "special": True,
+            }
+        ],
+        "decoder": {
+            "type": "Sequence",
+            "decoders": [
+                {"type": "Replace", "pattern": {"String": "\u2581"}, "content": " "},
+                {"type": "ByteFallback"},
+                {"type": "Fuse"},
+                {"type": "Strip", "content": " ", "start": 1, "stop": 0},
+            ],
+        },
+        "model": {
+            "type": "BPE",
+            "dropout": None,
+            "unk_token": "<unk>",
+            "continuing_subword_prefix": None,
+            "end_of_word_suffix": None,
+            "fuse_unk": True,
+            "byte_fallback": True,
+            "vocab": vocab,
+            "merges": [],
+        },
     }
     tokenizer = Tokenizer.from_str(json.dumps(spec))
     ids = [3, 2, 4, 5, 6, 1, 7, 2, 4]  # x, ' hi', é as two bytes, 'A', <s>, ' ', ' hi', a dangling byte

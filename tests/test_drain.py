@@ -30,8 +30,10 @@ def model_dir(tmp_path_factory):
 def _server(tmp_path, model_dir, drain_timeout: float) -> tuple[Tree, str]:
     port = _free_port()
     config = tmp_path / "tree.toml"
-    config.write_text(f'[model]\npath = "{model_dir}"\n[server]\nenabled = true\nport = {port}\n'
-                      f'drain_timeout = {drain_timeout}\n[workers]\nstandby = false\n')
+    config.write_text(
+        f'[model]\npath = "{model_dir}"\n[server]\nenabled = true\nport = {port}\n'
+        f"drain_timeout = {drain_timeout}\n[workers]\nstandby = false\n"
+    )
     tree = Tree(str(config))
     tree.wait("ready", timeout=120)
     return tree, f"http://127.0.0.1:{port}"
@@ -40,8 +42,14 @@ def _server(tmp_path, model_dir, drain_timeout: float) -> tuple[Tree, str]:
 def _stream(base: str, i: int, tokens: int, out: dict, started: threading.Barrier | None) -> None:
     """One streamed completion: (text, finish reasons, error events, whether [DONE] came)."""
     text, reasons, errors, done = "", [], [], False
-    body = {"model": "tiny", "prompt": [5 + i, 6, 7, 8], "max_tokens": tokens, "temperature": 0,
-            "ignore_eos": True, "stream": True}
+    body = {
+        "model": "tiny",
+        "prompt": [5 + i, 6, 7, 8],
+        "max_tokens": tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
     with httpx.Client(timeout=120) as http, http.stream("POST", f"{base}/v1/completions", json=body) as response:
         for line in response.iter_lines():
             if line == "data: [DONE]":
@@ -83,10 +91,12 @@ def test_sigterm_lets_32_streams_finish_and_refuses_new_requests_at_once(tmp_pat
         def stop():
             tree.proc.send_signal(signal.SIGTERM)
             tree.wait("signal", timeout=10)
-            late = httpx.post(f"{base}/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2},
-                              timeout=10)
-            refused.append((late.status_code, late.headers.get("retry-after"),
-                            httpx.get(f"{base}/health", timeout=10).status_code))
+            late = httpx.post(
+                f"{base}/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2}, timeout=10
+            )
+            refused.append(
+                (late.status_code, late.headers.get("retry-after"), httpx.get(f"{base}/health", timeout=10).status_code)
+            )
 
         drained = _streams(base, 300, stop)
         assert tree.exit_code(120) == 0

@@ -7,12 +7,12 @@ import os
 
 import pytest
 
-from fdcore.models.engine_core import EngineCore
+from fdcore.checkpoint import load_checkpoint, tiny
 from fdcore.core.kv_cache_manager import KVCacheManager
-from fdcore.core.scheduler import Request, Scheduler, BatchLimits, Status
-from fdcore.checkpoint import tiny
-from fdcore.models.llama import LlamaModel, PagedKVCache
-from fdcore.checkpoint import load_checkpoint
+from fdcore.core.scheduler import BatchLimits, Request, Scheduler, Status
+from fdcore.models.engine_core import EngineCore
+from fdcore.models.kv_cache import PagedKVCache
+from fdcore.models.llama import LlamaModel
 from fdcore.protocol import SamplingParams
 
 REFERENCE = json.load(open(os.path.join(os.path.dirname(__file__), "data", "reference.json")))
@@ -29,8 +29,7 @@ def model(tmp_path_factory):
 
 def make_core(model, num_blocks=256, budget=512, max_seqs=16, prefix=True) -> EngineCore:
     kv = KVCacheManager(num_blocks, BLOCK, enable_prefix_caching=prefix)
-    scheduler = Scheduler(BatchLimits(max_num_seqs=max_seqs, max_num_batched_tokens=budget,
-                                          max_model_len=2048), kv)
+    scheduler = Scheduler(BatchLimits(max_num_seqs=max_seqs, max_num_batched_tokens=budget, max_model_len=2048), kv)
     return EngineCore(model, PagedKVCache(model.args, num_blocks, BLOCK), scheduler)
 
 
@@ -67,8 +66,7 @@ def test_prefix_caching_hits_and_changes_nothing(model):
     with_cache = run(cached_core, prompts)
     without = run(make_core(model, max_seqs=1, prefix=False), prompts)
     assert cached_core.scheduler.kv.statistics().hit_rate > 0.5
-    assert {k: r.output_token_ids for k, r in with_cache.items()} == \
-           {k: r.output_token_ids for k, r in without.items()}
+    assert {k: r.output_token_ids for k, r in with_cache.items()} == {k: r.output_token_ids for k, r in without.items()}
 
 
 def test_abort_frees_blocks_at_once_and_others_carry_on(model):
@@ -89,9 +87,10 @@ def test_stop_tokens_min_tokens_and_max_tokens(model):
     expected = CASES["short"]["output"]
     stop_at = expected[5]
     core = make_core(model)
-    done = run(core, {"s": CASES["short"]["prompt"]},
-               SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[stop_at]))
+    done = run(
+        core, {"s": CASES["short"]["prompt"]}, SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[stop_at])
+    )
     first = expected.index(stop_at)
-    assert done["s"].output_token_ids == expected[:first + 1] and done["s"].finish_reason == "stop"
+    assert done["s"].output_token_ids == expected[: first + 1] and done["s"].finish_reason == "stop"
     done = run(make_core(model), {"m": CASES["short"]["prompt"]}, SamplingParams(temperature=0, max_tokens=3))
     assert done["m"].output_token_ids == expected[:3] and done["m"].finish_reason == "length"

@@ -17,11 +17,21 @@ NAME = re.compile(r"^FDCORE_[A-Z0-9_]+$")
 def _named_variables(path: str) -> list[str]:
     """The FDCORE_* names a module's code spells out (string constants; docstrings aside)."""
     tree = ast.parse(open(path).read())
-    docstrings = {id(node.body[0].value) for node in ast.walk(tree)
-                  if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
-                  and node.body and isinstance(node.body[0], ast.Expr)}
-    return [node.value for node in ast.walk(tree) if isinstance(node, ast.Constant) and isinstance(node.value, str)
-            and NAME.match(node.value) and id(node) not in docstrings]
+    docstrings = {
+        id(node.body[0].value)
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+        and node.body
+        and isinstance(node.body[0], ast.Expr)
+    }
+    return [
+        node.value
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Constant)
+        and isinstance(node.value, str)
+        and NAME.match(node.value)
+        and id(node) not in docstrings
+    ]
 
 
 def test_only_envs_names_an_fdcore_variable():

@@ -74,8 +74,9 @@ def test_a_busy_actor_without_progress_is_killed_and_its_requests_resume_identic
     tree = start_tree("[supervisor]\nhang_timeout = 2.0\nheartbeat_interval = 0.2\n", "worker0:wedge:12")
     tree.wait("ready")
     prompts = [[5 + (i * 131 + j * 17) % 4000 for j in range(20 + 3 * i)] for i in range(6)]
-    params = [SamplingParams(temperature=0.0 if i % 2 else 0.8, seed=7 + i, max_tokens=30, ignore_eos=True)
-              for i in range(6)]
+    params = [
+        SamplingParams(temperature=0.0 if i % 2 else 0.8, seed=7 + i, max_tokens=30, ignore_eos=True) for i in range(6)
+    ]
 
     async def stream_all(llm):
         async def one(i):
@@ -83,6 +84,7 @@ def test_a_busy_actor_without_progress_is_killed_and_its_requests_resume_identic
             async for out in llm.generate(prompts[i], params[i], request_id=f"r{i}"):
                 tokens += out.outputs.token_ids
             return tokens, out.outputs.finish_reason, out.error_msg
+
         return await asyncio.gather(*(one(i) for i in range(len(prompts))))
 
     async def scenario():
@@ -119,8 +121,9 @@ def test_a_forward_pass_longer_than_the_hang_timeout_is_not_a_hang(start_tree):
         llm = AsyncLLM.connect(tree.instance)
         try:
             tokens, started = [], time.monotonic()
-            async for out in llm.generate(list(range(5, 155)), SamplingParams(temperature=0.0, max_tokens=4,
-                                                                                ignore_eos=True)):
+            async for out in llm.generate(
+                list(range(5, 155)), SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+            ):
                 tokens += out.outputs.token_ids
             return tokens, out.outputs.finish_reason, out.error_msg, time.monotonic() - started
         finally:

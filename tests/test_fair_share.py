@@ -11,8 +11,12 @@ BLOCK = 16
 
 
 def _request(rid: str, tenant: str, prompt: int, max_tokens: int) -> Request:
-    return Request(rid, [5 + (hash(rid) + i) % 4000 for i in range(prompt)],
-                   SamplingParams(max_tokens=max_tokens, ignore_eos=True).with_defaults(), tenant=tenant)
+    return Request(
+        rid,
+        [5 + (hash(rid) + i) % 4000 for i in range(prompt)],
+        SamplingParams(max_tokens=max_tokens, ignore_eos=True).with_defaults(),
+        tenant=tenant,
+    )
 
 
 def _step(scheduler: Scheduler) -> list[str]:
@@ -25,8 +29,10 @@ def _step(scheduler: Scheduler) -> list[str]:
 def _first_token_step(tenants: tuple[str, str]) -> int:
     """Four greedy requests (n=16-like, long prompts, long answers) fill the cache; then a light one
     arrives. The step at which the light one is first computed."""
-    scheduler = Scheduler(BatchLimits(max_num_seqs=8, max_num_batched_tokens=512, max_model_len=2048, kv_blocks=56),
-                          KVCacheManager(num_blocks=56, block_size=BLOCK, enable_prefix_caching=False))
+    scheduler = Scheduler(
+        BatchLimits(max_num_seqs=8, max_num_batched_tokens=512, max_model_len=2048, kv_blocks=56),
+        KVCacheManager(num_blocks=56, block_size=BLOCK, enable_prefix_caching=False),
+    )
     greedy, light = tenants
     for i in range(8):
         scheduler.add(_request(f"g{i}", greedy, prompt=200, max_tokens=400))
@@ -46,8 +52,10 @@ def test_a_light_tenant_runs_at_once_beside_a_tenant_that_holds_the_cache():
 
 
 def test_two_tenants_end_up_holding_about_the_same_and_do_not_take_turns_for_ever():
-    scheduler = Scheduler(BatchLimits(max_num_seqs=16, max_num_batched_tokens=1024, max_model_len=4096, kv_blocks=100),
-                          KVCacheManager(num_blocks=100, block_size=BLOCK, enable_prefix_caching=False))
+    scheduler = Scheduler(
+        BatchLimits(max_num_seqs=16, max_num_batched_tokens=1024, max_model_len=4096, kv_blocks=100),
+        KVCacheManager(num_blocks=100, block_size=BLOCK, enable_prefix_caching=False),
+    )
     for i in range(8):
         scheduler.add(_request(f"a{i}", "a", prompt=150, max_tokens=1000))
     for _ in range(5):

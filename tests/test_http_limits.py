@@ -74,7 +74,9 @@ def test_slow_sockets_of_one_peer_never_keep_another_peers_request_out():
 def test_a_response_budget_counts_tokens_logprobs_echo_and_prompt_scores():
     assert budget.Ask(16).entries() == 16
     assert budget.Ask(16, top=20).entries() == 16 * 21
-    assert budget.Ask(16, top=20, prompt_tokens=100, echo_top=20, scored_top=5).entries() == 16 * 21 + 100 * 21 + 100 * 6
+    assert (
+        budget.Ask(16, top=20, prompt_tokens=100, echo_top=20, scored_top=5).entries() == 16 * 21 + 100 * 21 + 100 * 6
+    )
     # the attack of issue 43: 64 choices, 2,040 prompt tokens echoed and scored with 20 logprobs each
     heavy = [budget.Ask(16, 20, 2040, 20, 20)] * 64
     with pytest.raises(BadRequest, match="5,505,024 tokens and logprobs") as refused:

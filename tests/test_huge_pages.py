@@ -48,7 +48,7 @@ def test_a_models_arrays_are_carved_from_shared_regions_without_overlap():
         arrays = [zeros_on_huge_pages((n, 33), np.uint8) for n in (1, 100, 64, 4000, 7)]
         copied = on_huge_pages(np.arange(12, dtype=np.int16).reshape(3, 4))
     spans = sorted((a.ctypes.data, a.ctypes.data + a.nbytes) for a in arrays)
-    assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:]))
+    assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:], strict=False))
     assert all(a.ctypes.data % 64 == 0 and not a.any() for a in arrays)
     for i, a in enumerate(arrays):
         a[...] = i + 1
@@ -98,13 +98,22 @@ def test_a_released_kv_cache_reads_zeros_and_holds_no_memory():
     """A warm spare's cache after its warm-up (PagedKVCache.release): every array's pages go back to the
     kernel (what its head-major layout and huge pages made resident by one block's writes), it reads as
     zeros, and it is writable again; an array sharing its region with others is left alone."""
-    from fdcore.models.llama import PagedKVCache
     from fdcore.checkpoint import ModelArgs
+    from fdcore.models.kv_cache import PagedKVCache
     from fdcore.models.tensors import release_pages
 
-    args = ModelArgs.from_config({"architectures": ["LlamaForCausalLM"], "hidden_size": 256, "num_attention_heads": 4,
-                                  "num_key_value_heads": 2, "num_hidden_layers": 2, "intermediate_size": 512,
-                                  "vocab_size": 1000}, "test")
+    args = ModelArgs.from_config(
+        {
+            "architectures": ["LlamaForCausalLM"],
+            "hidden_size": 256,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "num_hidden_layers": 2,
+            "intermediate_size": 512,
+            "vocab_size": 1000,
+        },
+        "test",
+    )
     cache = PagedKVCache(args, 512, 16)
     for array in cache.k + cache.v:
         array[:, 0] = 1.0  # block 0 of each head, as the warm-up writes

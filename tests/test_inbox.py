@@ -166,8 +166,9 @@ def test_a_link_receiver_names_each_sender_and_returns_bad_records_instead_of_ra
     link's ProtocolError, handed back in place, and drain() empties one link only."""
     from fdcore.ipc import LinkReceiver
 
-    with Inbox.create(names.object_name(names.new_instance_id(), "links"), ["actor", "client0"],
-                      capacity=4096) as inbox:
+    with Inbox.create(
+        names.object_name(names.new_instance_id(), "links"), ["actor", "client0"], capacity=4096
+    ) as inbox:
         actor, client = (Sender(Ring.attach(inbox.link_name(p))) for p in ("actor", "client0"))
         receiver = LinkReceiver(inbox, {"actor": Stop | Ping, "client0": Ping})
         actor.send(Stop("bye"))

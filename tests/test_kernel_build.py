@@ -25,14 +25,21 @@ def model_dir(tmp_path_factory):
 
 def _tree(tmp_path, model_dir, kernel_dir, name: str, env: dict | None = None) -> Tree:
     config = tmp_path / f"{name}.toml"
-    config.write_text(f'[model]\npath = "{model_dir}"\n[supervisor]\nstart_timeout = 20.0\n'
-                      '[workers]\nstandby = false\n')
+    config.write_text(
+        f'[model]\npath = "{model_dir}"\n[supervisor]\nstart_timeout = 20.0\n[workers]\nstandby = false\n'
+    )
     return Tree(str(config), env={"FDCORE_KERNEL_DIR": str(kernel_dir), **(env or {})})
 
 
 def test_a_broken_compiler_is_one_line_naming_it(tmp_path):
-    done = subprocess.run([FDCORE, "build-kernels"], capture_output=True, text=True, timeout=300, cwd=ROOT,
-                          env={**os.environ, "FDCORE_KERNEL_DIR": str(tmp_path / "k"), "CXX": "false"})
+    done = subprocess.run(
+        [FDCORE, "build-kernels"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+        env={**os.environ, "FDCORE_KERNEL_DIR": str(tmp_path / "k"), "CXX": "false"},
+    )
     assert done.returncode == 1
     complaint = [line for line in done.stderr.splitlines() if line.startswith("fdcore: cannot build")]
     assert len(complaint) == 1 and "false" in complaint[0] and 'model.kernels = "python"' in complaint[0]
@@ -51,8 +58,11 @@ def test_the_build_counts_against_no_start_timeout_and_a_killed_one_poisons_noth
         deadline = time.monotonic() + 60
         while not builder:  # building (its compiler runs)
             assert time.monotonic() < deadline, "no build started"
-            builder = [p for p in psutil.Process(first.proc.pid).children()
-                       if "build-kernels" in " ".join(p.cmdline()) and p.children(recursive=True)]
+            builder = [
+                p
+                for p in psutil.Process(first.proc.pid).children()
+                if "build-kernels" in " ".join(p.cmdline()) and p.children(recursive=True)
+            ]
             time.sleep(0.2)
         time.sleep(3)
         build = builder + builder[0].children(recursive=True)  # (the compilers)
@@ -66,8 +76,9 @@ def test_the_build_counts_against_no_start_timeout_and_a_killed_one_poisons_noth
         second.wait("ready", timeout=600)
         assert any("event=kernels_built" in line for line in second.log)
         assert not any("slower Python path" in line for line in second.log)
-        assert [p.name for p in kernels.iterdir() if p.is_dir()] == [next(p.name for p in kernels.iterdir()
-                                                                          if (p / "ready").exists())]
+        assert [p.name for p in kernels.iterdir() if p.is_dir()] == [
+            next(p.name for p in kernels.iterdir() if (p / "ready").exists())
+        ]
         os.kill(second.proc.pid, signal.SIGTERM)
         assert second.exit_code(60) == 0
     finally:

@@ -17,7 +17,7 @@ def _snake(name: str) -> str:
 
 
 def _enum(text: str, name: str) -> list[str]:
-    body = re.search(r"enum %s\b[^{]*\{([^}]*)\}" % name, text).group(1)
+    body = re.search(rf"enum {name}\b[^{{]*\{{([^}}]*)\}}", text).group(1)
     return [entry.split("=")[0].strip() for entry in body.split(",") if entry.strip()]
 
 
@@ -33,12 +33,17 @@ def test_python_mirrors_the_decoders_enums_in_kernels_h():
 
 
 def test_the_model_packs_its_matrices_with_the_headers_kind_codes():
-    from fdcore.models import llama
+    from fdcore.models import matrices as llama
 
-    names = {llama.F32Matrix: "float32", llama.Bf16Matrix: "bfloat16", llama.Int8Matrix: "int8",
-             llama.Int4Matrix: "int4"}
-    assert {kernels.DECODER_KINDS[code]: names[matrix] for matrix, code in llama._KIND_CODES.items()} == {
-        kind: kind for kind in kernels.DECODER_KINDS}
+    names = {
+        llama.F32Matrix: "float32",
+        llama.Bf16Matrix: "bfloat16",
+        llama.Int8Matrix: "int8",
+        llama.Int4Matrix: "int4",
+    }
+    assert {kernels.DECODER_KINDS[code]: names[matrix] for matrix, code in llama.KIND_CODES.items()} == {
+        kind: kind for kind in kernels.DECODER_KINDS
+    }
 
 
 def test_no_kernel_file_declares_what_another_defines():
@@ -47,6 +52,9 @@ def test_no_kernel_file_declares_what_another_defines():
     for name in sorted(os.listdir(kernels.HERE)):
         if name.endswith(".cc"):
             text = open(os.path.join(kernels.HERE, name)).read()
-            stray = [m.group(1) for m in declared.finditer(text) if not re.search(
-                r"\b%s\([^;]*\)\s*(const\s*)?\{" % m.group(1), text)]
+            stray = [
+                m.group(1)
+                for m in declared.finditer(text)
+                if not re.search(rf"\b{m.group(1)}\([^;]*\)\s*(const\s*)?\{{", text)
+            ]
             assert not stray, f"{name} declares {stray}: prototypes shared between files belong in kernels.h"

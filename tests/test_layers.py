@@ -59,7 +59,9 @@ def imports_of(path: str, module: str) -> list[tuple[int, str]]:
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
-                base = ".".join(package.split(".")[:len(package.split(".")) - node.level + 1] + ([base] if base else []))
+                base = ".".join(
+                    package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else [])
+                )
             found += [(node.lineno, _submodule(base, alias.name)) for alias in node.names]
     return [(line, name) for line, name in found if name == "fdcore" or name.startswith("fdcore.")]
 
@@ -81,8 +83,10 @@ def violations(found: dict[str, str]) -> list[str]:
             if theirs not in GROUPS or mine not in GROUPS:
                 bad.append(f"{path}:{line}: {target} or {module} is in no layer (tests/test_layers.py)")
             elif GROUPS[theirs] >= GROUPS[mine]:
-                bad.append(f"{os.path.relpath(path, PACKAGE)}:{line}: {module} ({mine}, layer {GROUPS[mine]}) imports "
-                           f"{target} ({theirs}, layer {GROUPS[theirs]})")
+                bad.append(
+                    f"{os.path.relpath(path, PACKAGE)}:{line}: {module} ({mine}, layer {GROUPS[mine]}) imports "
+                    f"{target} ({theirs}, layer {GROUPS[theirs]})"
+                )
     return bad
 
 
@@ -97,15 +101,18 @@ def test_the_check_sees_an_upward_import_even_inside_a_function(tmp_path):
     planted.write_text("def f():\n    from fdcore.models.llama import LlamaModel\n")
     assert violations({"fdcore.core.planted": str(planted)}) == [
         f"{os.path.relpath(str(planted), PACKAGE)}:2: fdcore.core.planted (fdcore.core, layer 3) imports "
-        "fdcore.models.llama (fdcore.models, layer 4)"]
+        "fdcore.models.llama (fdcore.models, layer 4)"
+    ]
     assert not violations({"fdcore.models.planted": str(planted)})
 
 
 @pytest.mark.parametrize("package", ["fdcore.checkpoint", "fdcore.core"])
 def test_reading_checkpoints_and_serving_policy_import_no_paddle(package):
     names = [m for m in modules() if m == package or m.startswith(package + ".")]
-    code = ("import importlib, sys\n"
-            f"for name in {names!r}:\n    importlib.import_module(name)\n"
-            "print(sorted(m for m in sys.modules if m == 'paddle' or m.startswith('paddle.')))")
+    code = (
+        "import importlib, sys\n"
+        f"for name in {names!r}:\n    importlib.import_module(name)\n"
+        "print(sorted(m for m in sys.modules if m == 'paddle' or m.startswith('paddle.')))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]", f"{package} imports Paddle"

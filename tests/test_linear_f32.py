@@ -8,22 +8,23 @@ import pytest
 
 from fdcore.models.kernels import kernel_path
 
-needs_f32_kernel = pytest.mark.skipif(kernel_path("float32") is None,
-                                   reason="float32 stays with MKL on CPUs without AVX-512F or AVX2")
+needs_f32_kernel = pytest.mark.skipif(
+    kernel_path("float32") is None, reason="float32 stays with MKL on CPUs without AVX-512F or AVX2"
+)
 
 
 def _linear(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     import paddle
 
-    from fdcore.models.llama import F32Matrix, _f32_kernel, linear
+    from fdcore.models.matrices import F32Matrix, f32_kernel, linear
 
-    assert _f32_kernel()
+    assert f32_kernel()
     return linear(paddle.to_tensor(x), F32Matrix.pack(w)).numpy()
 
 
 def test_the_packed_layout_and_the_rows_it_gives_back():
     """packed[p, k, lane] = w[32 p + lane, k], the last panel padded with zeros; take_rows is w[ids]."""
-    from fdcore.models.llama import F32Matrix
+    from fdcore.models.matrices import F32Matrix
 
     w = np.random.default_rng(0).standard_normal((70, 9)).astype(np.float32)
     matrix = F32Matrix.pack(w)
@@ -36,8 +37,20 @@ def test_the_packed_layout_and_the_rows_it_gives_back():
 
 
 @needs_f32_kernel
-@pytest.mark.parametrize("m, k, n", [(1, 576, 1536), (1, 33, 9), (1, 7, 130), (5, 100, 37), (8, 64, 64),
-                                     (9, 1, 3), (33, 96, 130), (17, 1536, 576), (0, 16, 40)])
+@pytest.mark.parametrize(
+    "m, k, n",
+    [
+        (1, 576, 1536),
+        (1, 33, 9),
+        (1, 7, 130),
+        (5, 100, 37),
+        (8, 64, 64),
+        (9, 1, 3),
+        (33, 96, 130),
+        (17, 1536, 576),
+        (0, 16, 40),
+    ],
+)
 def test_the_kernel_equals_a_float64_reference(m, k, n):
     """One row or several (8 at a time, then the rest: 5, 9, 17 and 33 rows leave 5, 1, 1 and 1), an
     inner dimension of 1 or odd, output counts that are not a multiple of the 32-row panels or of 16,
@@ -49,7 +62,7 @@ def test_the_kernel_equals_a_float64_reference(m, k, n):
     assert got.shape == (m, n) and got.dtype == np.float32
     exact = x.astype(np.float64) @ w.T.astype(np.float64)
     size = np.abs(x).astype(np.float64) @ np.abs(w).T.astype(np.float64)
-    assert np.all(np.abs(got - exact) <= k * 2.0 ** -23 * size + 1e-30)
+    assert np.all(np.abs(got - exact) <= k * 2.0**-23 * size + 1e-30)
 
 
 @needs_f32_kernel
@@ -59,7 +72,7 @@ def test_a_row_alone_equals_itself_in_any_batch():
     rng = np.random.default_rng(1)
     x = rng.standard_normal((33, 576)).astype(np.float32)
     w = rng.standard_normal((200, 576)).astype(np.float32)
-    alone = np.concatenate([_linear(x[i:i + 1], w) for i in range(33)])
+    alone = np.concatenate([_linear(x[i : i + 1], w) for i in range(33)])
     assert np.array_equal(_linear(x[:5], w), alone[:5])
     assert np.array_equal(_linear(x, w), alone)
     assert np.array_equal(_linear(x[7:12], w), alone[7:12])
@@ -69,8 +82,8 @@ _THREADED = """
 import sys
 import numpy as np
 import paddle
-from fdcore.models.llama import F32Matrix, _f32_kernel, linear
-assert _f32_kernel()
+from fdcore.models.matrices import F32Matrix, f32_kernel, linear
+assert f32_kernel()
 data = np.load(sys.argv[1])
 matrix = F32Matrix.pack(data["w"])
 out = {f"{m}": linear(paddle.to_tensor(data["x"][:m]), matrix).numpy() for m in (1, 5, 33)}
@@ -98,7 +111,7 @@ def tiny_path(tmp_path_factory):
 
 def _logits(model, prompts):
     from fdcore.core.batch import BatchInput
-    from fdcore.models.llama import PagedKVCache
+    from fdcore.models.kv_cache import PagedKVCache
 
     cache = PagedKVCache(model.args, 64, 16)
     tables = [list(range(i * 8, i * 8 + 8)) for i in range(len(prompts))]
@@ -113,9 +126,10 @@ def test_without_avx2_float32_stays_with_mkl_and_agrees(tiny_path, monkeypatch):
     refused, and gives the same logits to float32's rounding."""
     import paddle
 
-    from fdcore.models import kernels
-    from fdcore.models.llama import F32Matrix, LlamaModel
     from fdcore.checkpoint import load_checkpoint
+    from fdcore.models import kernels
+    from fdcore.models.llama import LlamaModel
+    from fdcore.models.matrices import F32Matrix
 
     prompts = [[5, 9, 300, 41], [17]]
     packed = LlamaModel(load_checkpoint(tiny_path, progress=lambda *_: None))
@@ -135,9 +149,9 @@ def test_without_avx2_float32_stays_with_mkl_and_agrees(tiny_path, monkeypatch):
 def test_a_tied_head_is_one_copy_that_the_embedding_reads(tmp_path):
     """A tied model keeps its embedding once, packed as the head; the hidden states it starts from are
     the embedding's rows exactly."""
-    from fdcore.checkpoint import tiny
-    from fdcore.models.llama import F32Matrix, LlamaModel
-    from fdcore.checkpoint import load_checkpoint
+    from fdcore.checkpoint import load_checkpoint, tiny
+    from fdcore.models.llama import LlamaModel
+    from fdcore.models.matrices import F32Matrix
 
     path = tiny.make_tiny_model(str(tmp_path / "tied"), arch="qwen2")  # tied embeddings
     checkpoint = load_checkpoint(path, progress=lambda *_: None)

@@ -13,11 +13,22 @@ import time
 import pytest
 
 from fdcore import AsyncLLM, SamplingParams
+from fdcore.checkpoint import tiny
 from fdcore.client.connection import Connection
 from fdcore.ipc import RingEmpty
-from fdcore.checkpoint import tiny
-from fdcore.protocol import (AbortRequest, AddRequest, Hello, Ping, Restarted, SeqTokens, ServingStats, Stop,
-                             Suspects, Update, Welcome)
+from fdcore.protocol import (
+    AbortRequest,
+    AddRequest,
+    Hello,
+    Ping,
+    Restarted,
+    SeqTokens,
+    ServingStats,
+    Stop,
+    Suspects,
+    Update,
+    Welcome,
+)
 from fdcore.supervisor import actor_pid
 from tests.test_crash_resume import config, requests, stream_all
 
@@ -32,9 +43,18 @@ def model_dir(tmp_path_factory):
 
 def wrong_type(rng: random.Random):
     """A valid record of a type only an actor (or the engine itself) may send."""
-    return rng.choice([Stop("forged"), Ping(1), Restarted("worker0", 9), SeqTokens(0, [1], [7], [None]),
-                       Suspects("worker0", 0, list(range(1, 9))), ServingStats(1, client=0),
-                       Update("r0", [1], "x"), Welcome(1, 10, 10, "m")])
+    return rng.choice(
+        [
+            Stop("forged"),
+            Ping(1),
+            Restarted("worker0", 9),
+            SeqTokens(0, [1], [7], [None]),
+            Suspects("worker0", 0, list(range(1, 9))),
+            ServingStats(1, client=0),
+            Update("r0", [1], "x"),
+            Welcome(1, 10, 10, "m"),
+        ]
+    )
 
 
 def final_update(conn: Connection, request_id: str, timeout: float = 20.0) -> Update:
@@ -70,7 +90,7 @@ def attack(conn: Connection, victim: int, case: int, kind: str, rng: random.Rand
             conn.sender.send_many([wrong_type(rng), AbortRequest(conn.slot, own)])
         case "forged_abort":  # aborting the victim's stream: the link says it is ours, so a no-op
             conn.send(AbortRequest(victim, f"r{rng.randrange(8)}"))
-        case "forged_add":    # a request in the victim's name, with one of its ids: ours, not its
+        case "forged_add":  # a request in the victim's name, with one of its ids: ours, not its
             forged = f"r{rng.randrange(8)}"
             conn.send(AddRequest(victim, forged, conn_body(), time.time()))
             conn.send(AbortRequest(victim, forged))
@@ -92,8 +112,11 @@ def attack(conn: Connection, victim: int, case: int, kind: str, rng: random.Rand
 def conn_body():
     import msgspec
 
-    return msgspec.Raw(msgspec.msgpack.encode({"prompt_token_ids": [9, 10, 11],
-                                               "sampling_params": {"max_tokens": 200, "ignore_eos": True}}))
+    return msgspec.Raw(
+        msgspec.msgpack.encode(
+            {"prompt_token_ids": [9, 10, 11], "sampling_params": {"max_tokens": 200, "ignore_eos": True}}
+        )
+    )
 
 
 FUZZ_CASES = 1000
@@ -134,8 +157,10 @@ def test_a_hostile_client_costs_only_itself(model_dir):
 def stall_config(model_dir: str, stall_timeout: float):
     from fdcore.config import parse_config
 
-    return parse_config(f'[model]\npath = "{model_dir}"\n[engine]\nclient_stall_timeout = {stall_timeout}\n'
-                        '[supervisor]\nring_capacity = 16384\n')
+    return parse_config(
+        f'[model]\npath = "{model_dir}"\n[engine]\nclient_stall_timeout = {stall_timeout}\n'
+        "[supervisor]\nring_capacity = 16384\n"
+    )
 
 
 def read_all(conn: Connection, request_ids: set[str], timeout: float = 30.0) -> dict[str, list[Update]]:
@@ -151,8 +176,7 @@ def read_all(conn: Connection, request_ids: set[str], timeout: float = 30.0) -> 
     return updates
 
 
-@pytest.mark.parametrize("pause, stall_timeout, cut_off, max_tokens",
-                         [(2.0, 30.0, False, 200), (3.0, 1.0, True, 2000)])
+@pytest.mark.parametrize("pause, stall_timeout, cut_off, max_tokens", [(2.0, 30.0, False, 200), (3.0, 1.0, True, 2000)])
 def test_a_client_that_stops_reading(model_dir, pause, stall_timeout, cut_off, max_tokens):
     """Its backlog (far more than one record of its 16 KiB ring) goes out in records the ring holds
     once it reads again; past the stall timeout it is cut off with an error. Others never notice.
@@ -168,7 +192,9 @@ def test_a_client_that_stops_reading(model_dir, pause, stall_timeout, cut_off, m
             slow = Connection(client._tree)
             try:
                 for rid in sorted(slow_ids):
-                    slow.submit(rid, [5, 6, 7, int(rid[1:]) + 20], SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+                    slow.submit(
+                        rid, [5, 6, 7, int(rid[1:]) + 20], SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+                    )
                 streams = asyncio.ensure_future(stream_all(client, prompts, params))
                 await asyncio.sleep(pause)  # the slow client reads nothing meanwhile
                 updates = await asyncio.to_thread(read_all, slow, slow_ids)
@@ -196,11 +222,11 @@ def _publish_raw(ring, header: tuple[int, int], payload: bytes = b"") -> None:
     """A record with a header of our choosing (length, check word), published as a producer would."""
     import struct
 
-    from fdcore.ipc.ring import HEADER_SIZE, TAIL
+    from fdcore.ipc.ring_layout import HEADER_SIZE, TAIL
 
     tail = ring._tail
     struct.pack_into("II", ring._mm, HEADER_SIZE + (tail & ring._mask), *header)
-    ring._mm[HEADER_SIZE + (tail & ring._mask) + 8:HEADER_SIZE + (tail & ring._mask) + 8 + len(payload)] = payload
+    ring._mm[HEADER_SIZE + (tail & ring._mask) + 8 : HEADER_SIZE + (tail & ring._mask) + 8 + len(payload)] = payload
     ring._tail = tail + ((len(payload) + 15) & ~7)
     ring._words[TAIL] = ring._tail
     ring._bell.semaphore.release()
@@ -208,7 +234,7 @@ def _publish_raw(ring, header: tuple[int, int], payload: bytes = b"") -> None:
 
 def corrupt(conn: Connection, kind: str, rng: random.Random) -> None:
     """What a client with its own rings mapped can do to the words the engine reads."""
-    from fdcore.ipc.ring import HEADER_SIZE, TAIL
+    from fdcore.ipc.ring_layout import HEADER_SIZE, TAIL
 
     ring = conn.sender.ring
     match kind:
@@ -224,7 +250,7 @@ def corrupt(conn: Connection, kind: str, rng: random.Random) -> None:
         case "header_bytes":  # anything over the header, both lines and the first record
             start = rng.randrange(0, HEADER_SIZE + 64)
             garbage = os.urandom(rng.randrange(1, HEADER_SIZE + 64 - start + 1))
-            ring._mm[start:start + len(garbage)] = garbage
+            ring._mm[start : start + len(garbage)] = garbage
             ring._bell.semaphore.release()
 
 
@@ -244,7 +270,7 @@ def handshake_across_a_head_republished(conn: Connection) -> None:
     """A client whose own scribbling left its link's head word garbage: its resync adopts that garbage as
     its tail, and the engine republishes its real head while resync reads the words, so that the Hello
     finds a head and a tail that contradict each other. The handshake must resync again, not fail."""
-    from fdcore.ipc.ring import TAIL
+    from fdcore.ipc.ring_layout import TAIL
 
     ring, real_resync = conn.sender.ring, conn._resync
 
@@ -293,7 +319,7 @@ def test_a_client_that_corrupts_its_own_ring_is_disconnected_not_the_engine(mode
                 during = await streams
                 after_attacks = actor_pid(client._tree.proc.pid, "engine")
                 stats = await client.stats()
-                from fdcore.ipc.ring import HEADER_SIZE
+                from fdcore.ipc.ring_layout import HEADER_SIZE
 
                 for ring in (attacker.sender.ring, attacker.inbox._links["engine"]):  # garbage headers, for good
                     ring._mm[0:HEADER_SIZE] = os.urandom(HEADER_SIZE)

@@ -8,12 +8,12 @@ import os
 import numpy as np
 import pytest
 
+from fdcore.checkpoint import CheckpointError, load_checkpoint, tiny
 from fdcore.core.batch import BatchInput
-from fdcore.checkpoint import tiny
-from fdcore.models.llama import LlamaModel, PagedKVCache
-from fdcore.checkpoint import CheckpointError, load_checkpoint
-from fdcore.protocol import SamplingParams
+from fdcore.models.kv_cache import PagedKVCache
+from fdcore.models.llama import LlamaModel
 from fdcore.models.sampling import SamplerRequest, sample
+from fdcore.protocol import SamplingParams
 
 REFERENCE = json.load(open(os.path.join(os.path.dirname(__file__), "data", "reference.json")))
 BLOCK = 16
@@ -22,18 +22,25 @@ BLOCK = 16
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("ckpt")
-    return {name: tiny.make_tiny_model(str(root / name), **spec["options"])
-            for name, spec in REFERENCE["checkpoints"].items()}
+    return {
+        name: tiny.make_tiny_model(str(root / name), **spec["options"])
+        for name, spec in REFERENCE["checkpoints"].items()
+    }
 
 
 @pytest.fixture(scope="module")
 def models(checkpoints):
-    return {name: LlamaModel(load_checkpoint(path, progress=lambda *_: None))
-            for name, path in checkpoints.items()}
+    return {name: LlamaModel(load_checkpoint(path, progress=lambda *_: None)) for name, path in checkpoints.items()}
 
 
-def run_greedy(model: LlamaModel, prompts: list[list[int]], new_tokens: int, chunk: int = 10_000,
-               starts: list[int] | None = None, params: list | None = None) -> list[list[int]]:
+def run_greedy(
+    model: LlamaModel,
+    prompts: list[list[int]],
+    new_tokens: int,
+    chunk: int = 10_000,
+    starts: list[int] | None = None,
+    params: list | None = None,
+) -> list[list[int]]:
     """Continuous batching in miniature: every step each sequence adds its next prompt chunk
     (at most ``chunk`` tokens) or its last sampled token; sequence i joins at step starts[i].
     Greedy, or sampled with ``params[i]`` (a SamplingParams) where given."""
@@ -52,7 +59,7 @@ def run_greedy(model: LlamaModel, prompts: list[list[int]], new_tokens: int, chu
             if step < starts[i] or len(outputs[i]) >= new_tokens:
                 continue
             seq = prompt + outputs[i]
-            ids = seq[done[i]:done[i] + chunk]
+            ids = seq[done[i] : done[i] + chunk]
             batch.token_ids.append(ids)
             batch.start_positions.append(done[i])
             batch.block_tables.append(tables[i])
@@ -91,8 +98,12 @@ def test_chunked_prefill_gives_the_same_tokens(models):
 
 def test_a_request_alone_equals_itself_in_a_mixed_batch(models):
     cases = REFERENCE["checkpoints"]["qwen2-bias-tied"]["cases"]
-    prompts = [cases["short"]["prompt"], cases["long"]["prompt"], cases["non_ascii"]["prompt"],
-               cases["short"]["prompt"][:2]]
+    prompts = [
+        cases["short"]["prompt"],
+        cases["long"]["prompt"],
+        cases["non_ascii"]["prompt"],
+        cases["short"]["prompt"][:2],
+    ]
     # Staggered joins and 64-token chunks: prefill chunks and decodes share steps.
     together = run_greedy(models["qwen2-bias-tied"], prompts, 24, chunk=64, starts=[0, 1, 5, 9])
     for prompt, output in zip(prompts, together, strict=True):
@@ -104,10 +115,21 @@ def test_a_seeded_sampled_request_is_identical_with_different_companions(models)
     cases = REFERENCE["checkpoints"]["llama-gqa"]["cases"]
     mine = SamplingParams(temperature=0.9, top_p=0.95, top_k=200, seed=42)
     prompt = cases["non_ascii"]["prompt"]
-    first = run_greedy(models["llama-gqa"], [prompt, cases["short"]["prompt"]], 20, chunk=8,
-                       params=[mine, SamplingParams(temperature=1.3)])[0]
-    second = run_greedy(models["llama-gqa"], [cases["long"]["prompt"], prompt], 20, chunk=300,
-                        starts=[0, 2], params=[SamplingParams(temperature=0), mine])[1]
+    first = run_greedy(
+        models["llama-gqa"],
+        [prompt, cases["short"]["prompt"]],
+        20,
+        chunk=8,
+        params=[mine, SamplingParams(temperature=1.3)],
+    )[0]
+    second = run_greedy(
+        models["llama-gqa"],
+        [cases["long"]["prompt"], prompt],
+        20,
+        chunk=300,
+        starts=[0, 2],
+        params=[SamplingParams(temperature=0), mine],
+    )[1]
     assert first == second
     assert first != cases["non_ascii"]["output"][:20]  # it really sampled
 
@@ -134,7 +156,9 @@ def test_shape_mismatch_names_the_tensor(tmp_path):
     config = json.load(open(os.path.join(path, "config.json")))
     config["intermediate_size"] = 512
     json.dump(config, open(os.path.join(path, "config.json"), "w"))
-    with pytest.raises(CheckpointError, match=r"mlp\.gate_proj\.weight' has shape \(768, 256\), config.json implies \(512, 256\)"):
+    with pytest.raises(
+        CheckpointError, match=r"mlp\.gate_proj\.weight' has shape \(768, 256\), config.json implies \(512, 256\)"
+    ):
         load_checkpoint(path)
 
 
@@ -191,8 +215,9 @@ np.savez(sys.argv[2], prefill=prefill, decode=decode)
 """
 
 
-@pytest.mark.parametrize("dtype, quantization", [("float32", "none"), ("float32", "wint8"), ("float32", "wint4"),
-                                                  ("bfloat16", "none")])
+@pytest.mark.parametrize(
+    "dtype, quantization", [("float32", "none"), ("float32", "wint8"), ("float32", "wint4"), ("bfloat16", "none")]
+)
 def test_a_row_gets_the_same_bits_prefilled_whole_in_chunks_or_step_by_step(checkpoints, dtype, quantization):
     """Crash-resume recomputes a sequence in other chunks and batches: position 44's logits are the same to
     the bit from a whole prefill (attention pairs rows 0-1, ..., 42-43: AttendHeadsPair; bfloat16's products
@@ -240,11 +265,16 @@ def test_a_forward_pass_gives_the_same_bits_on_one_and_two_threads(checkpoints, 
         assert np.array_equal(one[name], two[name]), name
 
 
-@pytest.mark.parametrize("dtype, quantization, cache_dtype", [
-    ("float32", "none", "float32"), ("float32", "wint8", "float32"), ("float32", "wint4", "float32"),
-    ("bfloat16", "none", "float32"),
-    ("bfloat16", "none", "bfloat16"),  # the tile attention: queries rounded once a row, o's rows handed rounded
-])
+@pytest.mark.parametrize(
+    "dtype, quantization, cache_dtype",
+    [
+        ("float32", "none", "float32"),
+        ("float32", "wint8", "float32"),
+        ("float32", "wint4", "float32"),
+        ("bfloat16", "none", "float32"),
+        ("bfloat16", "none", "bfloat16"),  # the tile attention: queries rounded once a row, o's rows handed rounded
+    ],
+)
 def test_the_one_call_decoder_equals_the_per_layer_calls_to_the_bit(checkpoints, dtype, quantization, cache_dtype):
     """kernels/decoder.cc runs every layer in one operator call with the kernels the per-layer path
     calls from Python, in the same order: the same logits to the bit, prefill and decode, biases and

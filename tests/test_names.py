@@ -92,7 +92,7 @@ def test_sweep_removes_only_instances_whose_owner_is_verifiably_gone():
     alive = _instance_with_record(me, start, namespace)
     reused = _instance_with_record(me, start - 1, namespace)  # our pid, but not the process that made it
     elsewhere = _instance_with_record(me, start - 1, namespace + 1)  # another pid namespace: unknowable
-    unrecorded = names.new_instance_id(2 ** 22 + 1)  # no owner record (and no such pid): proves nothing
+    unrecorded = names.new_instance_id(2**22 + 1)  # no owner record (and no such pid): proves nothing
     Ring.create(4096, name=names.object_name(unrecorded, "left")).close()
     try:
         removed = names.sweep()
@@ -117,7 +117,7 @@ def test_sweep_leaves_another_users_entries_alone():
 
 def test_an_instance_is_claimed_only_for_a_running_owner():
     with pytest.raises(ValueError, match="not a running process"):
-        names.claim_instance(names.new_instance_id(2 ** 22 + 5))
+        names.claim_instance(names.new_instance_id(2**22 + 5))
 
 
 def test_topology_finds_an_instance_by_its_engine_inbox_and_a_client_slot_by_its_file():

@@ -46,9 +46,25 @@ def test_a_server_and_two_test_sessions_leave_each_other_alone(tmp_path):
     os.mkfifo(go)
     inner = tmp_path / "test_inner.py"
     inner.write_text(INNER_TEST.format(config=str(config), up=up, go=go))
-    second = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "tests.conftest",
-                               "--rootdir", str(tmp_path), str(inner)],
-                              cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    second = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-p",
+            "tests.conftest",
+            "--rootdir",
+            str(tmp_path),
+            str(inner),
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     server = None
     try:
         with open(up) as f:  # the second session's tree is up (EOF: it died before)

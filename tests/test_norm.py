@@ -26,9 +26,11 @@ np.savez(sys.argv[2], total=total.numpy(), normed=normed.numpy())
 
 def _rows(count: int, width: int, seed: int) -> dict:
     rng = np.random.default_rng(seed)
-    return {"h": (rng.standard_normal((count, width)) * 3).astype(np.float32),
-            "d": rng.standard_normal((count, width)).astype(np.float32),
-            "w": rng.uniform(0.5, 1.5, width).astype(np.float32)}
+    return {
+        "h": (rng.standard_normal((count, width)) * 3).astype(np.float32),
+        "d": rng.standard_normal((count, width)).astype(np.float32),
+        "w": rng.uniform(0.5, 1.5, width).astype(np.float32),
+    }
 
 
 @needs_ops
@@ -47,7 +49,7 @@ def test_each_row_is_normed_alone_to_its_own_bits(width):
     expected = s / np.sqrt((s * s).mean(axis=1, keepdims=True) + 1e-5) * given["w"]
     np.testing.assert_allclose(normed, expected, rtol=2e-6, atol=1e-6)
     for row in range(11):
-        alone = add_rms_norm(h[row:row + 1], d[row:row + 1], w, 1e-5)[1].numpy()
+        alone = add_rms_norm(h[row : row + 1], d[row : row + 1], w, 1e-5)[1].numpy()
         assert np.array_equal(alone[0], normed[row]), row
     pair = add_rms_norm(h[5:7], d[5:7], w, 1e-5)[1].numpy()
     assert np.array_equal(pair, normed[5:7])

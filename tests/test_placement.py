@@ -7,29 +7,31 @@ import os
 import pytest
 
 from fdcore import LLM, SamplingParams
+from fdcore.checkpoint import tiny
 from fdcore.core import placement
 from fdcore.core.placement import Placement, plan
-from fdcore.checkpoint import tiny
 from fdcore.supervisor import actor_processes
 from tests.supervised import tree_config
 
 
-@pytest.mark.parametrize("cpus, ranks, threads, expected", [
-    # 2 cores, one worker of 2 threads (the default there): its main thread alone, the rest beside it
-    ([0, 1], 1, 2, Placement(frozenset({1}), (0,), (frozenset({1}),))),
-    # one math thread (the tests' OMP_NUM_THREADS=1): the second core is the control plane's
-    ([0, 1], 1, 1, Placement(frozenset({1}), (0,), (frozenset({1}),))),
-    # 4 cores, 2 ranks of 2: each rank's second core is shared with the control plane
-    ([0, 1, 2, 3], 2, 2, Placement(frozenset({1, 3}), (0, 2), (frozenset({1}), frozenset({3})))),
-    # spare cores: the control plane gets them alone, a rank's helpers their own
-    ([0, 1, 2, 3, 4, 5, 6, 7], 1, 4,
-     Placement(frozenset({4, 5, 6, 7}), (0,), (frozenset({1, 2, 3}),))),
-    # more threads than cores: the share is capped at an even split
-    ([0, 1, 2], 1, 8, Placement(frozenset({1, 2}), (0,), (frozenset({1, 2}),))),
-    # the CPUs a cgroup or taskset left, not 0..n-1
-    ([7, 2, 5], 1, 1, Placement(frozenset({5, 7}), (2,), (frozenset({5, 7}),))),
-    ([0, 1, 2], 2, 1, Placement(frozenset({2}), (0, 1), (frozenset({2}), frozenset({2})))),
-])
+@pytest.mark.parametrize(
+    "cpus, ranks, threads, expected",
+    [
+        # 2 cores, one worker of 2 threads (the default there): its main thread alone, the rest beside it
+        ([0, 1], 1, 2, Placement(frozenset({1}), (0,), (frozenset({1}),))),
+        # one math thread (the tests' OMP_NUM_THREADS=1): the second core is the control plane's
+        ([0, 1], 1, 1, Placement(frozenset({1}), (0,), (frozenset({1}),))),
+        # 4 cores, 2 ranks of 2: each rank's second core is shared with the control plane
+        ([0, 1, 2, 3], 2, 2, Placement(frozenset({1, 3}), (0, 2), (frozenset({1}), frozenset({3})))),
+        # spare cores: the control plane gets them alone, a rank's helpers their own
+        ([0, 1, 2, 3, 4, 5, 6, 7], 1, 4, Placement(frozenset({4, 5, 6, 7}), (0,), (frozenset({1, 2, 3}),))),
+        # more threads than cores: the share is capped at an even split
+        ([0, 1, 2], 1, 8, Placement(frozenset({1, 2}), (0,), (frozenset({1, 2}),))),
+        # the CPUs a cgroup or taskset left, not 0..n-1
+        ([7, 2, 5], 1, 1, Placement(frozenset({5, 7}), (2,), (frozenset({5, 7}),))),
+        ([0, 1, 2], 2, 1, Placement(frozenset({2}), (0, 1), (frozenset({2}), frozenset({2})))),
+    ],
+)
 def test_the_plan(cpus, ranks, threads, expected):
     assert plan(cpus, ranks, threads) == expected
 

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 from fdcore import LLM, AsyncLLM, SamplingParams
+from fdcore.checkpoint import load_checkpoint, tiny
 from fdcore.core.batch import BatchInput
-from fdcore.checkpoint import tiny
-from fdcore.models.llama import LlamaModel, PagedKVCache
-from fdcore.checkpoint import load_checkpoint
+from fdcore.models.kv_cache import PagedKVCache
+from fdcore.models.llama import LlamaModel
 from fdcore.models.sampling import score_tokens
 from fdcore.supervisor import actor_pid
 from tests.supervised import tree_config
@@ -98,8 +98,7 @@ def test_forward_rows_gives_every_new_rows_state(model):
     """The hidden states forward_rows returns, through the LM head, are each position's logits."""
     prompt = prompt_of(40)
     cache = PagedKVCache(model.args, 8, 16)
-    logits, states = model.forward_rows(BatchInput([[5], prompt], [0, 0], [[7], list(range(3))], [1, 40]),
-                                        cache, (1,))
+    logits, states = model.forward_rows(BatchInput([[5], prompt], [0, 0], [[7], list(range(3))], [1, 40]), cache, (1,))
     rows = model.logits(states[1])
     assert rows.shape == (40, model.args.vocab_size)
     np.testing.assert_allclose(rows[-1], logits[1], atol=1e-5)
@@ -118,8 +117,9 @@ def test_prompt_logprobs_through_chunked_prefill_and_the_prefix_cache(model_dir,
     try:
         params = SamplingParams(max_tokens=3, temperature=0.0, prompt_logprobs=TOP)
         first, again = (llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0] for _ in range(2))
-        plain = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=3, temperature=0.0),
-                             use_tqdm=False)[0]
+        plain = llm.generate(
+            [{"prompt_token_ids": prompt}], SamplingParams(max_tokens=3, temperature=0.0), use_tqdm=False
+        )[0]
     finally:
         llm.shutdown()
     assert_scores_match(first.prompt_logprobs, reference)
@@ -132,8 +132,9 @@ def test_bad_prompt_logprobs_is_refused_naming_the_field(model_dir):
     llm = LLM(config(model_dir))
     try:
         for value in (-1, 21):
-            out = llm.generate([{"prompt_token_ids": [5, 6]}], SamplingParams(max_tokens=1, prompt_logprobs=value),
-                               use_tqdm=False)[0]
+            out = llm.generate(
+                [{"prompt_token_ids": [5, 6]}], SamplingParams(max_tokens=1, prompt_logprobs=value), use_tqdm=False
+            )[0]
             assert out.outputs.finish_reason == "error"
             assert out.error_msg.startswith("prompt_logprobs"), out.error_msg
     finally:

@@ -13,8 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fdcore.ipc import (RecordTooLarge, Ring, RingClosed, RingCorrupted, RingEmpty, RingError,
-                        RingFull)
+from fdcore.ipc import RecordTooLarge, Ring, RingClosed, RingCorrupted, RingEmpty, RingError, RingFull
 from fdcore.ipc import ring as ring_mod
 
 
@@ -46,9 +45,10 @@ def test_empty_record_and_bytearray_and_memoryview_payloads(ring):
 
 
 @settings(max_examples=200, deadline=None)
-@given(ops=st.lists(st.one_of(st.integers(min_value=0, max_value=300),
-                              st.just("get"), st.just("drain")), max_size=200),
-       capacity=st.sampled_from([64, 256, 512, 1024]))
+@given(
+    ops=st.lists(st.one_of(st.integers(min_value=0, max_value=300), st.just("get"), st.just("drain")), max_size=200),
+    capacity=st.sampled_from([64, 256, 512, 1024]),
+)
 def test_framing_and_wrap_around_match_a_fifo_model(ops, capacity):
     ring = Ring.create(capacity)
     try:
@@ -173,7 +173,7 @@ def test_garbage_tail_is_detected(ring):
 
 def test_garbage_record_header_is_detected(ring):
     ring.put_nowait(b"hello")
-    _mm(ring)[ring_mod.HEADER_SIZE:ring_mod.HEADER_SIZE + 8] = b"\xff\x00\x00\x00\x07\x00\x00\x00"
+    _mm(ring)[ring_mod.HEADER_SIZE : ring_mod.HEADER_SIZE + 8] = b"\xff\x00\x00\x00\x07\x00\x00\x00"
     with pytest.raises(RingCorrupted, match="bad record header"):
         ring.get_nowait()
 
@@ -192,7 +192,7 @@ def test_random_garbage_never_reads_out_of_bounds_or_hangs(junk, at):
             r.get_nowait()
         mm = _mm(r)
         end = min(len(mm), at + len(junk))
-        mm[at:end] = junk[:end - at]
+        mm[at:end] = junk[: end - at]
         try:
             reader = Ring.attach(r.name)
         except RingCorrupted:
@@ -209,7 +209,7 @@ def test_random_garbage_never_reads_out_of_bounds_or_hangs(junk, at):
         assert all(record in records for record in got)
         return
     offset = ring_mod.HEADER_SIZE + sum(_record_size(p) for p in records[:10])
-    for expected, record in zip(records[10:], got):
+    for expected, record in zip(records[10:], got, strict=False):
         size = _record_size(expected)
         if at < offset + size and end > offset:  # the junk hit this record: no promise from here on
             break
@@ -269,7 +269,7 @@ def test_an_untrusting_attach_ignores_the_header_and_clears_words_that_do_not_fi
     """Magic, capacity and names overwritten, head and tail out of bounds: the attach opens the ring as
     it was made (the capacity the segment holds) and leaves it empty and consistent."""
     ring.put_nowait(b"x" * 100)
-    _mm(ring)[0:ring_mod.HEADER_SIZE] = os.urandom(ring_mod.HEADER_SIZE)
+    _mm(ring)[0 : ring_mod.HEADER_SIZE] = os.urandom(ring_mod.HEADER_SIZE)
     ring._words[ring_mod.TAIL], ring._words[ring_mod.HEAD] = 2**50 + 3, 5
     with pytest.raises(RingCorrupted):
         Ring.attach(ring.name)
@@ -291,7 +291,7 @@ def test_a_consumer_returns_the_records_before_a_bad_header_then_drops_the_rest(
         ring.put_nowait(b"second")
         ring.put_nowait(b"third")
         at = ring_mod.HEADER_SIZE + 2 * _record_size(b"first")  # "third"'s header (same sizes)
-        _mm(ring)[at + 4:at + 8] = b"\xde\xad\xbe\xef"
+        _mm(ring)[at + 4 : at + 8] = b"\xde\xad\xbe\xef"
         assert reader.get_many_nowait() == [b"first", b"second"]
         with pytest.raises(RingCorrupted, match="bad record header"):
             reader.get_many_nowait()

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fdcore.protocol import SamplingParams
 from fdcore.models.sampling import SamplerRequest, sample
+from fdcore.protocol import SamplingParams
 
 V = 16
 
@@ -54,8 +54,7 @@ def test_seeded_sampling_follows_the_distribution():
 @pytest.mark.parametrize("params", [dict(top_k=1), dict(top_p=0.01), dict(min_p=0.99)])
 def test_filters_that_leave_one_token_act_like_greedy(params):
     row = np.random.default_rng(1).standard_normal(V).astype(np.float32)
-    picks = {sample(row[None], [req(prompt=[0] * i, temperature=1.0, seed=i, **params)])[0].token_id
-             for i in range(50)}
+    picks = {sample(row[None], [req(prompt=[0] * i, temperature=1.0, seed=i, **params)])[0].token_id for i in range(50)}
     assert picks == {int(np.argmax(row))}
 
 
@@ -75,8 +74,10 @@ def test_repetition_penalty_demotes_seen_tokens():
 def test_presence_and_frequency_penalties_subtract_per_occurrence():
     row = logits_row((4, 3.0), (6, 2.5))
     assert sample(row[None], [req(output=[4], temperature=0, presence_penalty=0.6)])[0].token_id == 6
-    assert sample(row[None], [req(output=[4], temperature=0, presence_penalty=0.6,
-                                  frequency_penalty=-1.0)])[0].token_id == 4
+    assert (
+        sample(row[None], [req(output=[4], temperature=0, presence_penalty=0.6, frequency_penalty=-1.0)])[0].token_id
+        == 4
+    )
 
 
 def test_logit_bias_forces_or_bans_a_token_in_any_batch():
@@ -144,8 +145,11 @@ def test_the_gumbel_kernel_draws_the_same_tokens_on_one_and_two_threads(on_threa
     """Rows are shared out over OpenMP's threads, each drawn whole by one: a restarted worker with
     another thread count draws what the first one drew."""
     rng = np.random.default_rng(3)
-    given = {"logits": rng.standard_normal((64, 4099)).astype(np.float32),  # a vocabulary not a multiple of 16
-             "keys": rng.integers(-2**62, 2**62, size=64), "inv_t": np.full(64, 1.3, dtype=np.float32)}
+    given = {
+        "logits": rng.standard_normal((64, 4099)).astype(np.float32),  # a vocabulary not a multiple of 16
+        "keys": rng.integers(-(2**62), 2**62, size=64),
+        "inv_t": np.full(64, 1.3, dtype=np.float32),
+    }
     one, two = on_threads(_GUMBEL_ON_THREADS, given, threads=1), on_threads(_GUMBEL_ON_THREADS, given, threads=2)
     assert np.array_equal(one["tokens"], two["tokens"])
     assert len(set(one["tokens"].tolist())) > 32  # 64 draws from 4,099 tokens: not one repeated answer

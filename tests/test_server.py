@@ -38,10 +38,12 @@ def server(tmp_path_factory):
     model = tiny.make_tiny_model(str(root / MODEL))
     port = free_port()
     config = root / "server.toml"
-    config.write_text(f'[model]\npath = "{model}"\n[server]\nenabled = true\nport = {port}\n'
-                      f'api_key = "{KEY}"\nmax_request_bytes = 65536\nheader_timeout = 1.0\nbody_timeout = 1.0\n'
-                      'timeout_keep_alive = 0.5\nlimit_concurrency = 200\nmax_connections = 300\n'
-                      'max_connections_per_peer = 300\n[engine]\nmax_pending_requests = 64\n')
+    config.write_text(
+        f'[model]\npath = "{model}"\n[server]\nenabled = true\nport = {port}\n'
+        f'api_key = "{KEY}"\nmax_request_bytes = 65536\nheader_timeout = 1.0\nbody_timeout = 1.0\n'
+        "timeout_keep_alive = 0.5\nlimit_concurrency = 200\nmax_connections = 300\n"
+        "max_connections_per_peer = 300\n[engine]\nmax_pending_requests = 64\n"
+    )
     tree = Tree(str(config))
     TREES.append(tree)
     try:
@@ -79,8 +81,11 @@ def test_completions_with_the_openai_client(client):
     assert out.usage.completion_tokens == 8 and out.usage.prompt_tokens > 0
     again = client.completions.create(model=MODEL, prompt="def main():", max_tokens=8, temperature=0)
     assert again.choices[0].text == out.choices[0].text  # greedy
-    pieces = [c.choices[0].text for c in client.completions.create(
-        model=MODEL, prompt="def main():", max_tokens=8, temperature=0, stream=True) if c.choices]
+    pieces = [
+        c.choices[0].text
+        for c in client.completions.create(model=MODEL, prompt="def main():", max_tokens=8, temperature=0, stream=True)
+        if c.choices
+    ]
     assert "".join(pieces) == out.choices[0].text
 
 
@@ -94,13 +99,22 @@ def test_completion_logprobs(client):
 
 def test_chat_with_the_openai_client_streaming_and_not(client):
     messages = [{"role": "user", "content": "Hello there"}]
-    out = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0,
-                                         logprobs=True, top_logprobs=2)
+    out = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=10, temperature=0, logprobs=True, top_logprobs=2
+    )
     assert out.object == "chat.completion" and out.choices[0].message.role == "assistant"
     assert out.usage.completion_tokens == 10
     assert len(out.choices[0].logprobs.content) == 10
-    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0,
-                                                 stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            max_tokens=10,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == out.choices[0].message.content
     assert chunks[-1].usage.completion_tokens == 10
@@ -110,9 +124,23 @@ def test_chat_with_the_openai_client_streaming_and_not(client):
 @pytest.mark.skipif(shutil.which("curl") is None, reason="no curl on this machine")
 def test_curl(server):
     body = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 3, "temperature": 0, "stream": True})
-    result = subprocess.run(["curl", "-sN", f"{server}/v1/completions", "-H", f"Authorization: Bearer {KEY}",
-                             "-H", "Content-Type: application/json", "-d", body],
-                            capture_output=True, text=True, timeout=60, check=True)
+    result = subprocess.run(
+        [
+            "curl",
+            "-sN",
+            f"{server}/v1/completions",
+            "-H",
+            f"Authorization: Bearer {KEY}",
+            "-H",
+            "Content-Type: application/json",
+            "-d",
+            body,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
     events = [line for line in result.stdout.splitlines() if line.startswith("data: ")]
     assert events[-1] == "data: [DONE]" and len(events) >= 2
     assert json.loads(events[-2][6:])["choices"][0]["finish_reason"] == "length"
@@ -123,10 +151,17 @@ def test_health_and_metrics(server, client):
     assert health["status"] == "ok" and health["spares"]["worker0"] in ("loading", "warm")
     client.completions.create(model=MODEL, prompt="x", max_tokens=2)
     text = httpx.get(f"{server}/metrics").text
-    for name in ("fdcore_requests_total", "fdcore_requests_running", "fdcore_requests_waiting",
-                 "fdcore_kv_cache_usage_ratio", "fdcore_prefix_cache_hit_rate",
-                 "fdcore_time_to_first_token_seconds_bucket", "fdcore_time_per_output_token_seconds_bucket",
-                 "fdcore_e2e_request_latency_seconds_bucket", 'fdcore_actor_restarts{actor="worker0"}'):
+    for name in (
+        "fdcore_requests_total",
+        "fdcore_requests_running",
+        "fdcore_requests_waiting",
+        "fdcore_kv_cache_usage_ratio",
+        "fdcore_prefix_cache_hit_rate",
+        "fdcore_time_to_first_token_seconds_bucket",
+        "fdcore_time_per_output_token_seconds_bucket",
+        "fdcore_e2e_request_latency_seconds_bucket",
+        'fdcore_actor_restarts{actor="worker0"}',
+    ):
         assert name in text, name
     assert 'fdcore_requests_total{outcome="length"}' in text
 
@@ -157,11 +192,23 @@ MALFORMED = [
     ("n too many", "/v1/completions", {**OK, "n": 65}, None, 400, "n"),
     ("prompts x n too many", "/v1/completions", {**OK, "prompt": ["a"] * 33, "n": 2}, None, 400, "n"),
     ("a prompt of the list not a prompt", "/v1/completions", {**OK, "prompt": ["a", 5]}, None, 400, "prompt[1]"),
-    ("prompt_logprobs streamed", "/v1/completions", {**OK, "prompt_logprobs": 1, "stream": True}, None, 400,
-     "prompt_logprobs"),
+    (
+        "prompt_logprobs streamed",
+        "/v1/completions",
+        {**OK, "prompt_logprobs": 1, "stream": True},
+        None,
+        400,
+        "prompt_logprobs",
+    ),
     ("prompt_logprobs too many", "/v1/completions", {**OK, "prompt_logprobs": 21}, None, 400, "prompt_logprobs"),
-    ("chat prompt_logprobs negative", "/v1/chat/completions", {**CHAT, "prompt_logprobs": -1}, None, 400,
-     "prompt_logprobs"),
+    (
+        "chat prompt_logprobs negative",
+        "/v1/chat/completions",
+        {**CHAT, "prompt_logprobs": -1},
+        None,
+        400,
+        "prompt_logprobs",
+    ),
     ("logit_bias key not a token id", "/v1/completions", {**OK, "logit_bias": {"abc": 1}}, None, 400, "logit_bias"),
     ("logit_bias above 100", "/v1/completions", {**OK, "logit_bias": {"5": 101}}, None, 400, "logit_bias[5]"),
     ("logit_bias not a number", "/v1/completions", {**OK, "logit_bias": {"5": "x"}}, None, 400, "logit_bias[5]"),
@@ -172,19 +219,42 @@ MALFORMED = [
     ("prompt token out of vocabulary", "/v1/completions", {**OK, "prompt": [999999]}, None, 400, "prompt_token_ids[0]"),
     ("empty prompt", "/v1/completions", {**OK, "prompt": ""}, None, 400, "prompt"),
     ("prompt too long", "/v1/completions", {**OK, "prompt": [5] * 3000}, None, 400, "prompt"),
-    ("chat role unknown", "/v1/chat/completions", {**CHAT, "messages": [{"role": "wizard", "content": "x"}]},
-     None, 400, "messages[0].role"),
-    ("chat content missing", "/v1/chat/completions", {**CHAT, "messages": [{"role": "user"}]}, None, 400,
-     "messages[0].content"),
-    ("top_logprobs without logprobs", "/v1/chat/completions", {**CHAT, "top_logprobs": 2}, None, 400,
-     "top_logprobs"),
+    (
+        "chat role unknown",
+        "/v1/chat/completions",
+        {**CHAT, "messages": [{"role": "wizard", "content": "x"}]},
+        None,
+        400,
+        "messages[0].role",
+    ),
+    (
+        "chat content missing",
+        "/v1/chat/completions",
+        {**CHAT, "messages": [{"role": "user"}]},
+        None,
+        400,
+        "messages[0].content",
+    ),
+    ("top_logprobs without logprobs", "/v1/chat/completions", {**CHAT, "top_logprobs": 2}, None, 400, "top_logprobs"),
     ("oversized body", "/v1/completions", None, json.dumps({**OK, "prompt": "x" * 70000}).encode(), 413, None),
     ("tokenize both forms", "/tokenize", {"prompt": "hi", "messages": CHAT["messages"]}, None, 400, "messages"),
     ("tokenize neither form", "/tokenize", {"model": MODEL}, None, 400, "prompt"),
-    ("tokenize chat option on a prompt", "/tokenize", {"prompt": "hi", "add_generation_prompt": True}, None, 400,
-     "add_generation_prompt"),
-    ("tokenize special tokens off", "/tokenize", {"prompt": "hi", "add_special_tokens": False}, None, 400,
-     "add_special_tokens"),
+    (
+        "tokenize chat option on a prompt",
+        "/tokenize",
+        {"prompt": "hi", "add_generation_prompt": True},
+        None,
+        400,
+        "add_generation_prompt",
+    ),
+    (
+        "tokenize special tokens off",
+        "/tokenize",
+        {"prompt": "hi", "add_special_tokens": False},
+        None,
+        400,
+        "add_special_tokens",
+    ),
     ("tokenize unknown model", "/tokenize", {"model": "gpt-9", "prompt": "hi"}, None, 404, "model"),
     ("tokenize unknown field", "/tokenize", {"prompt": "hi", "truncate": 3}, None, 400, "truncate"),
     ("detokenize out of vocabulary", "/detokenize", {"tokens": [5, 999999]}, None, 400, "tokens[1]"),
@@ -192,21 +262,39 @@ MALFORMED = [
     ("seed past 64 bits", "/v1/completions", {**OK, "seed": 2**64}, None, 400, "seed"),
     ("max_tokens past 64 bits", "/v1/completions", {**OK, "max_tokens": 10**20}, None, 400, "max_tokens"),
     ("prompt id past 64 bits", "/v1/completions", {**OK, "prompt": [5, 2**64]}, None, 400, "prompt[1]"),
-    ("logit_bias key past 64 bits", "/v1/completions", {**OK, "logit_bias": {str(2**64): 1}}, None, 400,
-     "logit_bias"),
-    ("chat seed past 64 bits", "/v1/chat/completions", {**CHAT, "seed": -2**63 - 1}, None, 400, "seed"),
-    ("tool_choice function a string", "/v1/chat/completions",
-     {**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}],
-      "tool_choice": {"type": "function", "function": "f"}}, None, 400, "tool_choice"),
-    ("tool_choice of another type", "/v1/chat/completions",
-     {**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}],
-      "tool_choice": {"type": "x", "function": {"name": "f"}}}, None, 400, "tool_choice"),
+    ("logit_bias key past 64 bits", "/v1/completions", {**OK, "logit_bias": {str(2**64): 1}}, None, 400, "logit_bias"),
+    ("chat seed past 64 bits", "/v1/chat/completions", {**CHAT, "seed": -(2**63) - 1}, None, 400, "seed"),
+    (
+        "tool_choice function a string",
+        "/v1/chat/completions",
+        {
+            **CHAT,
+            "tools": [{"type": "function", "function": {"name": "f"}}],
+            "tool_choice": {"type": "function", "function": "f"},
+        },
+        None,
+        400,
+        "tool_choice",
+    ),
+    (
+        "tool_choice of another type",
+        "/v1/chat/completions",
+        {
+            **CHAT,
+            "tools": [{"type": "function", "function": {"name": "f"}}],
+            "tool_choice": {"type": "x", "function": {"name": "f"}},
+        },
+        None,
+        400,
+        "tool_choice",
+    ),
 ]
 
 
 @pytest.mark.parametrize("name, path, body, raw, status, param", MALFORMED, ids=[m[0] for m in MALFORMED])
-def test_malformed_requests_get_openai_errors_and_the_server_keeps_serving(server, name, path, body, raw,
-                                                                           status, param):
+def test_malformed_requests_get_openai_errors_and_the_server_keeps_serving(
+    server, name, path, body, raw, status, param
+):
     response = _post(server, path, body, raw=raw)
     assert response.status_code == status, response.text
     error = response.json()["error"]
@@ -215,10 +303,17 @@ def test_malformed_requests_get_openai_errors_and_the_server_keeps_serving(serve
     assert _post(server, "/v1/completions", OK).status_code == 200
 
 
-@pytest.mark.parametrize("path, body, field, depth", [
-    ("/v1/completions", OK, "prompt", 980), ("/v1/completions", OK, "prompt", 20000),
-    ("/v1/completions", OK, "response_format", 980), ("/v1/chat/completions", CHAT, "messages", 980),
-    ("/v1/chat/completions", CHAT, "chat_template_kwargs", 980), ("/tokenize", {"prompt": "x"}, "prompt", 980)])
+@pytest.mark.parametrize(
+    "path, body, field, depth",
+    [
+        ("/v1/completions", OK, "prompt", 980),
+        ("/v1/completions", OK, "prompt", 20000),
+        ("/v1/completions", OK, "response_format", 980),
+        ("/v1/chat/completions", CHAT, "messages", 980),
+        ("/v1/chat/completions", CHAT, "chat_template_kwargs", 980),
+        ("/tokenize", {"prompt": "x"}, "prompt", 980),
+    ],
+)
 def test_deep_nesting_is_a_400_naming_the_field_and_never_a_traceback(server, path, body, field, depth):
     """JSON nested below what any request needs (and far below, past the decoder's own limit) in a field
     whose type takes lists or objects: a 400 naming that field, in OpenAI's shape, and nothing on the log."""
@@ -243,14 +338,15 @@ def test_tokenize_counts_what_a_request_runs_and_detokenize_reverses_it(server, 
     assert ids["max_model_len"] == 2048 and all(isinstance(t, int) for t in ids["tokens"])
     strings = _post(server, "/tokenize", {"prompt": "def main():", "return_token_strs": True}).json()
     assert strings["tokens"] == ids["tokens"] and len(strings["token_strs"]) == ids["count"]
-    assert _post(server, "/detokenize", {"model": MODEL, "tokens": ids["tokens"]}).json()["prompt"].endswith(
-        "def main():")
+    assert (
+        _post(server, "/detokenize", {"model": MODEL, "tokens": ids["tokens"]}).json()["prompt"].endswith("def main():")
+    )
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi there"}]
     chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1)
     counted = _post(server, "/tokenize", {"messages": messages}).json()
     assert counted["count"] == chat.usage.prompt_tokens > ids["count"]
     bare = _post(server, "/tokenize", {"messages": messages, "add_generation_prompt": False}).json()
-    assert bare["count"] < counted["count"] and counted["tokens"][:bare["count"]] == bare["tokens"]
+    assert bare["count"] < counted["count"] and counted["tokens"][: bare["count"]] == bare["tokens"]
 
 
 def test_n_choices_are_seeded_per_index_streamed_or_not(client):
@@ -269,8 +365,13 @@ def test_n_choices_are_seeded_per_index_streamed_or_not(client):
         for choice in chunk.choices:
             texts[choice.index] += choice.text
     assert texts == [c.text for c in out.choices]
-    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 6, "temperature": 1.0,
-            "seed": 3}
+    chat = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 6,
+        "temperature": 1.0,
+        "seed": 3,
+    }
     answers = client.chat.completions.create(**chat, n=3)
     assert len({c.message.content for c in answers.choices}) == 3 and answers.usage.completion_tokens == 18
     streamed = ["", "", ""]
@@ -282,32 +383,47 @@ def test_n_choices_are_seeded_per_index_streamed_or_not(client):
 
 def test_logit_bias_forces_a_token(server, client):
     """{"42": 100} through the openai client: every token is 42 (what /detokenize makes of five 42s)."""
-    forced = client.completions.create(model=MODEL, prompt="def main():", max_tokens=5, temperature=1.0,
-                                       logit_bias={"42": 100})
+    forced = client.completions.create(
+        model=MODEL, prompt="def main():", max_tokens=5, temperature=1.0, logit_bias={"42": 100}
+    )
     assert forced.choices[0].text == _post(server, "/detokenize", {"tokens": [42] * 5}).json()["prompt"]
-    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=5,
-                                          temperature=0, logit_bias={"42": 100})
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=5, temperature=0, logit_bias={"42": 100}
+    )
     assert chat.choices[0].message.content == forced.choices[0].text
 
 
-PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 10},
-                                          "age": {"type": "integer", "minimum": 0, "maximum": 120},
-                                          "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3}},
-          "required": ["name", "age"], "additionalProperties": False}
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 10},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3},
+    },
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
 
 
 def test_response_format_json_schema_streamed_or_not(client):
     import jsonschema
 
-    ask = {"model": MODEL, "messages": [{"role": "user", "content": "who?"}], "max_tokens": 200, "temperature": 1.0,
-           "response_format": {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON,
-                                                                      "strict": True}}}
+    ask = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "who?"}],
+        "max_tokens": 200,
+        "temperature": 1.0,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}},
+    }
     for seed in range(4):
         whole = client.chat.completions.create(**ask, seed=seed).choices[0]
         assert whole.finish_reason == "stop"
         jsonschema.validate(json.loads(whole.message.content), PERSON)
-        streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
-            **ask, seed=seed, stream=True) if c.choices)
+        streamed = "".join(
+            c.choices[0].delta.content or ""
+            for c in client.chat.completions.create(**ask, seed=seed, stream=True)
+            if c.choices
+        )
         assert streamed == whole.message.content
     anything = client.chat.completions.create(**{**ask, "response_format": {"type": "json_object"}}, seed=1)
     assert isinstance(json.loads(anything.choices[0].message.content), dict)
@@ -323,30 +439,52 @@ def test_vllms_guided_fields_and_structured_outputs(client):
     assert same.choices[0].text == regex
 
 
-@pytest.mark.parametrize("extra, param, says", [
-    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"$ref": "#/nope"}}}},
-     "response_format.json_schema.schema", "cannot be compiled"),
-    ({"guided_regex": "a(b"}, "guided_regex", "unclosed group"),
-    ({"structured_outputs": {"regex": "a", "jsn": {}}}, "structured_outputs", "jsn"),
-    ({"structured_outputs": {"choice": []}}, "structured_outputs.choice", "non-empty list"),
-    ({"guided_choice": ["a"], "guided_regex": "b"}, "guided_choice", "only one of"),
-    ({"response_format": {"type": "structural_tag"}}, "response_format.type", "not supported"),
-])
+@pytest.mark.parametrize(
+    "extra, param, says",
+    [
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"schema": {"$ref": "#/nope"}}}},
+            "response_format.json_schema.schema",
+            "cannot be compiled",
+        ),
+        ({"guided_regex": "a(b"}, "guided_regex", "unclosed group"),
+        ({"structured_outputs": {"regex": "a", "jsn": {}}}, "structured_outputs", "jsn"),
+        ({"structured_outputs": {"choice": []}}, "structured_outputs.choice", "non-empty list"),
+        ({"guided_choice": ["a"], "guided_regex": "b"}, "guided_choice", "only one of"),
+        ({"response_format": {"type": "structural_tag"}}, "response_format.type", "not supported"),
+    ],
+)
 def test_a_bad_constraint_is_a_400_naming_the_field_the_request_used(server, extra, param, says):
-    refused = httpx.post(f"{server}/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
-                         json={"model": MODEL, "prompt": "x", "max_tokens": 4, **extra})
+    refused = httpx.post(
+        f"{server}/v1/completions",
+        headers={"Authorization": f"Bearer {KEY}"},
+        json={"model": MODEL, "prompt": "x", "max_tokens": 4, **extra},
+    )
     assert refused.status_code == 400, refused.text
     error = refused.json()["error"]
     assert error["param"] == param and says in error["message"], error
 
 
-WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "description": "the weather in a city",
-                                                 "parameters": {"type": "object", "properties": {
-                                                     "city": {"type": "string", "maxLength": 12},
-                                                     "days": {"type": "integer", "minimum": 1, "maximum": 7}},
-                                                     "required": ["city"], "additionalProperties": False}}}
-CLOCK_TOOL = {"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {},
-                                                                             "additionalProperties": False}}}
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "the weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 12},
+                "days": {"type": "integer", "minimum": 1, "maximum": 7},
+            },
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
+CLOCK_TOOL = {
+    "type": "function",
+    "function": {"name": "now", "parameters": {"type": "object", "properties": {}, "additionalProperties": False}},
+}
 
 
 def _streamed_calls(chunks) -> tuple[list[dict], str | None]:
@@ -365,19 +503,26 @@ def _streamed_calls(chunks) -> tuple[list[dict], str | None]:
 def test_tool_choice_required_and_named_return_parsed_calls_streamed_or_not(client):
     import jsonschema
 
-    ask = {"model": MODEL, "messages": [{"role": "user", "content": "weather in Paris?"}], "max_tokens": 300,
-           "temperature": 1.0, "tools": [WEATHER_TOOL, CLOCK_TOOL]}
+    ask = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "weather in Paris?"}],
+        "max_tokens": 300,
+        "temperature": 1.0,
+        "tools": [WEATHER_TOOL, CLOCK_TOOL],
+    }
     schemas = {"get_weather": WEATHER_TOOL["function"]["parameters"], "now": CLOCK_TOOL["function"]["parameters"]}
     for seed in range(3):
         whole = client.chat.completions.create(**ask, tool_choice="required", seed=seed).choices[0]
         assert whole.finish_reason == "tool_calls" and whole.message.tool_calls
         for call in whole.message.tool_calls:
             jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
-        streamed, reason = _streamed_calls(client.chat.completions.create(**ask, tool_choice="required", seed=seed,
-                                                                          stream=True))
+        streamed, reason = _streamed_calls(
+            client.chat.completions.create(**ask, tool_choice="required", seed=seed, stream=True)
+        )
         assert reason == "tool_calls"
-        assert streamed == [{"name": c.function.name, "arguments": c.function.arguments}
-                            for c in whole.message.tool_calls]
+        assert streamed == [
+            {"name": c.function.name, "arguments": c.function.arguments} for c in whole.message.tool_calls
+        ]
     named = {"type": "function", "function": {"name": "get_weather"}}
     whole = client.chat.completions.create(**ask, tool_choice=named, seed=9).choices[0]
     (call,) = whole.message.tool_calls
@@ -389,9 +534,14 @@ def test_tool_choice_required_and_named_return_parsed_calls_streamed_or_not(clie
 
 def test_tool_choice_auto_parses_what_the_model_writes(client):
     """A Hermes-style call (the model held to one by a regex, as a trained model would write it)."""
-    ask = {"model": MODEL, "messages": [{"role": "user", "content": "time?"}], "max_tokens": 60, "temperature": 0,
-           "tools": [WEATHER_TOOL, CLOCK_TOOL],
-           "extra_body": {"guided_regex": r'Checking\.\n<tool_call>\n\{"name": "now", "arguments": \{\}\}\n</tool_call>'}}
+    ask = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "time?"}],
+        "max_tokens": 60,
+        "temperature": 0,
+        "tools": [WEATHER_TOOL, CLOCK_TOOL],
+        "extra_body": {"guided_regex": r'Checking\.\n<tool_call>\n\{"name": "now", "arguments": \{\}\}\n</tool_call>'},
+    }
     whole = client.chat.completions.create(**ask).choices[0]
     assert whole.message.content == "Checking." and whole.finish_reason == "tool_calls"
     assert [(c.function.name, c.function.arguments) for c in whole.message.tool_calls] == [("now", "{}")]
@@ -403,15 +553,21 @@ def test_tool_choice_auto_parses_what_the_model_writes(client):
 def _vllm_fields():
     with open(os.path.join(os.path.dirname(__file__), "data", "vllm_request_fields.json")) as f:
         table = json.load(f)
-    return [(path, name, default) for path in ("/v1/completions", "/v1/chat/completions")
-            for name, default in table[path].items() if name not in ("model", "prompt", "messages")]
+    return [
+        (path, name, default)
+        for path in ("/v1/completions", "/v1/chat/completions")
+        for name, default in table[path].items()
+        if name not in ("model", "prompt", "messages")
+    ]
 
 
 def test_every_field_vllm_accepts_is_served_or_refused_by_name(server):
     """vLLM 0.32's request fields (tools/vllm_request_fields.py), each sent with vLLM's default: 200, or
     a 400 whose param is that field. Never a 500, never an error about something else."""
-    base = {"/v1/completions": {"model": MODEL, "prompt": "x", "max_tokens": 2},
-            "/v1/chat/completions": {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 2}}
+    base = {
+        "/v1/completions": {"model": MODEL, "prompt": "x", "max_tokens": 2},
+        "/v1/chat/completions": {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 2},
+    }
     served, refused = [], []
     with httpx.Client(base_url=server, headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as http:
         for path, name, default in _vllm_fields():
@@ -422,8 +578,21 @@ def test_every_field_vllm_accepts_is_served_or_refused_by_name(server):
             assert reply.status_code == 400, (path, name, reply.status_code, reply.text)
             assert reply.json()["error"]["param"] == name, (path, name, reply.json())
             refused.append(name)
-    for name in ("n", "logit_bias", "echo", "response_format", "structured_outputs", "tools", "tool_choice", "seed",
-                 "top_k", "min_p", "stop_token_ids", "chat_template_kwargs", "stream_options"):
+    for name in (
+        "n",
+        "logit_bias",
+        "echo",
+        "response_format",
+        "structured_outputs",
+        "tools",
+        "tool_choice",
+        "seed",
+        "top_k",
+        "min_p",
+        "stop_token_ids",
+        "chat_template_kwargs",
+        "stream_options",
+    ):
         assert name in served, name
     print(f"vLLM's fields: {len(set(served))} served, refused by name: {sorted(set(refused))}")
 
@@ -432,8 +601,7 @@ def test_echo_puts_the_prompt_first(server, client):
     ask = {"model": MODEL, "prompt": "def main():", "max_tokens": 4, "temperature": 0}
     plain = client.completions.create(**ask).choices[0].text
     assert client.completions.create(**ask, echo=True).choices[0].text == "def main():" + plain
-    streamed = "".join(c.choices[0].text for c in client.completions.create(**ask, echo=True, stream=True)
-                       if c.choices)
+    streamed = "".join(c.choices[0].text for c in client.completions.create(**ask, echo=True, stream=True) if c.choices)
     assert streamed == "def main():" + plain
     ids = _post(server, "/tokenize", {"prompt": "def main():"}).json()["tokens"]
     echoed = client.completions.create(**{**ask, "prompt": ids}, echo=True).choices[0].text
@@ -458,7 +626,10 @@ def test_prompt_logprobs_score_every_prompt_token_in_vllms_shape(server, client)
         best = sorted(entry.values(), key=lambda e: e["rank"])
         assert [e["rank"] for e in best][:2] == [1, 2] and best[0]["logprob"] >= own["logprob"]
         assert len(entry) in (2, 3)  # the top 2, and the prompt's own token unless it is one of them
-    assert "prompt_logprobs" not in _post(server, "/v1/completions", {**body, "prompt_logprobs": None}).json()["choices"][0]
+    assert (
+        "prompt_logprobs"
+        not in _post(server, "/v1/completions", {**body, "prompt_logprobs": None}).json()["choices"][0]
+    )
     chat = _post(server, "/v1/chat/completions", {**CHAT, "prompt_logprobs": 1}).json()
     assert len(chat["prompt_logprobs"]) == chat["usage"]["prompt_tokens"] and chat["prompt_logprobs"][0] is None
 
@@ -475,14 +646,16 @@ def test_echo_with_logprobs_scores_the_prompt_too(server, client):
     assert len(lp.tokens) == len(ids) + len(plain.logprobs.tokens)
     assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
     assert all(p <= 0 for p in lp.token_logprobs[1:])
-    assert lp.token_logprobs[len(ids):] == plain.logprobs.token_logprobs
+    assert lp.token_logprobs[len(ids) :] == plain.logprobs.token_logprobs
     assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
     assert lp.text_offset[len(ids)] == len(ask["prompt"])
     scored = _post(server, "/v1/completions", {**ask, "prompt_logprobs": 2}).json()["choices"][0]["prompt_logprobs"]
-    assert lp.token_logprobs[1:len(ids)] == [entry[str(t)]["logprob"] for t, entry in zip(ids[1:], scored[1:])]
+    assert lp.token_logprobs[1 : len(ids)] == [
+        entry[str(t)]["logprob"] for t, entry in zip(ids[1:], scored[1:], strict=False)
+    ]
     chunks = [c.choices[0] for c in client.completions.create(**ask, echo=True, stream=True) if c.choices]
     assert chunks[0].text == ask["prompt"]
-    assert chunks[0].logprobs.token_logprobs == lp.token_logprobs[:len(ids)]
+    assert chunks[0].logprobs.token_logprobs == lp.token_logprobs[: len(ids)]
     assert "".join(c.text for c in chunks) == echoed.text
 
 
@@ -512,9 +685,12 @@ def test_queue_full_is_429(server):
     async def burst():
         async with httpx.AsyncClient(timeout=120) as http:
             body = {**OK, "max_tokens": 200, "ignore_eos": True}
-            return await asyncio.gather(*(http.post(f"{server}/v1/completions", json=body,
-                                                    headers={"Authorization": f"Bearer {KEY}"})
-                                          for _ in range(100)))
+            return await asyncio.gather(
+                *(
+                    http.post(f"{server}/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"})
+                    for _ in range(100)
+                )
+            )
 
     codes = [r.status_code for r in asyncio.run(burst())]
     assert 429 in codes and 200 in codes, codes
@@ -527,9 +703,15 @@ def test_binds_localhost_by_default():
     assert parse_config("[server]\nenabled = true\n", check_model=False).server.host == "127.0.0.1"
 
 
-@pytest.mark.parametrize("text, serves", [("[server]\nport = 8123\n", True),
-                                          ("[server]\nport = 8123\nenabled = false\n", False),
-                                          ("[server]\nhost = \"0.0.0.0\"\n", False), ("", False)])
+@pytest.mark.parametrize(
+    "text, serves",
+    [
+        ("[server]\nport = 8123\n", True),
+        ("[server]\nport = 8123\nenabled = false\n", False),
+        ('[server]\nhost = "0.0.0.0"\n', False),
+        ("", False),
+    ],
+)
 def test_a_server_section_that_names_a_port_serves(text, serves):
     from fdcore.config import parse_config
 
@@ -551,8 +733,9 @@ def test_an_http_stream_survives_an_engine_kill(server):
     clean = _post(server, "/v1/completions", body).json()["choices"][0]["text"]
     pieces, killed = [], False
     headers = {"Authorization": f"Bearer {KEY}"}
-    with httpx.stream("POST", f"{server}/v1/completions", json={**body, "stream": True}, headers=headers,
-                      timeout=120) as response:
+    with httpx.stream(
+        "POST", f"{server}/v1/completions", json={**body, "stream": True}, headers=headers, timeout=120
+    ) as response:
         for line in response.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
@@ -606,20 +789,29 @@ def _stand_in_app(default_max_tokens=None, reasoning_parser="", pieces=("ok",)):
             TENANTS_SEEN.append(tenant)
             for i, piece in enumerate(pieces):
                 last = i == len(pieces) - 1
-                yield RequestOutput("r", prompt, [1, 2], CompletionOutput(0, piece, [5], None, "stop" if last else None),
-                                    last)
+                yield RequestOutput(
+                    "r", prompt, [1, 2], CompletionOutput(0, piece, [5], None, "stop" if last else None), last
+                )
 
     settings = Settings(MODEL, 2048, default_max_tokens=default_max_tokens, reasoning_parser=reasoning_parser)
     return build_app(Engine(), settings, None, lambda: (True, ""), dict), seen
 
 
-@pytest.mark.parametrize("path, field, value, status", [
-    ("/v1/completions", "use_beam_search", True, 400), ("/v1/completions", "use_beam_search", False, 200),
-    ("/v1/completions", "skip_special_tokens", False, 400), ("/v1/completions", "add_special_tokens", False, 400),
-    ("/v1/chat/completions", "add_special_tokens", False, 200), ("/v1/chat/completions", "parallel_tool_calls", True, 200),
-    ("/v1/chat/completions", "parallel_tool_calls", False, 400), ("/v1/chat/completions", "echo", True, 400),
-    ("/v1/chat/completions", "presence_penalty", None, 200), ("/v1/chat/completions", "top_logprobs", 0, 200),
-])
+@pytest.mark.parametrize(
+    "path, field, value, status",
+    [
+        ("/v1/completions", "use_beam_search", True, 400),
+        ("/v1/completions", "use_beam_search", False, 200),
+        ("/v1/completions", "skip_special_tokens", False, 400),
+        ("/v1/completions", "add_special_tokens", False, 400),
+        ("/v1/chat/completions", "add_special_tokens", False, 200),
+        ("/v1/chat/completions", "parallel_tool_calls", True, 200),
+        ("/v1/chat/completions", "parallel_tool_calls", False, 400),
+        ("/v1/chat/completions", "echo", True, 400),
+        ("/v1/chat/completions", "presence_penalty", None, 200),
+        ("/v1/chat/completions", "top_logprobs", 0, 200),
+    ],
+)
 def test_vllm_fields_are_served_at_the_value_fdcore_honours_and_refused_at_any_other(path, field, value, status):
     from starlette.testclient import TestClient
 
@@ -631,12 +823,15 @@ def test_vllm_fields_are_served_at_the_value_fdcore_honours_and_refused_at_any_o
         assert reply.json()["error"]["param"] == field and "not supported" in reply.json()["error"]["message"]
 
 
-@pytest.mark.parametrize("parser, pieces, reasoning, content", [
-    ("qwen3", ["<thi", "nk>\nWhich", " city?</th", "ink>\n\nParis."], "\nWhich city?", "Paris."),
-    ("qwen3", ["Paris", "."], None, "Paris."),
-    ("deepseek_r1", ["Which city?", "</think>", "Paris."], "Which city?", "Paris."),
-    ("deepseek_r1", ["still thinking"], "still thinking", None),
-])
+@pytest.mark.parametrize(
+    "parser, pieces, reasoning, content",
+    [
+        ("qwen3", ["<thi", "nk>\nWhich", " city?</th", "ink>\n\nParis."], "\nWhich city?", "Paris."),
+        ("qwen3", ["Paris", "."], None, "Paris."),
+        ("deepseek_r1", ["Which city?", "</think>", "Paris."], "Which city?", "Paris."),
+        ("deepseek_r1", ["still thinking"], "still thinking", None),
+    ],
+)
 def test_reasoning_content_apart_from_the_answer_streamed_or_not(parser, pieces, reasoning, content):
     from starlette.testclient import TestClient
 
@@ -645,8 +840,9 @@ def test_reasoning_content_apart_from_the_answer_streamed_or_not(parser, pieces,
     message = http.post("/v1/chat/completions", json=CHAT).json()["choices"][0]["message"]
     assert (message["reasoning_content"], message["content"]) == (reasoning, content)
     with http.stream("POST", "/v1/chat/completions", json={**CHAT, "stream": True}) as events:
-        deltas = [json.loads(line[6:])["choices"][0]["delta"] for line in events.iter_lines()
-                  if line.startswith("data: {")]
+        deltas = [
+            json.loads(line[6:])["choices"][0]["delta"] for line in events.iter_lines() if line.startswith("data: {")
+        ]
     assert "".join(d.get("reasoning_content", "") for d in deltas) == (reasoning or "")
     assert "".join(d.get("content", "") for d in deltas) == (content or "")
 
@@ -657,8 +853,14 @@ def test_chat_template_fields_reach_the_engine_and_unset_sampling_stays_unset():
     app, seen = _stand_in_app()
     http = TestClient(app)
     tools = [{"type": "function", "function": {"name": "now", "parameters": {}}}]
-    options = {"tools": tools, "tool_choice": "auto", "documents": [{"title": "t", "text": "x"}],
-               "add_generation_prompt": False, "continue_final_message": True, "chat_template_kwargs": {"think": 1}}
+    options = {
+        "tools": tools,
+        "tool_choice": "auto",
+        "documents": [{"title": "t", "text": "x"}],
+        "add_generation_prompt": False,
+        "continue_final_message": True,
+        "chat_template_kwargs": {"think": 1},
+    }
     assert http.post("/v1/chat/completions", json={**CHAT, **options}).status_code == 200
     prompt, params = seen[-1]
     assert prompt == {"messages": CHAT["messages"], **{k: v for k, v in options.items() if k != "tool_choice"}}
@@ -669,10 +871,13 @@ def test_chat_template_fields_reach_the_engine_and_unset_sampling_stays_unset():
     assert (seen[-1][1].max_tokens, seen[-1][1].temperature) == (2048, 0.5)  # no limit: the context
     assert http.post("/v1/completions", json={**OK, "max_tokens": None}).status_code == 200
     assert seen[-1][1].max_tokens is None  # the engine fills it: the model's default, else 16
-    assert http.post("/v1/chat/completions", json={**CHAT, "tool_choice": "required", "tools": tools}).status_code == 200
+    assert (
+        http.post("/v1/chat/completions", json={**CHAT, "tool_choice": "required", "tools": tools}).status_code == 200
+    )
     assert '"now"' in json.dumps(msgspec.to_builtins(seen[-1][1].structured_outputs))  # held to a call of "now"
-    refused = http.post("/v1/chat/completions", json={**CHAT, "tool_choice": "required", "tools": tools,
-                                                      "guided_regex": "x"})
+    refused = http.post(
+        "/v1/chat/completions", json={**CHAT, "tool_choice": "required", "tools": tools, "guided_regex": "x"}
+    )
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "tool_choice"
     app, seen = _stand_in_app(default_max_tokens=7)
     assert TestClient(app).post("/v1/chat/completions", json={**CHAT, "max_tokens": None}).status_code == 200
@@ -682,14 +887,15 @@ def test_chat_template_fields_reach_the_engine_and_unset_sampling_stays_unset():
 # ---------------------------------------------------------------- abuse
 def _metric(server, name: str) -> float:
     text = httpx.get(f"{server}/metrics", timeout=10).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith((name + " ", name + "{")))
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith((name + " ", name + "{")))
 
 
 def _request_bytes(body: dict) -> bytes:
     raw = json.dumps(body).encode()
-    return (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
-            f"Content-Type: application/json\r\nContent-Length: {len(raw)}\r\n\r\n").encode() + raw
+    return (
+        f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(raw)}\r\n\r\n"
+    ).encode() + raw
 
 
 def test_64_clients_that_disconnect_mid_request_are_aborted_within_a_second(server):
@@ -707,7 +913,7 @@ def test_64_clients_that_disconnect_mid_request_are_aborted_within_a_second(serv
             writer.write(_request_bytes({**OK, "max_tokens": 2000, "ignore_eos": True, "stream": stream}))
             await writer.drain()
             conns.append((stream, early, reader, writer))
-        for stream, early, _, writer in conns:
+        for _stream, early, _, writer in conns:
             if early:
                 writer.close()
         for stream, early, reader, _ in conns:
@@ -753,7 +959,9 @@ def _expect_aborts(server, before: float, count: int, closed: float, within: flo
     """``count`` more aborts counted, and nothing running, within ``within`` s of ``closed``."""
     aborts = 'fdcore_requests_total{outcome="abort"}'
     while _metric(server, aborts) < before + count:
-        assert time.monotonic() - closed < within, f"{_metric(server, aborts) - before} of {count} aborts after {within} s"
+        assert time.monotonic() - closed < within, (
+            f"{_metric(server, aborts) - before} of {count} aborts after {within} s"
+        )
     while _metric(server, "fdcore_requests_running") > 0:
         assert time.monotonic() - closed < within, f"aborted requests still run after {within} s"
     assert _metric(server, aborts) == before + count
@@ -771,8 +979,8 @@ def test_a_connection_that_sends_half_a_header_is_closed_after_the_header_timeou
 
 
 def test_chat_max_tokens_comes_from_the_model_else_the_config():
-    from fdcore.server.actor import chat_max_tokens
     from fdcore.config import parse_config
+    from fdcore.server.actor import chat_max_tokens
 
     server = parse_config("", check_model=False).server
     assert chat_max_tokens({"max_tokens": 64}, server) == 64
@@ -786,7 +994,9 @@ def _response(sock) -> bytes:
     while b"\r\n\r\n" not in data:
         data += sock.recv(65536)
     head, _, body = data.partition(b"\r\n\r\n")
-    length = int(next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")))
+    length = int(
+        next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length"))
+    )
     while len(body) < length:
         body += sock.recv(65536)
     return head
@@ -805,7 +1015,7 @@ def test_an_idle_keep_alive_connection_is_closed_after_its_timeout(server):
 HALF_REQUESTS = {
     "head": b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-",
     "body": b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-            b"Content-Length: 100000\r\n\r\n{",
+    b"Content-Length: 100000\r\n\r\n{",
 }
 
 
@@ -842,12 +1052,15 @@ def test_a_response_too_large_to_build_is_refused_before_any_work(server):
     """Issue 43's heavy requests: 64 choices of a 2,040-token prompt echoed and scored with 20 logprobs,
     and 64 chat choices of 2,000 tokens with 20 top logprobs: a 400 naming the size, the engine never asked."""
     prompt = [5 + (i * 37) % 4000 for i in range(2040)]
-    heavy = [("/v1/completions", {**OK, "prompt": prompt, "n": 64, "echo": True, "logprobs": 20,
-                                  "prompt_logprobs": 20}),
-             ("/v1/completions", {**OK, "prompt": "word " * 1500, "n": 64, "prompt_logprobs": 20}),
-             ("/v1/chat/completions", {**CHAT, "n": 64, "logprobs": True, "top_logprobs": 20, "max_tokens": 2000}),
-             ("/v1/chat/completions", {**CHAT, "n": 10, "logprobs": True, "top_logprobs": 20, "max_tokens": 1000,
-                                       "prompt_logprobs": 20})]
+    heavy = [
+        ("/v1/completions", {**OK, "prompt": prompt, "n": 64, "echo": True, "logprobs": 20, "prompt_logprobs": 20}),
+        ("/v1/completions", {**OK, "prompt": "word " * 1500, "n": 64, "prompt_logprobs": 20}),
+        ("/v1/chat/completions", {**CHAT, "n": 64, "logprobs": True, "top_logprobs": 20, "max_tokens": 2000}),
+        (
+            "/v1/chat/completions",
+            {**CHAT, "n": 10, "logprobs": True, "top_logprobs": 20, "max_tokens": 1000, "prompt_logprobs": 20},
+        ),
+    ]
     before = _metric(server, 'fdcore_requests_total{outcome="error"}')
     for path, body in heavy:
         started = time.monotonic()
@@ -956,8 +1169,8 @@ def test_the_api_heartbeat_ticks_from_the_event_loop():
     import asyncio
     import itertools
 
-    from fdcore.server.actor import ApiActor
     from fdcore.config import parse_config
+    from fdcore.server.actor import ApiActor
 
     ticks = []
 
@@ -968,7 +1181,7 @@ def test_the_api_heartbeat_ticks_from_the_event_loop():
     class WedgingServer:
         async def serve(self, sockets=None):
             await asyncio.sleep(0.2)
-            time.sleep(0.6)  # noqa: ASYNC251 -- the blocking call on the loop this test is about
+            time.sleep(0.6)
             await asyncio.sleep(0.2)
 
     config = parse_config("[supervisor]\nheartbeat_interval = 0.05\n", check_model=False)

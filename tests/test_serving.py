@@ -12,12 +12,12 @@ import sys
 import pytest
 
 from fdcore import LLM, AsyncLLM, SamplingParams
-from fdcore.models.engine_core import EngineCore
+from fdcore.checkpoint import load_checkpoint, tiny
 from fdcore.core.kv_cache_manager import KVCacheManager
-from fdcore.core.scheduler import Request, Scheduler, BatchLimits
-from fdcore.checkpoint import tiny
-from fdcore.models.llama import LlamaModel, PagedKVCache
-from fdcore.checkpoint import load_checkpoint
+from fdcore.core.scheduler import BatchLimits, Request, Scheduler
+from fdcore.models.engine_core import EngineCore
+from fdcore.models.kv_cache import PagedKVCache
+from fdcore.models.llama import LlamaModel
 from tests.supervised import tree_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -40,9 +40,14 @@ def llm(model_dir):
 def in_process(model_dir: str, prompts: list[list[int]], params: list[SamplingParams]) -> list[list[int]]:
     """The same requests through EngineCore in this process: the reference for the tree."""
     checkpoint = load_checkpoint(model_dir, progress=lambda *_: None)
-    core = EngineCore(LlamaModel(checkpoint), PagedKVCache(checkpoint.args, 1024, 16),
-                      Scheduler(BatchLimits(), KVCacheManager(1024, 16)))
-    requests = [Request(f"r{i}", p, sp, checkpoint.eos_token_ids) for i, (p, sp) in enumerate(zip(prompts, params, strict=True))]
+    core = EngineCore(
+        LlamaModel(checkpoint),
+        PagedKVCache(checkpoint.args, 1024, 16),
+        Scheduler(BatchLimits(), KVCacheManager(1024, 16)),
+    )
+    requests = [
+        Request(f"r{i}", p, sp, checkpoint.eos_token_ids) for i, (p, sp) in enumerate(zip(prompts, params, strict=True))
+    ]
     for request in requests:
         core.add(request)
     core.run()
@@ -65,8 +70,9 @@ def test_tree_greedy_outputs_equal_transformers(llm):
 
 
 def test_text_prompts_chat_and_metrics(llm, model_dir):
-    outs = llm.generate(["Grüße aus München", [{"role": "user", "content": "hi"}]],
-                        SamplingParams(max_tokens=12, **GREEDY))
+    outs = llm.generate(
+        ["Grüße aus München", [{"role": "user", "content": "hi"}]], SamplingParams(max_tokens=12, **GREEDY)
+    )
     expected = in_process(model_dir, [o.prompt_token_ids for o in outs], [SamplingParams(max_tokens=12, **GREEDY)] * 2)
     assert [o.outputs.token_ids for o in outs] == expected
     from tokenizers import Tokenizer
@@ -82,8 +88,10 @@ def test_text_prompts_chat_and_metrics(llm, model_dir):
 
 def test_seeded_sampling_is_reproducible_through_the_tree(llm):
     prompts = token_prompts(6, 20, salt=5)
-    params = [SamplingParams(temperature=0.9, top_p=0.9 if i % 2 else 1.0, seed=100 + i, max_tokens=10,
-                             ignore_eos=True) for i in range(6)]
+    params = [
+        SamplingParams(temperature=0.9, top_p=0.9 if i % 2 else 1.0, seed=100 + i, max_tokens=10, ignore_eos=True)
+        for i in range(6)
+    ]
     first = [o.outputs.token_ids for o in llm.generate(prompts, params)]
     again = [o.outputs.token_ids for o in llm.generate(prompts[::-1], params[::-1])][::-1]
     assert first == again
@@ -102,9 +110,16 @@ llm.shutdown()
 
 def test_two_client_processes_with_256_concurrent_requests(llm, model_dir):
     prompts = {side: token_prompts(128, 12, salt=side) for side in (1, 2)}
-    procs = {side: subprocess.Popen([sys.executable, "-c", CLIENT, llm.instance, json.dumps(prompts[side])],
-                                    stdout=subprocess.PIPE, text=True, cwd=ROOT, start_new_session=True)
-             for side in (1, 2)}
+    procs = {
+        side: subprocess.Popen(
+            [sys.executable, "-c", CLIENT, llm.instance, json.dumps(prompts[side])],
+            stdout=subprocess.PIPE,
+            text=True,
+            cwd=ROOT,
+            start_new_session=True,
+        )
+        for side in (1, 2)
+    }
     try:
         results = {side: json.loads(proc.communicate(timeout=240)[0]) for side, proc in procs.items()}
     finally:
@@ -166,8 +181,12 @@ def test_prefix_caching_hits_and_gives_the_outputs_of_caching_off(llm, model_dir
 # --------------------------------------------------------------- preemption
 def test_preemption_under_a_tiny_kv_budget_gives_identical_outputs(llm, model_dir):
     prompts = token_prompts(6, 40, salt=3)
-    params = [SamplingParams(max_tokens=40, **GREEDY) if i % 2 else
-              SamplingParams(temperature=0.8, seed=i, max_tokens=40, ignore_eos=True) for i in range(6)]
+    params = [
+        SamplingParams(max_tokens=40, **GREEDY)
+        if i % 2
+        else SamplingParams(temperature=0.8, seed=i, max_tokens=40, ignore_eos=True)
+        for i in range(6)
+    ]
     roomy = [o.outputs.token_ids for o in llm.generate(prompts, params)]
     with LLM(tree_config(model_dir, cache={"num_blocks": 12})) as tight:
         squeezed = [o.outputs.token_ids for o in tight.generate(prompts, params)]
@@ -211,6 +230,7 @@ BAD_REQUESTS = [
 def test_bad_requests_get_clear_errors_and_everyone_else_is_served(llm):
     async def scenario():
         async with AsyncLLM.connect(llm.instance) as client:
+
             async def last(prompt, params, request_id=None):
                 tokens = []
                 async for out in client.generate(prompt, params, request_id):
@@ -246,8 +266,14 @@ sys.stdin.read()  # until killed
 def test_a_client_that_dies_has_its_requests_aborted(llm):
     import time
 
-    proc = subprocess.Popen([sys.executable, "-c", DYING_CLIENT, llm.instance], stdout=subprocess.PIPE,
-                            stdin=subprocess.PIPE, text=True, cwd=ROOT, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", DYING_CLIENT, llm.instance],
+        stdout=subprocess.PIPE,
+        stdin=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+        start_new_session=True,
+    )
     try:
         assert proc.stdout.readline().strip() == "submitted"
         deadline = time.monotonic() + 30

@@ -1,4 +1,4 @@
-"""The KV cache in a shared file (cache.shared_memory; fdcore.models.llama.PagedKVCache with ``fd``): what one
+"""The KV cache in a shared file (cache.shared_memory; fdcore.models.kv_cache.PagedKVCache with ``fd``): what one
 worker wrote, its successor reads, so a stream resumes after a crash without recomputing its blocks."""
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ import os
 import numpy as np
 import pytest
 
+from fdcore.checkpoint import load_checkpoint, tiny
 from fdcore.core.batch import BatchInput
-from fdcore.checkpoint import tiny
-from fdcore.models.llama import LlamaModel, PagedKVCache
-from fdcore.checkpoint import load_checkpoint
+from fdcore.models.kv_cache import PagedKVCache
+from fdcore.models.llama import LlamaModel
 
 BLOCK = 16
 

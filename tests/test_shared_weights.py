@@ -13,10 +13,10 @@ import textwrap
 import numpy as np
 import pytest
 
+from fdcore.checkpoint import Checkpoint, inspect_checkpoint, load_checkpoint, tiny
 from fdcore.core.batch import BatchInput
-from fdcore.checkpoint import tiny
-from fdcore.models.llama import LlamaModel, PagedKVCache
-from fdcore.checkpoint import Checkpoint, inspect_checkpoint, load_checkpoint
+from fdcore.models.kv_cache import PagedKVCache
+from fdcore.models.llama import LlamaModel
 from fdcore.models.shared_weights import EMPTY, PRIVATE, PUBLISHED, WeightFile
 
 REFERENCE = json.load(open(os.path.join(os.path.dirname(__file__), "data", "reference.json")))
@@ -27,8 +27,10 @@ RESERVE = 1 << 30
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("ckpt")
-    return {name: tiny.make_tiny_model(str(root / name), **spec["options"])
-            for name, spec in REFERENCE["checkpoints"].items()}
+    return {
+        name: tiny.make_tiny_model(str(root / name), **spec["options"])
+        for name, spec in REFERENCE["checkpoints"].items()
+    }
 
 
 @pytest.fixture
@@ -69,8 +71,9 @@ def mapped_from(fd: int, path: str, dtype: str, quantization: str) -> LlamaModel
     return model
 
 
-@pytest.mark.parametrize("dtype, quantization", [("float32", "none"), ("float32", "wint8"), ("float32", "wint4"),
-                                                 ("bfloat16", "none")])
+@pytest.mark.parametrize(
+    "dtype, quantization", [("float32", "none"), ("float32", "wint8"), ("float32", "wint4"), ("bfloat16", "none")]
+)
 @pytest.mark.parametrize("name", ["llama-gqa", "qwen2-bias-tied"])
 def test_a_mapped_model_gives_the_packed_ones_logits_to_the_bit(checkpoints, weight_fd, name, dtype, quantization):
     from fdcore.models.kernels import kernel_path, missing_cpu_feature
@@ -103,7 +106,11 @@ def test_a_builder_that_died_leaves_the_file_to_the_next_one(checkpoints, weight
     """The builder is SIGKILLed holding the lock halfway through its packing: the next process finds the
     file EMPTY (not half published), packs it again, and what it packs maps to the right logits."""
     path = checkpoints["llama-gqa"]
-    child = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+    child = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            textwrap.dedent(f"""
         import os, signal
         from fdcore.models import tensors
         from fdcore.models.llama import LlamaModel
@@ -121,7 +128,10 @@ def test_a_builder_that_died_leaves_the_file_to_the_next_one(checkpoints, weight
         original = tensors._Arena.__init__
         tensors._Arena.__init__ = lambda self, external=None: original(self, take)
         LlamaModel(load_checkpoint({path!r}, progress=lambda *_: None))
-    """)], pass_fds=(weight_fd,))
+    """),
+        ],
+        pass_fds=(weight_fd,),
+    )
     assert child.wait(timeout=120) == -signal.SIGKILL
     probe = WeightFile(weight_fd)
     probe.lock()
@@ -176,15 +186,16 @@ def test_a_bfloat16_matrix_maps_to_the_same_bits(weight_fd):
     its tensor goes into the file as int16 bits and comes back as the same bfloat16 tensor."""
     import paddle
 
-    from fdcore.models.llama import Bf16Matrix, StoredMatrix, _stored
+    from fdcore.models.matrices import Bf16Matrix
     from fdcore.models.tensors import packing_weights
+    from fdcore.models.weights_manifest import StoredMatrix, stored_value
 
     builder = WeightFile(weight_fd)
     builder.begin(RESERVE)
     weight = np.random.default_rng(5).standard_normal((70, 48)).astype(np.float32)
     with packing_weights(builder.take):
         matrix = Bf16Matrix.pack(weight)
-    stored = StoredMatrix("Bf16Matrix", [_stored(builder, matrix.packed)], matrix.rows)
+    stored = StoredMatrix("Bf16Matrix", [stored_value(builder, matrix.packed)], matrix.rows)
     builder.publish(b"")
     reader = WeightFile(weight_fd)
     reader.attach()
@@ -200,16 +211,17 @@ def test_page_size_is_measured_only_for_weights_that_leave_the_caches(checkpoint
     one is measured, over one matrix of its hidden width."""
     import dataclasses
 
-    from fdcore.models import llama
+    from fdcore.models import page_probe
 
     args = inspect_checkpoint(checkpoints["llama-gqa"])
     measured = []
-    monkeypatch.setattr(llama, "_f32_kernel", lambda: True)
-    monkeypatch.setattr(llama, "shared_pages_cost", lambda stream, nbytes, fd: measured.append(nbytes) or 0.5)
-    assert llama.shared_pages_slowdown(args) is None and measured == []
-    large = dataclasses.replace(args, hidden_size=1024, intermediate_size=4096, num_layers=8, num_heads=16,
-                                num_kv_heads=4, head_dim=64)
-    assert llama.shared_pages_slowdown(large) == 0.5 and measured and measured[0] >= llama.PAGE_COST_FLOOR
+    monkeypatch.setattr(page_probe, "f32_kernel", lambda: True)
+    monkeypatch.setattr(page_probe, "shared_pages_cost", lambda stream, nbytes, fd: measured.append(nbytes) or 0.5)
+    assert page_probe.shared_pages_slowdown(args) is None and measured == []
+    large = dataclasses.replace(
+        args, hidden_size=1024, intermediate_size=4096, num_layers=8, num_heads=16, num_kv_heads=4, head_dim=64
+    )
+    assert page_probe.shared_pages_slowdown(large) == 0.5 and measured and measured[0] >= page_probe.PAGE_COST_FLOOR
 
 
 def test_the_weight_file_is_nameless_on_the_homes_filesystem_else_a_memfd(tmp_path):

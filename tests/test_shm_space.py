@@ -22,8 +22,14 @@ from tests.supervised import ROOT, tree_config
 
 def _can_mount() -> bool:
     try:
-        return subprocess.run(["unshare", "-m", "sh", "-c", "mount -t tmpfs -o size=1m tmpfs /dev/shm"],
-                              capture_output=True, timeout=30).returncode == 0
+        return (
+            subprocess.run(
+                ["unshare", "-m", "sh", "-c", "mount -t tmpfs -o size=1m tmpfs /dev/shm"],
+                capture_output=True,
+                timeout=30,
+            ).returncode
+            == 0
+        )
     except (OSError, subprocess.TimeoutExpired):
         return False
 
@@ -33,9 +39,15 @@ pytestmark = pytest.mark.skipif(not _can_mount(), reason="cannot mount a tmpfs o
 
 def in_small_shm(size: int, script: str, timeout: float = 240) -> subprocess.CompletedProcess:
     """``python -c script`` with a ``size``-byte tmpfs as /dev/shm (its own mount namespace)."""
-    command = f"mount -t tmpfs -o size={size} tmpfs /dev/shm && exec {sys.executable} -c \"$0\""
-    return subprocess.run(["unshare", "-m", "sh", "-c", command, textwrap.dedent(script)], capture_output=True,
-                          text=True, timeout=timeout, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT})
+    command = f'mount -t tmpfs -o size={size} tmpfs /dev/shm && exec {sys.executable} -c "$0"'
+    return subprocess.run(
+        ["unshare", "-m", "sh", "-c", command, textwrap.dedent(script)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": ROOT},
+    )
 
 
 @pytest.fixture(scope="module")
@@ -46,11 +58,14 @@ def model_dir(tmp_path_factory):
 def test_a_start_without_room_fails_at_once_with_one_line(model_dir, tmp_path):
     config = tmp_path / "tree.toml"
     config.write_text(f'[model]\npath = "{model_dir}"\n')
-    done = in_small_shm(4 << 20, f"""
+    done = in_small_shm(
+        4 << 20,
+        f"""
         import subprocess, sys
         sys.exit(subprocess.run([sys.executable, "-m", "fdcore.supervisor", "--config", "{config}"],
                                 timeout=120).returncode)
-    """)
+    """,
+    )
     assert done.returncode == 1, done.stderr
     assert "SIGBUS" not in done.stderr and "Traceback" not in done.stderr, done.stderr
     failed = [line for line in done.stderr.splitlines() if "event=start_failed" in line]
@@ -81,7 +96,9 @@ def test_a_running_tree_whose_shm_fills_up_keeps_serving(model_dir):
     """/dev/shm just large enough; once the tree is ready a filler takes every byte left: requests
     still complete (no page of a segment is left to be allocated on first touch), nothing dies."""
     need, _ = topology.shared_memory_need(tree_config(model_dir))
-    done = in_small_shm(need + (2 << 20), f"""
+    done = in_small_shm(
+        need + (2 << 20),
+        f"""
         import json, os
         from fdcore import LLM, SamplingParams
         from tests.supervised import tree_config
@@ -98,7 +115,8 @@ def test_a_running_tree_whose_shm_fills_up_keeps_serving(model_dir):
             outs = llm.generate([[5 + i, 6, 7, 8] for i in range(16)],
                                 SamplingParams(max_tokens=64, ignore_eos=True, temperature=0))
             print(json.dumps([(o.outputs.finish_reason, len(o.outputs.token_ids)) for o in outs]))
-    """)
+    """,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert json.loads(done.stdout.strip().splitlines()[-1]) == [["length", 64]] * 16
     assert "SIGBUS" not in done.stderr and "event=exited" not in done.stderr, done.stderr[-3000:]

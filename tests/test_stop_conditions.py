@@ -15,8 +15,8 @@ import os
 import pytest
 
 from fdcore import LLM, SamplingParams
-from fdcore.config import parse_config
 from fdcore.checkpoint import tiny
+from fdcore.config import parse_config
 
 REFERENCE = json.load(open(os.path.join(os.path.dirname(__file__), "data", "reference.json")))
 CASE = REFERENCE["checkpoints"]["llama-gqa"]["cases"]["short"]  # the bundled tiny model's greedy tokens
@@ -45,7 +45,7 @@ def _one(llm, **params):
 def test_eos_ends_the_request_and_the_step_in_flight_adds_nothing(llm):
     out = _one(llm, max_tokens=20)
     assert out.finish_reason == "stop"
-    assert out.token_ids == GREEDY_TOKENS[:EOS_AT + 1]  # the EOS token is the last one, nothing after it
+    assert out.token_ids == GREEDY_TOKENS[: EOS_AT + 1]  # the EOS token is the last one, nothing after it
 
 
 def test_ignore_eos_runs_to_max_tokens(llm):
@@ -65,13 +65,13 @@ def test_a_stop_token_id_ends_the_request(llm):
     out = _one(llm, max_tokens=20, ignore_eos=True, stop_token_ids=[GREEDY_TOKENS[stop_at]])
     first = GREEDY_TOKENS.index(GREEDY_TOKENS[stop_at])
     assert out.finish_reason == "stop"
-    assert out.token_ids == GREEDY_TOKENS[:first + 1]
+    assert out.token_ids == GREEDY_TOKENS[: first + 1]
 
 
 def test_a_stop_string_cuts_the_text_before_it(llm):
     full = _one(llm, max_tokens=24, ignore_eos=True).text
     start = len(full) // 2
-    stop = full[start:start + 3]
+    stop = full[start : start + 3]
     cut = full.index(stop)
     out = _one(llm, max_tokens=24, ignore_eos=True, stop=[stop])
     assert out.finish_reason == "stop"

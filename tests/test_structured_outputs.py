@@ -17,11 +17,11 @@ import numpy as np
 import pytest
 
 from fdcore import AsyncLLM, SamplingParams, StructuredOutputs
+from fdcore.checkpoint import tiny
 from fdcore.core.structured import Grammars, grammar_of
+from fdcore.core.token_mask import allowed_tokens, pack_allowed
 from fdcore.core.tokenizer import load_tokenizer
 from fdcore.core.validation import RequestError
-from fdcore.checkpoint import tiny
-from fdcore.core.token_mask import allowed_tokens, pack_allowed
 from fdcore.models.sampling import SamplerRequest, sample
 from tests.test_crash_resume import actor_pid, config, stream_all
 
@@ -69,7 +69,7 @@ def _value(rng, depth: int, defs: dict) -> dict:
     if kind == "string":
         return {"type": "string", "minLength": int(rng.integers(0, 3)), "maxLength": int(rng.integers(3, 12))}
     if kind == "enum":
-        return {"enum": ["red", "green", "blue", 7, None][:int(rng.integers(2, 6))]}
+        return {"enum": ["red", "green", "blue", 7, None][: int(rng.integers(2, 6))]}
     if kind == "boolean":
         return {"type": "boolean"}
     if kind == "null_or_string":
@@ -91,41 +91,53 @@ def constrained(i: int, **spec) -> SamplingParams:
 
 
 # ------------------------------------------------------------------ pure parts
-@pytest.mark.parametrize("spec, field, says", [
-    ({}, "structured_outputs", "give one of"),
-    ({"regex": "a+", "choice": ["a"]}, "structured_outputs.choice", "only one of"),
-    ({"json": "{not json"}, "structured_outputs.json", "not valid JSON"),
-    ({"json": "[1, 2]"}, "structured_outputs.json", "JSON schema object"),
-    ({"choice": []}, "structured_outputs.choice", "non-empty list"),
-    ({"choice": ["a", ""]}, "structured_outputs.choice[1]", "non-empty string"),
-    ({"regex": ""}, "structured_outputs.regex", "non-empty string"),
-])
+@pytest.mark.parametrize(
+    "spec, field, says",
+    [
+        ({}, "structured_outputs", "give one of"),
+        ({"regex": "a+", "choice": ["a"]}, "structured_outputs.choice", "only one of"),
+        ({"json": "{not json"}, "structured_outputs.json", "not valid JSON"),
+        ({"json": "[1, 2]"}, "structured_outputs.json", "JSON schema object"),
+        ({"choice": []}, "structured_outputs.choice", "non-empty list"),
+        ({"choice": ["a", ""]}, "structured_outputs.choice[1]", "non-empty string"),
+        ({"regex": ""}, "structured_outputs.regex", "non-empty string"),
+    ],
+)
 def test_a_constraint_not_given_right_names_its_field(spec, field, says):
     with pytest.raises(RequestError) as caught:
         grammar_of(StructuredOutputs(**spec))
     assert caught.value.field == field and says in str(caught.value)
 
 
-@pytest.mark.parametrize("spec, field, says", [
-    ({"regex": "a(b"}, "structured_outputs.regex", "unclosed group"),
-    ({"json": {"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}}}, "structured_outputs.json",
-     "missing"),
-    ({"grammar": "start: foo\n"}, "structured_outputs.grammar", "foo"),
-])
+@pytest.mark.parametrize(
+    "spec, field, says",
+    [
+        ({"regex": "a(b"}, "structured_outputs.regex", "unclosed group"),
+        (
+            {"json": {"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}}},
+            "structured_outputs.json",
+            "missing",
+        ),
+        ({"grammar": "start: foo\n"}, "structured_outputs.grammar", "foo"),
+    ],
+)
 def test_a_grammar_that_cannot_compile_is_refused_with_what_is_wrong(grammars, spec, field, says):
     with pytest.raises(RequestError) as caught:
         grammars.check(StructuredOutputs(**spec))
     assert caught.value.field == field and says in str(caught.value) and "cannot be compiled" in str(caught.value)
 
 
-@pytest.mark.parametrize("spec, field", [
-    ({"regex": r"[^\s\S]"}, "structured_outputs.regex"),
-    ({"json": {"$ref": "#"}}, "structured_outputs.json"),
-    ({"grammar": 'start: "a" start'}, "structured_outputs.grammar"),
-    ({"grammar": 'start: x\nx: "a" x | y\ny: y "b"'}, "structured_outputs.grammar"),
-    ({"grammar": 'root ::= "a" root'}, "structured_outputs.grammar"),
-    ({"grammar": "start: /[^\\s\\S]/"}, "structured_outputs.grammar"),
-])
+@pytest.mark.parametrize(
+    "spec, field",
+    [
+        ({"regex": r"[^\s\S]"}, "structured_outputs.regex"),
+        ({"json": {"$ref": "#"}}, "structured_outputs.json"),
+        ({"grammar": 'start: "a" start'}, "structured_outputs.grammar"),
+        ({"grammar": 'start: x\nx: "a" x | y\ny: y "b"'}, "structured_outputs.grammar"),
+        ({"grammar": 'root ::= "a" root'}, "structured_outputs.grammar"),
+        ({"grammar": "start: /[^\\s\\S]/"}, "structured_outputs.grammar"),
+    ],
+)
 def test_a_constraint_whose_language_is_empty_is_refused(grammars, spec, field):
     """Nothing but the end of text would be allowed (or text that never ends): a 400 saying so, never an
     answer outside the language."""
@@ -134,16 +146,30 @@ def test_a_constraint_whose_language_is_empty_is_refused(grammars, spec, field):
     assert caught.value.field == field and "admits no output" in str(caught.value) and caught.value.code == 400
 
 
-@pytest.mark.parametrize("grammar", ['start: "a" start | "b"', 'start: [start] "a"', "start: x*\nx: x \"a\"",
-                                     'start: sum\nsum: atom | sum "+" atom\natom: /[0-9]+/', 'start: ""'])
+@pytest.mark.parametrize(
+    "grammar",
+    [
+        'start: "a" start | "b"',
+        'start: [start] "a"',
+        'start: x*\nx: x "a"',
+        'start: sum\nsum: atom | sum "+" atom\natom: /[0-9]+/',
+        'start: ""',
+    ],
+)
 def test_recursive_grammars_with_a_way_out_are_served(grammars, grammar):
     assert grammars.check(StructuredOutputs(grammar=grammar)).llguidance
 
 
 def test_every_form_compiles_to_one_llguidance_grammar(grammars):
     gbnf = 'root ::= "a" [0-9]+'
-    for spec in ({"json": {"type": "object"}}, {"json_object": True}, {"regex": "[a-z]+"}, {"choice": ["x", "y"]},
-                 {"grammar": "start: /[0-9]+/"}, {"grammar": gbnf}):
+    for spec in (
+        {"json": {"type": "object"}},
+        {"json_object": True},
+        {"regex": "[a-z]+"},
+        {"choice": ["x", "y"]},
+        {"grammar": "start: /[0-9]+/"},
+        {"grammar": gbnf},
+    ):
         checked = grammars.check(StructuredOutputs(**spec))
         assert checked == StructuredOutputs(llguidance=checked.llguidance) and checked.llguidance
         assert grammars.check(checked) == checked  # what the workers get is itself a valid request
@@ -158,12 +184,18 @@ def test_the_mask_is_what_the_matcher_allows_and_a_replayed_matcher_is_where_it_
     yes = grammars.tokenizer.tokenize_str("yes")
     replayed = grammars.matcher(grammar, yes)
     assert list(np.flatnonzero(allowed_tokens(grammars.allowed([replayed])[0], grammars.vocab_size))) == [
-        tiny.CONFIG["eos_token_id"]]
+        tiny.CONFIG["eos_token_id"]
+    ]
 
 
-@pytest.mark.parametrize("params", [
-    SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, seed=3),
-    SamplingParams(temperature=0.7, top_k=50, top_p=0.9, seed=4, repetition_penalty=1.3, logprobs=2)])
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=1.0, seed=3),
+        SamplingParams(temperature=0.7, top_k=50, top_p=0.9, seed=4, repetition_penalty=1.3, logprobs=2),
+    ],
+)
 def test_the_sampler_draws_only_allowed_tokens_and_reports_the_models_logprobs(params):
     rng = np.random.default_rng(0)
     logits = rng.normal(size=(32, 512)).astype(np.float32)
@@ -187,8 +219,12 @@ def test_the_gumbel_kernel_reads_the_packed_mask_as_the_numpy_path_does(monkeypa
     rng = np.random.default_rng(5)
     logits = rng.normal(size=(16, 4099)).astype(np.float32)
     allowed = rng.random((16, 4099)) < 0.01
-    requests = [SamplerRequest(SamplingParams(temperature=0.9, seed=i), [1], [2],
-                               allowed=pack_allowed(allowed[i]) if i % 2 else None) for i in range(16)]
+    requests = [
+        SamplerRequest(
+            SamplingParams(temperature=0.9, seed=i), [1], [2], allowed=pack_allowed(allowed[i]) if i % 2 else None
+        )
+        for i in range(16)
+    ]
     kernel = [p.token_id for p in sample(logits, requests)]
     monkeypatch.setattr(sampling, "_gumbel_kernel", lambda: None)
     assert kernel == [p.token_id for p in sample(logits, requests)]
@@ -199,8 +235,18 @@ def test_min_tokens_gives_way_to_a_grammar_that_is_complete():
     logits = np.zeros((1, 16), dtype=np.float32)
     allowed = np.zeros(16, dtype=bool)
     allowed[2] = True  # only EOS: the grammar is satisfied
-    pick = sample(logits, [SamplerRequest(SamplingParams(temperature=1.0, seed=1, min_tokens=5), [1], [],
-                                          eos_token_ids=(2,), allowed=pack_allowed(allowed))])
+    pick = sample(
+        logits,
+        [
+            SamplerRequest(
+                SamplingParams(temperature=1.0, seed=1, min_tokens=5),
+                [1],
+                [],
+                eos_token_ids=(2,),
+                allowed=pack_allowed(allowed),
+            )
+        ],
+    )
     assert pick[0].token_id == 2
 
 
@@ -208,6 +254,7 @@ def test_min_tokens_gives_way_to_a_grammar_that_is_complete():
 def _served(model_dir, prompts, params, scenario=None):
     """Stream every request (concurrently) through a tree: once clean and, with ``scenario``, once
     more with it killing actors; returns both runs' (tokens, text, finish, error, code)."""
+
     async def main():
         async with AsyncLLM(config(model_dir)) as client:
             clean = await stream_all(client, prompts, params)
@@ -238,8 +285,12 @@ def test_200_random_json_schemas_all_parse_and_validate(model_dir):
 
 
 def test_regex_choice_grammar_and_json_object(model_dir):
-    specs = [{"regex": r"[A-Z][a-z]{2,6} (19|20)[0-9]{2}"}, {"choice": ["alpha", "beta", "gamma delta"]},
-             {"grammar": 'start: "(" num ("+" num)* ")"\nnum: /[0-9]{1,3}/'}, {"json_object": True}] * 4
+    specs = [
+        {"regex": r"[A-Z][a-z]{2,6} (19|20)[0-9]{2}"},
+        {"choice": ["alpha", "beta", "gamma delta"]},
+        {"grammar": 'start: "(" num ("+" num)* ")"\nnum: /[0-9]{1,3}/'},
+        {"json_object": True},
+    ] * 4
     prompts = [[7 + i, 11, 13 + i] for i in range(len(specs))]
     outputs, _ = _served(model_dir, prompts, [constrained(i, **spec) for i, spec in enumerate(specs)])
     for spec, (_, text, finish, error, _) in zip(specs, outputs, strict=True):
@@ -261,9 +312,12 @@ def test_a_crash_mid_generation_changes_no_constrained_token(model_dir, kind):
     rng = np.random.default_rng(7)
     schemas = [random_schema(rng) for _ in range(12)]
     prompts = [[9 + (i * 37 + j * 5) % 4000 for j in range(10)] for i in range(12)]
-    params = [constrained(i, json=schema) if i % 3 else
-              SamplingParams(temperature=0.0, max_tokens=400, structured_outputs=StructuredOutputs(json=schema))
-              for i, schema in enumerate(schemas)]
+    params = [
+        constrained(i, json=schema)
+        if i % 3
+        else SamplingParams(temperature=0.0, max_tokens=400, structured_outputs=StructuredOutputs(json=schema))
+        for i, schema in enumerate(schemas)
+    ]
 
     def kill_once(client, total):
         if total < 150:

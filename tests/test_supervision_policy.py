@@ -11,13 +11,16 @@ from fdcore.supervision import Backoff, RestartIntensity, RestartPlan, plan_rest
 ORDER = ["cache", "worker0", "scheduler", "engine"]
 
 
-@pytest.mark.parametrize("strategy, failed, expected", [
-    ("one_for_one", "scheduler", ["scheduler"]),
-    ("one_for_all", "scheduler", ORDER),
-    ("rest_for_one", "worker0", ["worker0", "scheduler", "engine"]),
-    ("rest_for_one", "engine", ["engine"]),
-    ("rest_for_one", "cache", ORDER),
-])
+@pytest.mark.parametrize(
+    "strategy, failed, expected",
+    [
+        ("one_for_one", "scheduler", ["scheduler"]),
+        ("one_for_all", "scheduler", ORDER),
+        ("rest_for_one", "worker0", ["worker0", "scheduler", "engine"]),
+        ("rest_for_one", "engine", ["engine"]),
+        ("rest_for_one", "cache", ORDER),
+    ],
+)
 def test_strategies_choose_the_children_to_restart(strategy, failed, expected):
     assert to_restart(strategy, ORDER, failed) == expected
 
@@ -27,12 +30,15 @@ def test_unknown_strategy_is_an_error():
         to_restart("one_for_some", ORDER, "cache")
 
 
-@pytest.mark.parametrize("strategy, failed, running, stop", [
-    ("one_for_one", "scheduler", ["cache", "worker0", "engine"], []),
-    ("one_for_all", "worker0", ["cache", "scheduler", "engine"], ["engine", "scheduler", "cache"]),
-    ("rest_for_one", "scheduler", ["cache", "worker0", "engine"], ["engine"]),
-    ("rest_for_one", "cache", ["worker0", "engine"], ["engine", "worker0"]),  # scheduler died too
-])
+@pytest.mark.parametrize(
+    "strategy, failed, running, stop",
+    [
+        ("one_for_one", "scheduler", ["cache", "worker0", "engine"], []),
+        ("one_for_all", "worker0", ["cache", "scheduler", "engine"], ["engine", "scheduler", "cache"]),
+        ("rest_for_one", "scheduler", ["cache", "worker0", "engine"], ["engine"]),
+        ("rest_for_one", "cache", ["worker0", "engine"], ["engine", "worker0"]),  # scheduler died too
+    ],
+)
 def test_a_restart_stops_running_siblings_in_reverse_order_then_starts_in_order(strategy, failed, running, stop):
     plan = plan_restart(strategy, ORDER, failed, set(running))
     assert plan == RestartPlan(stop, to_restart(strategy, ORDER, failed))
@@ -41,14 +47,21 @@ def test_a_restart_stops_running_siblings_in_reverse_order_then_starts_in_order(
 GROUP_ORDER = ["cache", "worker0", "worker1", "scheduler", "engine"]
 
 
-@pytest.mark.parametrize("strategy, failed, stop, start", [
-    ("one_for_one", "worker1", ["worker0"], ["worker0", "worker1"]),  # a rank takes its group along
-    ("one_for_one", "worker0", ["worker1"], ["worker0", "worker1"]),
-    ("rest_for_one", "worker1", ["engine", "scheduler", "worker0"],  # as if rank 0 had failed
-     ["worker0", "worker1", "scheduler", "engine"]),
-    ("one_for_all", "worker1", ["engine", "scheduler", "worker0", "cache"], GROUP_ORDER),
-    ("one_for_one", "scheduler", [], ["scheduler"]),  # outside the group: as before
-])
+@pytest.mark.parametrize(
+    "strategy, failed, stop, start",
+    [
+        ("one_for_one", "worker1", ["worker0"], ["worker0", "worker1"]),  # a rank takes its group along
+        ("one_for_one", "worker0", ["worker1"], ["worker0", "worker1"]),
+        (
+            "rest_for_one",
+            "worker1",
+            ["engine", "scheduler", "worker0"],  # as if rank 0 had failed
+            ["worker0", "worker1", "scheduler", "engine"],
+        ),
+        ("one_for_all", "worker1", ["engine", "scheduler", "worker0", "cache"], GROUP_ORDER),
+        ("one_for_one", "scheduler", [], ["scheduler"]),  # outside the group: as before
+    ],
+)
 def test_a_worker_group_fails_as_a_whole(strategy, failed, stop, start):
     running = {c for c in GROUP_ORDER if c != failed}
     assert plan_restart(strategy, GROUP_ORDER, failed, running, [["worker0", "worker1"]]) == RestartPlan(stop, start)
@@ -59,11 +72,17 @@ def test_a_running_child_cannot_be_planned_for_restart():
         plan_restart("one_for_all", ORDER, "engine", {"engine"})
 
 
-@pytest.mark.parametrize("restart, abnormal, expected", [
-    ("permanent", False, True), ("permanent", True, True),
-    ("transient", False, False), ("transient", True, True),
-    ("temporary", False, False), ("temporary", True, False),
-])
+@pytest.mark.parametrize(
+    "restart, abnormal, expected",
+    [
+        ("permanent", False, True),
+        ("permanent", True, True),
+        ("transient", False, False),
+        ("transient", True, True),
+        ("temporary", False, False),
+        ("temporary", True, False),
+    ],
+)
 def test_restart_types(restart, abnormal, expected):
     assert should_restart(restart, abnormal) is expected
 
@@ -126,7 +145,7 @@ def test_the_step_cost_learns_from_measured_passes():
     the first measurement, a slow pass raising it at once and the estimate sinking back slowly."""
     cost = StepCost.unmeasured(parameter_count(576, 1536, 30, 9, 3, 64, 49152))  # SmolLM2's shape
     assert cost.expected(1) > 0.2 and cost.expected(1024) > 100  # a slow CPU's bound: generous
-    cost.record(8, 0.08)   # the warm-up's prompt, before any one-token pass: all of it per token
+    cost.record(8, 0.08)  # the warm-up's prompt, before any one-token pass: all of it per token
     cost.record(1, 0.02)
     assert cost.per_pass == 0.02 and abs(cost.per_token - 0.08 / 7) < 1e-12
     cost.record(101, 0.02 + 100 * 0.005)  # cheaper tokens in a big batch: the estimate sinks, slowly

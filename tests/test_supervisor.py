@@ -12,8 +12,8 @@ import time
 import psutil
 import pytest
 
-from fdcore.ipc import names
 from fdcore.checkpoint import tiny
+from fdcore.ipc import names
 from tests.supervised import ROOT, Tree, make_model_dir
 
 CHILDREN = ["cache", "worker0", "scheduler", "engine"]
@@ -26,8 +26,9 @@ def tree_factory(tmp_path):
 
     def start(supervisor: str = "", model_path: str | None = None) -> Tree:
         path = tmp_path / f"fdcore-{len(trees)}.toml"
-        path.write_text(f'[model]\npath = "{model_path or model}"\n\n[supervisor]\n'
-                        f'shutdown_timeout = 2.0\n{supervisor}\n')
+        path.write_text(
+            f'[model]\npath = "{model_path or model}"\n\n[supervisor]\nshutdown_timeout = 2.0\n{supervisor}\n'
+        )
         tree = Tree(str(path))
         trees.append(tree)
         return tree
@@ -243,13 +244,16 @@ def _damage(path: str, damage: str) -> None:
         save_file(tensors, shard, metadata={"format": "pt"})
 
 
-@pytest.mark.parametrize("damage, named", [
-    ("no_config", "config.json: missing"),
-    ("truncated", "model-00002-of-00002.safetensors: unreadable safetensors"),
-    ("unsupported_value", "config.json: key 'rope_scaling.rope_type' = 'longrope' is not implemented"),
-    ("wrong_shape", "config.json implies (512, 256)"),
-    ("missing_tensor", "' is missing"),
-])
+@pytest.mark.parametrize(
+    "damage, named",
+    [
+        ("no_config", "config.json: missing"),
+        ("truncated", "model-00002-of-00002.safetensors: unreadable safetensors"),
+        ("unsupported_value", "config.json: key 'rope_scaling.rope_type' = 'longrope' is not implemented"),
+        ("wrong_shape", "config.json implies (512, 256)"),
+        ("missing_tensor", "' is missing"),
+    ],
+)
 def test_a_bad_checkpoint_is_reported_not_retried(tree_factory, tmp_path, damage, named):
     broken = tiny.make_tiny_model(str(tmp_path / "broken-model"), shards=2)
     _damage(broken, damage)
@@ -264,12 +268,15 @@ def test_a_bad_checkpoint_is_reported_not_retried(tree_factory, tmp_path, damage
     assert not any("event=restarted" in line for line in tree.log)
 
 
-@pytest.mark.parametrize("damage, named", [
-    ("truncated", "model-00002-of-00002.safetensors: unreadable safetensors"),
-    ("unsupported_value", "config.json: key 'rope_scaling.rope_type' = 'longrope' is not implemented"),
-    ("wrong_shape", "config.json implies (512, 256)"),
-    ("missing_tensor", "' is missing"),
-])
+@pytest.mark.parametrize(
+    "damage, named",
+    [
+        ("truncated", "model-00002-of-00002.safetensors: unreadable safetensors"),
+        ("unsupported_value", "config.json: key 'rope_scaling.rope_type' = 'longrope' is not implemented"),
+        ("wrong_shape", "config.json implies (512, 256)"),
+        ("missing_tensor", "' is missing"),
+    ],
+)
 def test_check_refuses_the_checkpoints_the_worker_would_refuse(tmp_path, damage, named):
     """``--check`` runs the worker's checks that need no tensor data (config keys, tensor headers),
     so a checkpoint that would stop the tree's start is named before it starts."""
@@ -283,23 +290,34 @@ def test_check_refuses_the_checkpoints_the_worker_would_refuse(tmp_path, damage,
 def _check(tmp_path, text: str) -> subprocess.CompletedProcess:
     path = tmp_path / "c.toml"
     path.write_text(text)
-    return subprocess.run([sys.executable, "-m", "fdcore.supervisor", "--config", str(path), "--check"],
-                          capture_output=True, text=True, cwd=ROOT, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-m", "fdcore.supervisor", "--config", str(path), "--check"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=60,
+    )
 
 
-@pytest.mark.parametrize("text, message", [
-    ('[cache]\nblock_sise = 16\n', "unknown key 'block_sise' in section [cache]"),
-    ('[scheduler]\nmax_num_seqs = "many"\n', "key 'scheduler.max_num_seqs': Expected `int`, got `str`"),
-    ('[model]\npath = "/nonexistent/model"\n', "key 'model.path': directory '/nonexistent/model' does not exist"),
-    ('[supervisor]\nstrategy = "one_for_none"\n', "key 'supervisor.strategy': Invalid enum value 'one_for_none'"),
-    ('[cache]\nblock_size = 0\n', "key 'cache.block_size' is 0, must be >= 1"),
-    ('[workers]\nomp_threads = -1\n', "key 'workers.omp_threads' is -1, must be >= 0"),
-    ('[workers]\ncount = 2\n', "key 'workers.count' is 2; this version runs exactly 1 worker"),
-    ('[workers]\ntensor_parallel_size = 0\n', "key 'workers.tensor_parallel_size' is 0, must be >= 1"),
-    ('[workers]\ncommunicator = "mpi"\n', "key 'workers.communicator': Invalid enum value 'mpi'"),
-    ('[model]\ndtype = "float16"\n', "key 'model.dtype' is 'float16'; the CPU model computes in float32 or bfloat16"),
-    ('[model]\nbackend = "onnx"\n', "key 'model.backend': Invalid enum value 'onnx'"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("[cache]\nblock_sise = 16\n", "unknown key 'block_sise' in section [cache]"),
+        ('[scheduler]\nmax_num_seqs = "many"\n', "key 'scheduler.max_num_seqs': Expected `int`, got `str`"),
+        ('[model]\npath = "/nonexistent/model"\n', "key 'model.path': directory '/nonexistent/model' does not exist"),
+        ('[supervisor]\nstrategy = "one_for_none"\n', "key 'supervisor.strategy': Invalid enum value 'one_for_none'"),
+        ("[cache]\nblock_size = 0\n", "key 'cache.block_size' is 0, must be >= 1"),
+        ("[workers]\nomp_threads = -1\n", "key 'workers.omp_threads' is -1, must be >= 0"),
+        ("[workers]\ncount = 2\n", "key 'workers.count' is 2; this version runs exactly 1 worker"),
+        ("[workers]\ntensor_parallel_size = 0\n", "key 'workers.tensor_parallel_size' is 0, must be >= 1"),
+        ('[workers]\ncommunicator = "mpi"\n', "key 'workers.communicator': Invalid enum value 'mpi'"),
+        (
+            '[model]\ndtype = "float16"\n',
+            "key 'model.dtype' is 'float16'; the CPU model computes in float32 or bfloat16",
+        ),
+        ('[model]\nbackend = "onnx"\n', "key 'model.backend': Invalid enum value 'onnx'"),
+    ],
+)
 def test_bad_configs_are_rejected_naming_the_key_and_file(tmp_path, text, message):
     result = _check(tmp_path, text)
     assert result.returncode == 2
@@ -324,13 +342,17 @@ def test_the_children_get_the_workers_thread_count_in_their_environment(monkeypa
     from fdcore.supervisor import Supervisor
 
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    assert Supervisor(parse_config("[workers]\nomp_threads = 2\n", check_model=False), "x.toml")._child_env()[
-        "OMP_NUM_THREADS"] == "2"
+    assert (
+        Supervisor(parse_config("[workers]\nomp_threads = 2\n", check_model=False), "x.toml")._child_env()[
+            "OMP_NUM_THREADS"
+        ]
+        == "2"
+    )
     assert Supervisor(parse_config("", check_model=False), "x.toml")._child_env()["OMP_NUM_THREADS"] == "1"
     monkeypatch.delenv("OMP_NUM_THREADS")
     assert Supervisor(parse_config("", check_model=False), "x.toml")._child_env()["OMP_NUM_THREADS"] == str(
-        len(os.sched_getaffinity(0)))
-
+        len(os.sched_getaffinity(0))
+    )
 
 
 class _WriteForbidden:
@@ -367,10 +389,13 @@ def test_a_signal_handler_only_records_and_the_waits_log_it(monkeypatch, capsys)
         os.close(supervisor._wake_r)
         os.close(supervisor._wake_w)
     lines = [line for line in capsys.readouterr().err.splitlines() if "event=signal" in line]
-    assert lines == ["fdcore.supervisor: event=signal name=SIGTERM action=stopping",
-                     "fdcore.supervisor: event=signal name=SIGINT action=\"killing now\""]
+    assert lines == [
+        "fdcore.supervisor: event=signal name=SIGTERM action=stopping",
+        'fdcore.supervisor: event=signal name=SIGINT action="killing now"',
+    ]
     supervisor._log_signals()  # logged once
     assert "event=signal" not in capsys.readouterr().err
+
 
 def test_check_prints_the_effective_configuration(tmp_path):
     model = make_model_dir(tmp_path)

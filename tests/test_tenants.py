@@ -23,8 +23,11 @@ def test_a_light_request_is_served_while_two_tenants_hold_the_cache(model_dir, f
     1,024 tokens of cache the tree runs at once); a third sends one short request once they run and some
     wait. With tenants it finishes while every long one is still running; as one tenant (first come,
     first served) it waits behind them."""
-    config = tree_config(model_dir, cache={"num_blocks": 64, "enable_prefix_caching": False},
-                         scheduler={"max_num_seqs": 4, "max_num_batched_tokens": 256})
+    config = tree_config(
+        model_dir,
+        cache={"num_blocks": 64, "enable_prefix_caching": False},
+        scheduler={"max_num_seqs": 4, "max_num_batched_tokens": 256},
+    )
     long = SamplingParams(max_tokens=200, ignore_eos=True, temperature=0)
 
     async def main():
@@ -37,8 +40,11 @@ def test_a_light_request_is_served_while_two_tenants_hold_the_cache(model_dir, f
                         assert out.outputs.finish_reason == "length", out.error_msg
                         finished.append(name)
 
-            greedy = [asyncio.ensure_future(run(f"{t}{i}", [5 + i + 10 * j % 3000 for j in range(100)], long, t))
-                      for t in ("a", "b") for i in range(6)]
+            greedy = [
+                asyncio.ensure_future(run(f"{t}{i}", [5 + i + 10 * j % 3000 for j in range(100)], long, t))
+                for t in ("a", "b")
+                for i in range(6)
+            ]
             while (await llm.stats()).waiting < 4:  # the long ones hold the cache, and some wait for room
                 await asyncio.sleep(0.01)
             await run("light", [7, 8, 9, 10], SamplingParams(max_tokens=4, temperature=0), "c")

@@ -12,11 +12,10 @@ import numpy as np
 import posix_ipc
 import pytest
 
+from fdcore.checkpoint import CheckpointError, load_checkpoint, tiny
 from fdcore.ipc import names
 from fdcore.ipc.allreduce import ShmCommunicator
 from fdcore.ipc.shm import unlink_quietly
-from fdcore.checkpoint import tiny
-from fdcore.checkpoint import CheckpointError, load_checkpoint
 from fdcore.models.tensor_parallel import head_shares, shard_checkpoint, share
 
 CAPACITY = 8 << 20
@@ -29,7 +28,8 @@ RANK = textwrap.dedent("""
     import numpy as np
     from fdcore.core.batch import BatchInput
     from fdcore.ipc.allreduce import ShmCommunicator
-    from fdcore.models.llama import LlamaModel, PagedKVCache
+    from fdcore.models.kv_cache import PagedKVCache
+    from fdcore.models.llama import LlamaModel
     from fdcore.checkpoint import load_checkpoint
     from fdcore.models.tensor_parallel import PaddleCommunicator, TensorGroup, shard_checkpoint
 
@@ -73,13 +73,16 @@ RANK = textwrap.dedent("""
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("tp")
-    return {"llama-gqa": tiny.make_tiny_model(str(root / "llama")),
-            "qwen2-bias-tied": tiny.make_tiny_model(str(root / "qwen2"), arch="qwen2"),
-            "llama-sharded": tiny.make_tiny_model(str(root / "sharded"), shards=3)}
+    return {
+        "llama-gqa": tiny.make_tiny_model(str(root / "llama")),
+        "qwen2-bias-tied": tiny.make_tiny_model(str(root / "qwen2"), arch="qwen2"),
+        "llama-sharded": tiny.make_tiny_model(str(root / "sharded"), shards=3),
+    }
 
 
-def run_group(path: str, world: int, tmp_path, quantization: str = "none", comm: str = "shm",
-              per_layer: bool = False) -> list[dict]:
+def run_group(
+    path: str, world: int, tmp_path, quantization: str = "none", comm: str = "shm", per_layer: bool = False
+) -> list[dict]:
     if comm == "paddle":
         from fdcore.models.tensor_parallel import free_port_block
 
@@ -88,11 +91,29 @@ def run_group(path: str, world: int, tmp_path, quantization: str = "none", comm:
         name = names.object_name(names.new_instance_id(), "tp")
         ShmCommunicator.create(name, world, CAPACITY).close()
     outs = [tmp_path / f"rank{world}-{rank}.npz" for rank in range(world)]
-    procs = [subprocess.Popen([sys.executable, "-c", RANK, path, quantization, name, str(rank), str(world),
-                               str(CAPACITY), str(STEPS), str(out), *(["per-layer"] if per_layer else [])],
-                              stderr=subprocess.PIPE, text=True,
-                              start_new_session=True, env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
-             for rank, out in enumerate(outs)]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                RANK,
+                path,
+                quantization,
+                name,
+                str(rank),
+                str(world),
+                str(CAPACITY),
+                str(STEPS),
+                str(out),
+                *(["per-layer"] if per_layer else []),
+            ],
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+            env={**__import__("os").environ, "OMP_NUM_THREADS": "1"},
+        )
+        for rank, out in enumerate(outs)
+    ]
     try:
         errors = [proc.communicate(timeout=300)[1] for proc in procs]
     finally:
@@ -115,13 +136,25 @@ def test_shares_cover_everything_once():
             assert [i for part in parts for i in part] == list(range(total))
 
 
-@pytest.mark.parametrize("heads, kv, world, want", [
-    (4, 2, 2, [(range(0, 2), range(0, 1)), (range(2, 4), range(1, 2))]),
-    (9, 3, 2, [(range(0, 3), range(0, 1)), (range(3, 9), range(1, 3))]),  # SmolLM2: 1 and 2 KV groups
-    (8, 2, 4, [(range(0, 2), range(0, 1)), (range(2, 4), range(0, 1)), (range(4, 6), range(1, 2)),
-               (range(6, 8), range(1, 2))]),  # fewer KV heads than ranks: each copied to 2 ranks
-    (8, 8, 3, [(range(0, 2), range(0, 2)), (range(2, 5), range(2, 5)), (range(5, 8), range(5, 8))]),
-])
+@pytest.mark.parametrize(
+    "heads, kv, world, want",
+    [
+        (4, 2, 2, [(range(0, 2), range(0, 1)), (range(2, 4), range(1, 2))]),
+        (9, 3, 2, [(range(0, 3), range(0, 1)), (range(3, 9), range(1, 3))]),  # SmolLM2: 1 and 2 KV groups
+        (
+            8,
+            2,
+            4,
+            [
+                (range(0, 2), range(0, 1)),
+                (range(2, 4), range(0, 1)),
+                (range(4, 6), range(1, 2)),
+                (range(6, 8), range(1, 2)),
+            ],
+        ),  # fewer KV heads than ranks: each copied to 2 ranks
+        (8, 8, 3, [(range(0, 2), range(0, 2)), (range(2, 5), range(2, 5)), (range(5, 8), range(5, 8))]),
+    ],
+)
 def test_heads_are_split_at_kv_group_boundaries(heads, kv, world, want):
     assert head_shares(heads, kv, world) == want
 
@@ -138,22 +171,24 @@ def test_each_rank_holds_its_slices(checkpoints):
     d = whole.args.head_dim
     assert (part.args.num_heads, part.args.num_kv_heads) == (len(shard.heads), len(shard.kv_heads)) == (2, 1)
     q = "model.layers.0.self_attn.q_proj"
-    np.testing.assert_array_equal(part.tensors[q + ".weight"], tensors[q + ".weight"][2 * d:4 * d])
-    np.testing.assert_array_equal(part.tensors[q + ".bias"], tensors[q + ".bias"][2 * d:4 * d])
+    np.testing.assert_array_equal(part.tensors[q + ".weight"], tensors[q + ".weight"][2 * d : 4 * d])
+    np.testing.assert_array_equal(part.tensors[q + ".bias"], tensors[q + ".bias"][2 * d : 4 * d])
     o = "model.layers.0.self_attn.o_proj.weight"
-    np.testing.assert_array_equal(part.tensors[o], tensors[o][:, 2 * d:4 * d])
+    np.testing.assert_array_equal(part.tensors[o], tensors[o][:, 2 * d : 4 * d])
     down = "model.layers.0.mlp.down_proj.weight"
-    np.testing.assert_array_equal(part.tensors[down], tensors[down][:, shard.intermediate.start:shard.intermediate.stop])
+    np.testing.assert_array_equal(
+        part.tensors[down], tensors[down][:, shard.intermediate.start : shard.intermediate.stop]
+    )
     embed = "model.embed_tokens.weight"
-    np.testing.assert_array_equal(part.tensors[embed], tensors[embed][shard.vocab.start:shard.vocab.stop])
+    np.testing.assert_array_equal(part.tensors[embed], tensors[embed][shard.vocab.start : shard.vocab.stop])
     assert part.args.vocab_size == whole.args.vocab_size
 
 
 def test_a_quantized_files_levels_are_cut_as_its_weights_are(checkpoints):
     """A GGUF file's blocks (fdcore.checkpoint.ggml_blocks) go with each rank's slices; a share of the inputs
     that does not cut at a block boundary leaves that weight to be quantized again on the rank."""
-    from fdcore.models.llama import Int4Matrix
     from fdcore.checkpoint.ggml_blocks import Blocks
+    from fdcore.models.matrices import Int4Matrix
 
     checkpoint = load_checkpoint(checkpoints["qwen2-bias-tied"], progress=lambda *_: None)
     for name, array in list(checkpoint.tensors.items()):
@@ -228,17 +263,22 @@ def test_two_ranks_of_the_real_model_give_its_tokens(tmp_path):
 def group_config(path: str, world: int, standby: bool = True, batched_tokens: int = 64, **workers):
     from tests.supervised import tree_config
 
-    return tree_config(path, scheduler={"max_num_batched_tokens": batched_tokens},
-                       workers={"tensor_parallel_size": world, "standby": standby, **workers},
-                       supervisor={"max_restarts": 100, "period": 60.0})
+    return tree_config(
+        path,
+        scheduler={"max_num_batched_tokens": batched_tokens},
+        workers={"tensor_parallel_size": world, "standby": standby, **workers},
+        supervisor={"max_restarts": 100, "period": 60.0},
+    )
 
 
 def test_a_group_serves_one_workers_tokens(checkpoints):
     from fdcore import LLM, SamplingParams
 
     prompts = [{"prompt_token_ids": [5 + (i * 37 + j * 11) % 4000 for j in range(20 + 9 * i)]} for i in range(4)]
-    params = [SamplingParams(max_tokens=16, temperature=0, ignore_eos=True),
-              SamplingParams(max_tokens=16, temperature=0.8, seed=7, ignore_eos=True)]
+    params = [
+        SamplingParams(max_tokens=16, temperature=0, ignore_eos=True),
+        SamplingParams(max_tokens=16, temperature=0.8, seed=7, ignore_eos=True),
+    ]
     tokens = {}
     for world in (1, 2):
         with LLM(group_config(checkpoints["llama-gqa"], world, standby=False)) as llm:
@@ -316,14 +356,17 @@ def test_a_group_scores_prompts_and_keeps_to_a_grammar_as_one_worker(checkpoints
 
     prompt = {"prompt_token_ids": [3 + (j * 31) % 4000 for j in range(40)]}
     scored = SamplingParams(max_tokens=4, temperature=0, prompt_logprobs=2)
-    held = SamplingParams(max_tokens=20, temperature=0.7, seed=3,
-                          structured_outputs=StructuredOutputs(regex="[a-z]{3,8}-[0-9]{2}"))
+    held = SamplingParams(
+        max_tokens=20, temperature=0.7, seed=3, structured_outputs=StructuredOutputs(regex="[a-z]{3,8}-[0-9]{2}")
+    )
     runs = {}
     for world in (1, 2):
         config = group_config(checkpoints["llama-gqa"], world, standby=False, batched_tokens=16)
         with LLM(config) as llm:
-            runs[world] = (llm.generate([prompt], scored, use_tqdm=False)[0],
-                           llm.generate(["hello"], held, use_tqdm=False)[0])
+            runs[world] = (
+                llm.generate([prompt], scored, use_tqdm=False)[0],
+                llm.generate(["hello"], held, use_tqdm=False)[0],
+            )
     (solo_scores, solo_text), (group_scores, group_text) = runs[1], runs[2]
     assert group_scores.outputs.token_ids == solo_scores.outputs.token_ids
     for mine, theirs in zip(group_scores.prompt_logprobs[1:], solo_scores.prompt_logprobs[1:], strict=True):

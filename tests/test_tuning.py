@@ -68,10 +68,10 @@ def test_the_prefetch_setting_changes_no_bit_of_the_kernels():
     import paddle
 
     from fdcore.models.kernels import set_weight_prefetch, weight_prefetch
-    from fdcore.models.llama import F32Matrix, Int4Matrix, Int8Matrix, _f32_kernel, _matrix_kind, linear
+    from fdcore.models.matrices import F32Matrix, Int4Matrix, Int8Matrix, f32_kernel, linear, matrix_kind
 
-    _matrix_kind("float32", "wint4")  # loads the int kernels
-    assert _f32_kernel()  # (and the float32 one: the same flags or fewer)
+    matrix_kind("float32", "wint4")  # loads the int kernels
+    assert f32_kernel()  # (and the float32 one: the same flags or fewer)
     rng = np.random.default_rng(3)
     x, w = rng.standard_normal((9, 576)).astype(np.float32), rng.standard_normal((4160, 576)).astype(np.float32)
     saved = weight_prefetch()
@@ -83,7 +83,7 @@ def test_the_prefetch_setting_changes_no_bit_of_the_kernels():
             for on in (True, False):
                 assert set_weight_prefetch(on) and weight_prefetch() is on
                 out[on] = [linear(paddle.to_tensor(x[:m]), matrix).numpy() for m in (1, 9)]
-            assert all(np.array_equal(a, b) for a, b in zip(out[True], out[False]))
+            assert all(np.array_equal(a, b) for a, b in zip(out[True], out[False], strict=False))
             expected = x @ w.T  # (and the products are the products: 4-bit levels of Gaussians, ~9 % off)
             assert np.linalg.norm(out[True][1] - expected) < 0.15 * np.linalg.norm(expected)
     finally:
@@ -93,10 +93,9 @@ def test_the_prefetch_setting_changes_no_bit_of_the_kernels():
 @needs_int_kernels
 @pytest.mark.parametrize("quantization", ["none", "wint8", "wint4"])
 def test_a_model_of_streamed_matrices_measures_both_and_keeps_the_faster(tmp_path, quantization):
-    from fdcore.checkpoint import tiny
+    from fdcore.checkpoint import load_checkpoint, tiny
     from fdcore.models.kernels import weight_prefetch
     from fdcore.models.llama import LlamaModel
-    from fdcore.checkpoint import load_checkpoint
 
     path = tiny.make_tiny_model(str(tmp_path / "tiny"))
     model = LlamaModel(load_checkpoint(path, progress=lambda *_: None), "float32", quantization)
@@ -107,9 +106,8 @@ def test_a_model_of_streamed_matrices_measures_both_and_keeps_the_faster(tmp_pat
 
 @pytest.mark.skipif(kernel_path("bfloat16") is None, reason="bfloat16 is refused on CPUs without AVX512-BF16")
 def test_a_bfloat16_model_has_nothing_to_tune(tmp_path):
-    from fdcore.checkpoint import tiny
+    from fdcore.checkpoint import load_checkpoint, tiny
     from fdcore.models.llama import LlamaModel
-    from fdcore.checkpoint import load_checkpoint
 
     path = tiny.make_tiny_model(str(tmp_path / "tiny"))
     plain = LlamaModel(load_checkpoint(path, progress=lambda *_: None), "bfloat16")
@@ -177,9 +175,9 @@ def test_a_trial_without_steps_or_with_a_margin_of_everything_is_refused(period,
 def test_the_worker_tries_the_prefetch_at_batch_1_decode_steps_only(capsys):
     from fdcore.actors.worker import WorkerActor
     from fdcore.models.kernels import set_weight_prefetch, weight_prefetch
-    from fdcore.models.llama import _matrix_kind
+    from fdcore.models.matrices import matrix_kind
 
-    _matrix_kind("float32", "wint8")  # (builds and loads the kernels)
+    matrix_kind("float32", "wint8")  # (builds and loads the kernels)
     saved = weight_prefetch()
     worker = WorkerActor.__new__(WorkerActor)  # the two methods alone: no process, no model
     worker.child_id, worker.prefetch_trial = "worker0", SwitchTrial(True, False, 1, 1, first_after=None)

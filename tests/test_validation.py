@@ -4,8 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from fdcore.core.validation import (ModelLimits, RequestError, check_length, check_one_prompt,
-                                    check_sampling, check_token_ids, validate_request_id)
+from fdcore.core.validation import (
+    ModelLimits,
+    RequestError,
+    check_length,
+    check_one_prompt,
+    check_sampling,
+    check_token_ids,
+    validate_request_id,
+)
 from fdcore.protocol import SamplingParams
 
 LIMITS = ModelLimits(vocab_size=4096, max_model_len=2048)
@@ -58,21 +65,42 @@ BAD_PROMPTS = [
     (dict(prompt="", prompt_token_ids=None, messages=None), "prompt", "non-empty string"),
     (dict(prompt=None, prompt_token_ids=[], messages=None), "prompt_token_ids", "must not be empty"),
     (dict(prompt=None, prompt_token_ids=None, messages=[]), "messages", "non-empty list"),
-    (dict(prompt=None, prompt_token_ids=None, messages=[{"role": "robot", "content": "x"}]),
-     "messages[0].role", "'robot' is not one of"),
-    (dict(prompt=None, prompt_token_ids=None, messages=[{"role": "user", "content": 5}]),
-     "messages[0].content", "must be a string"),
+    (
+        dict(prompt=None, prompt_token_ids=None, messages=[{"role": "robot", "content": "x"}]),
+        "messages[0].role",
+        "'robot' is not one of",
+    ),
+    (
+        dict(prompt=None, prompt_token_ids=None, messages=[{"role": "user", "content": 5}]),
+        "messages[0].content",
+        "must be a string",
+    ),
     (dict(prompt=None, prompt_token_ids=None, messages=["hello"]), "messages[0]", "'role' and 'content'"),
-    (dict(prompt=None, prompt_token_ids=None, messages=[{"role": "user", "content": "x", "colour": 1}]),
-     "messages[0].colour", "unknown key"),
-    (dict(prompt=None, prompt_token_ids=None, messages=[{"role": "user", "content": None}]),
-     "messages[0].content", "must be a string"),
-    (dict(prompt=None, prompt_token_ids=None, messages=[{"role": "user", "content": [{"type": "image"}]}]),
-     "messages[0].content", "list of {type: text, text} parts"),
-    (dict(prompt=None, prompt_token_ids=None, messages=[{"role": "assistant", "tool_calls": [{"id": "c"}]}]),
-     "messages[0].tool_calls[0]", "function: {name, arguments}"),
-    (dict(prompt=None, prompt_token_ids=None, messages=[{"role": "tool", "content": "x", "tool_call_id": 3}]),
-     "messages[0].tool_call_id", "must be a string"),
+    (
+        dict(prompt=None, prompt_token_ids=None, messages=[{"role": "user", "content": "x", "colour": 1}]),
+        "messages[0].colour",
+        "unknown key",
+    ),
+    (
+        dict(prompt=None, prompt_token_ids=None, messages=[{"role": "user", "content": None}]),
+        "messages[0].content",
+        "must be a string",
+    ),
+    (
+        dict(prompt=None, prompt_token_ids=None, messages=[{"role": "user", "content": [{"type": "image"}]}]),
+        "messages[0].content",
+        "list of {type: text, text} parts",
+    ),
+    (
+        dict(prompt=None, prompt_token_ids=None, messages=[{"role": "assistant", "tool_calls": [{"id": "c"}]}]),
+        "messages[0].tool_calls[0]",
+        "function: {name, arguments}",
+    ),
+    (
+        dict(prompt=None, prompt_token_ids=None, messages=[{"role": "tool", "content": "x", "tool_call_id": 3}]),
+        "messages[0].tool_call_id",
+        "must be a string",
+    ),
 ]
 
 
@@ -83,8 +111,15 @@ def test_bad_prompt_forms(fields, field, message):
     assert info.value.field == field and message in str(info.value)
 
 
-@pytest.mark.parametrize("ids, field", [([1, -1], "prompt_token_ids[1]"), ([4096], "prompt_token_ids[0]"),
-                                         ([1, "2"], "prompt_token_ids[1]"), ([True], "prompt_token_ids[0]")])
+@pytest.mark.parametrize(
+    "ids, field",
+    [
+        ([1, -1], "prompt_token_ids[1]"),
+        ([4096], "prompt_token_ids[0]"),
+        ([1, "2"], "prompt_token_ids[1]"),
+        ([True], "prompt_token_ids[0]"),
+    ],
+)
 def test_token_ids_outside_the_vocabulary(ids, field):
     with pytest.raises(RequestError, match=r"outside the vocabulary \[0, 4096\)") as info:
         check_token_ids(ids, LIMITS)
@@ -94,7 +129,9 @@ def test_token_ids_outside_the_vocabulary(ids, field):
 def test_prompt_length_against_max_model_len():
     with pytest.raises(RequestError, match="2048 tokens leave no room to generate: max_model_len is 2048"):
         check_length(2048, sp(), LIMITS)
-    with pytest.raises(RequestError, match=r"prompt \(2000 tokens\) \+ min_tokens \(100\) exceeds max_model_len \(2048\)"):
+    with pytest.raises(
+        RequestError, match=r"prompt \(2000 tokens\) \+ min_tokens \(100\) exceeds max_model_len \(2048\)"
+    ):
         check_length(2000, sp(min_tokens=100, max_tokens=200), LIMITS)
     check_length(2000, sp(min_tokens=48, max_tokens=100), LIMITS)
 
@@ -106,26 +143,50 @@ def test_bad_request_ids(request_id, message):
 
 
 def test_good_requests_pass_unchanged():
-    params = sp(temperature=0.7, top_p=0.9, top_k=-1, min_p=0.05, seed=3, logprobs=5, stop=["\n\n"],
-                stop_token_ids=[2], max_tokens=64, min_tokens=4)
+    params = sp(
+        temperature=0.7,
+        top_p=0.9,
+        top_k=-1,
+        min_p=0.05,
+        seed=3,
+        logprobs=5,
+        stop=["\n\n"],
+        stop_token_ids=[2],
+        max_tokens=64,
+        min_tokens=4,
+    )
     assert check_sampling(params, LIMITS) is params
     check_one_prompt("hello", None, None)
     check_one_prompt(None, None, [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}])
-    check_one_prompt(None, None, [  # OpenAI's tool-call turns and text parts
-        {"role": "user", "content": [{"type": "text", "text": "weather?"}]},
-        {"role": "assistant", "content": None, "reasoning_content": "use the tool",
-         "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "w", "arguments": "{}"}}]},
-        {"role": "tool", "content": "sunny", "tool_call_id": "c1", "name": "w"}])
+    check_one_prompt(
+        None,
+        None,
+        [  # OpenAI's tool-call turns and text parts
+            {"role": "user", "content": [{"type": "text", "text": "weather?"}]},
+            {
+                "role": "assistant",
+                "content": None,
+                "reasoning_content": "use the tool",
+                "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "w", "arguments": "{}"}}],
+            },
+            {"role": "tool", "content": "sunny", "tool_call_id": "c1", "name": "w"},
+        ],
+    )
     check_token_ids([0, 4095], LIMITS)
     validate_request_id("req-1")
 
 
-@pytest.mark.parametrize("fields, field", [
-    (dict(prompt="hi", tools=[]), "tools"),
-    (dict(prompt_token_ids=[1], chat_template_kwargs={"x": 1}), "chat_template_kwargs"),
-    (dict(messages=[{"role": "user", "content": "x"}], chat_template_kwargs={"tools": []}),
-     "chat_template_kwargs.tools"),
-])
+@pytest.mark.parametrize(
+    "fields, field",
+    [
+        (dict(prompt="hi", tools=[]), "tools"),
+        (dict(prompt_token_ids=[1], chat_template_kwargs={"x": 1}), "chat_template_kwargs"),
+        (
+            dict(messages=[{"role": "user", "content": "x"}], chat_template_kwargs={"tools": []}),
+            "chat_template_kwargs.tools",
+        ),
+    ],
+)
 def test_chat_options_belong_to_chat_requests_and_their_own_fields(fields, field):
     from fdcore.core.validation import check_chat_options
     from fdcore.protocol import RequestBody

@@ -36,8 +36,13 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 
 # general.sampling.* (llama.cpp's recommended sampling, gguf-py Keys.General) -> generation_config.json
-SAMPLING_KEYS = {"temp": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p",
-                 "penalty_repeat": "repetition_penalty"}
+SAMPLING_KEYS = {
+    "temp": "temperature",
+    "top_k": "top_k",
+    "top_p": "top_p",
+    "min_p": "min_p",
+    "penalty_repeat": "repetition_penalty",
+}
 CHECK_CHATS = 3  # reference chats the check runs (each: up to 24 greedy tokens)
 
 
@@ -46,8 +51,12 @@ def _metadata(file: str) -> dict:
     import gguf
 
     fields = gguf.GGUFReader(file, "r").fields
-    wanted = ["tokenizer.ggml.unknown_token_id", "tokenizer.ggml.padding_token_id",
-              "tokenizer.ggml.add_bos_token", "tokenizer.ggml.add_eos_token"]
+    wanted = [
+        "tokenizer.ggml.unknown_token_id",
+        "tokenizer.ggml.padding_token_id",
+        "tokenizer.ggml.add_bos_token",
+        "tokenizer.ggml.add_eos_token",
+    ]
     wanted += [f"general.sampling.{key}" for key in SAMPLING_KEYS]
     return {key: fields[key].contents() for key in wanted if key in fields}
 
@@ -70,8 +79,10 @@ def export_hf(gguf_file: str, out_dir: str, dtype: str = "float32") -> str:
 
     tokenizer_config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": settings["bos_token"], "eos_token": settings["eos_token"],
-        "unk_token": token("unknown"), "pad_token": token("padding"),
+        "bos_token": settings["bos_token"],
+        "eos_token": settings["eos_token"],
+        "unk_token": token("unknown"),
+        "pad_token": token("padding"),
         "add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token", False)),
         "add_eos_token": bool(meta.get("tokenizer.ggml.add_eos_token", False)),
         "model_max_length": config["max_position_embeddings"],
@@ -120,8 +131,8 @@ print(json.dumps([ref.chat_case(tokenizer, model, messages) for messages in chat
 
 
 def _fdcore_greedy(path: str, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
-    from fdcore.models.llama import LlamaModel
     from fdcore.checkpoint import load_checkpoint
+    from fdcore.models.llama import LlamaModel
     from tests.test_model import run_greedy
 
     model = LlamaModel(load_checkpoint(path, progress=lambda *_: None))
@@ -133,8 +144,13 @@ def check(gguf_file: str, out_dir: str, python: str) -> bool:
     with open(os.path.join(ROOT, "tests", "data", "gguf_reference.json"), encoding="utf-8") as f:
         reference = json.load(f)
     chats = reference["chats"][:CHECK_CHATS]
-    result = subprocess.run([python, "-c", _TRANSFORMERS, HERE, out_dir], input=json.dumps(
-        [c["messages"] for c in chats]), capture_output=True, text=True, check=False)
+    result = subprocess.run(
+        [python, "-c", _TRANSFORMERS, HERE, out_dir],
+        input=json.dumps([c["messages"] for c in chats]),
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     if result.returncode != 0:
         print(f"transformers failed on {out_dir}:\n{result.stderr[-3000:]}", file=sys.stderr)
         return False
@@ -150,8 +166,10 @@ def check(gguf_file: str, out_dir: str, python: str) -> bool:
         ok &= same
         print(f"{'same' if same else 'DIFFERENT'}: {n} greedy tokens {case['output_text']!r}")
         if not same:
-            print(f"  chat template ids {'equal' if same_prompt else 'DIFFER'}\n  transformers {case['output']}"
-                  f"\n  fdcore gguf  {a[:n]}\n  fdcore dir   {b[:n]}")
+            print(
+                f"  chat template ids {'equal' if same_prompt else 'DIFFER'}\n  transformers {case['output']}"
+                f"\n  fdcore gguf  {a[:n]}\n  fdcore dir   {b[:n]}"
+            )
     return ok
 
 
@@ -160,8 +178,12 @@ def main(argv=None) -> int:
     parser.add_argument("gguf", help="a GGUF file, or smollm2 (fetched once; see fdcore.checkpoint.fetch)")
     parser.add_argument("out_dir")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    parser.add_argument("--check", metavar="PYTHON", help="a python with torch + transformers: check that "
-                        "transformers' greedy tokens from the directory equal fdcore's")
+    parser.add_argument(
+        "--check",
+        metavar="PYTHON",
+        help="a python with torch + transformers: check that "
+        "transformers' greedy tokens from the directory equal fdcore's",
+    )
     args = parser.parse_args(argv)
     if args.gguf == "smollm2":
         from fdcore.checkpoint.fetch import fetch_smollm2

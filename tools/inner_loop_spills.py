@@ -30,8 +30,9 @@ STACK_LOAD = re.compile(r"vmov\w*\s+-?(0x[0-9a-f]+)?\(%r[sb]p[^)]*\),%[yz]mm")
 
 def functions(library: str):
     """(name, [(address, instruction text)]) for each function of the library's disassembly."""
-    text = subprocess.run(["objdump", "-d", "--no-show-raw-insn", "-C", library], check=True,
-                          capture_output=True, text=True).stdout
+    text = subprocess.run(
+        ["objdump", "-d", "--no-show-raw-insn", "-C", library], check=True, capture_output=True, text=True
+    ).stdout
     for chunk in text.split("\n\n"):
         lines = chunk.strip().split("\n")
         head = re.search(r"<(.*)>:$", lines[0])

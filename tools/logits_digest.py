@@ -26,11 +26,11 @@ def digests(steps: int) -> list[str]:
     """One line per setting this CPU runs (in this process's thread count)."""
     import numpy as np
 
-    from fdcore.core.batch import BatchInput
+    from fdcore.checkpoint import load_checkpoint
     from fdcore.checkpoint.fetch import fetch_smollm2
+    from fdcore.core.batch import BatchInput
     from fdcore.models.kernels import missing_cpu_feature
     from fdcore.models.llama import LlamaModel
-    from fdcore.checkpoint import load_checkpoint
 
     path = fetch_smollm2()
     prompts = [chat["prompt"] for chat in json.load(open(GOLDEN))["chats"]][:2]
@@ -48,10 +48,11 @@ def digests(steps: int) -> list[str]:
         digest = hashlib.sha256()
         ids, starts = [list(p) for p in prompts], [0] * len(prompts)
         for _ in range(steps):
-            logits = np.ascontiguousarray(model.forward(BatchInput(ids, starts, tables, [len(p) for p in prompts]),
-                                                        cache), dtype=np.float32)
+            logits = np.ascontiguousarray(
+                model.forward(BatchInput(ids, starts, tables, [len(p) for p in prompts]), cache), dtype=np.float32
+            )
             digest.update(logits.tobytes())
-            starts = [s + len(i) for s, i in zip(starts, ids)]
+            starts = [s + len(i) for s, i in zip(starts, ids, strict=False)]
             ids = [[int(t)] for t in logits.argmax(axis=1)]
         lines.append(f"{name}: {digest.hexdigest()[:32]}")
     return lines
@@ -69,8 +70,13 @@ def main() -> int:
         return 0
     for threads in args.threads:
         env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-        out = subprocess.run([sys.executable, __file__, "--one", "--steps", str(args.steps)], env=env, check=True,
-                             capture_output=True, text=True).stdout
+        out = subprocess.run(
+            [sys.executable, __file__, "--one", "--steps", str(args.steps)],
+            env=env,
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout
         for line in out.splitlines():
             print(f"{threads} thread{'s' * (threads > 1)}, {line}")
     return 0

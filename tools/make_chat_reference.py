@@ -134,7 +134,8 @@ _LLAMA3 = """\
 """
 LLAMA3 = _LLAMA3.replace("@@ASSISTANT@@", "{{- message.content | trim + '</s>' }}")
 LLAMA3_GENERATION = _LLAMA3.replace(
-    "@@ASSISTANT@@", "{% generation %}{{- message.content | trim + '</s>' }}{% endgeneration %}")
+    "@@ASSISTANT@@", "{% generation %}{{- message.content | trim + '</s>' }}{% endgeneration %}"
+)
 
 DOCUMENTS = (
     "{{ bos_token }}{% if documents %}<|im_start|>documents\n{% for doc in documents %}"
@@ -162,20 +163,36 @@ FEATURES = """\
 {%- if add_generation_prompt %}{{ '\\nA|' }}{% endif %}
 """
 
-TEMPLATES = {"qwen2.5": QWEN25, "smollm2": SMOLLM2, "llama3": LLAMA3, "llama3-generation": LLAMA3_GENERATION,
-             "documents": DOCUMENTS, "features": FEATURES}
+TEMPLATES = {
+    "qwen2.5": QWEN25,
+    "smollm2": SMOLLM2,
+    "llama3": LLAMA3,
+    "llama3-generation": LLAMA3_GENERATION,
+    "documents": DOCUMENTS,
+    "features": FEATURES,
+}
 
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "Das Wetter für einen Ort (°C)",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Das Wetter für einen Ort (°C)",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi! Grüße aus München 🚀"}]
 TURNS = CHAT + [{"role": "assistant", "content": "Hello. "}, {"role": "user", "content": "And now?"}]
 TOOL_TURNS = [
     {"role": "user", "content": "Weather in Paris?"},
-    {"role": "assistant", "content": None, "tool_calls": [
-        {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
-    {"role": "tool", "content": "{\"celsius\": 21}", "tool_call_id": "c1"},
-    {"role": "tool", "content": "{\"wind\": 3}", "tool_call_id": "c1"},
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+        ],
+    },
+    {"role": "tool", "content": '{"celsius": 21}', "tool_call_id": "c1"},
+    {"role": "tool", "content": '{"wind": 3}', "tool_call_id": "c1"},
 ]
 DOCS = [{"title": "Tiny", "text": "fdcore ships a tiny model."}, {"title": "Größe", "text": "4096 Wörter"}]
 PREFIX = CHAT + [{"role": "assistant", "content": "The answer is "}]
@@ -190,18 +207,35 @@ CASES = [
     ("smollm2-turns", "smollm2", dict(messages=TURNS)),
     ("smollm2-continue", "smollm2", dict(messages=PREFIX, add_generation_prompt=False, continue_final_message=True)),
     ("llama3", "llama3", dict(messages=TURNS, date_string="01 Dec 2026")),
-    ("llama3-tools", "llama3", dict(messages=CHAT, tools=[WEATHER], add_generation_prompt=True,
-                                    date_string="01 Dec 2026")),
+    (
+        "llama3-tools",
+        "llama3",
+        dict(messages=CHAT, tools=[WEATHER], add_generation_prompt=True, date_string="01 Dec 2026"),
+    ),
     ("llama3-generation", "llama3-generation", dict(messages=TURNS, date_string="01 Dec 2026")),
-    ("llama3-generation-continue", "llama3-generation",
-     dict(messages=PREFIX, add_generation_prompt=False, continue_final_message=True, date_string="01 Dec 2026")),
+    (
+        "llama3-generation-continue",
+        "llama3-generation",
+        dict(messages=PREFIX, add_generation_prompt=False, continue_final_message=True, date_string="01 Dec 2026"),
+    ),
     ("llama3-raises", "llama3", dict(messages=[{"role": "assistant", "content": "x"}], date_string="x")),
     ("documents", "documents", dict(messages=CHAT[1:], documents=DOCS, add_generation_prompt=True)),
-    ("features", "features", dict(
-        messages=[*TURNS, {"role": "user", "content": "SKIP"},
-                  {"role": "assistant", "content": "ok", "reasoning_content": "thought"},
-                  {"role": "user", "content": "STOP"}, {"role": "user", "content": "never"}],
-        tools=[WEATHER], add_generation_prompt=True, extra={"zeta": [1, "ü"], "alpha": None})),
+    (
+        "features",
+        "features",
+        dict(
+            messages=[
+                *TURNS,
+                {"role": "user", "content": "SKIP"},
+                {"role": "assistant", "content": "ok", "reasoning_content": "thought"},
+                {"role": "user", "content": "STOP"},
+                {"role": "user", "content": "never"},
+            ],
+            tools=[WEATHER],
+            add_generation_prompt=True,
+            extra={"zeta": [1, "ü"], "alpha": None},
+        ),
+    ),
     ("features-no-prompt", "features", dict(messages=CHAT, add_generation_prompt=False)),
 ]
 
@@ -210,10 +244,14 @@ CASES = [
 LAYOUTS = {
     "tokenizer-config-string": {"tokenizer_config": SMOLLM2},
     "jinja-file-wins": {"chat_template.jinja": QWEN25, "tokenizer_config": SMOLLM2},
-    "tokenizer-config-list": {"tokenizer_config": [{"name": "default", "template": SMOLLM2},
-                                                   {"name": "tool_use", "template": QWEN25}]},
-    "jinja-and-additional": {"chat_template.jinja": SMOLLM2, "additional_chat_templates/tool_use.jinja": QWEN25,
-                             "additional_chat_templates/rag.jinja": DOCUMENTS},
+    "tokenizer-config-list": {
+        "tokenizer_config": [{"name": "default", "template": SMOLLM2}, {"name": "tool_use", "template": QWEN25}]
+    },
+    "jinja-and-additional": {
+        "chat_template.jinja": SMOLLM2,
+        "additional_chat_templates/tool_use.jinja": QWEN25,
+        "additional_chat_templates/rag.jinja": DOCUMENTS,
+    },
     "additional-only": {"additional_chat_templates/tool_use.jinja": QWEN25, "tokenizer_config": SMOLLM2},
 }
 NAMED = [  # a list-of-templates checkpoint: which one transformers picks
@@ -251,8 +289,14 @@ def render(tokenizer, args: dict) -> dict:
 
 
 def main(out_file: str) -> None:
-    result = {"transformers": transformers.__version__, "special_tokens": SPECIAL, "templates": TEMPLATES,
-              "cases": [], "layouts": {}, "named": []}
+    result = {
+        "transformers": transformers.__version__,
+        "special_tokens": SPECIAL,
+        "templates": TEMPLATES,
+        "cases": [],
+        "layouts": {},
+        "named": [],
+    }
     with tempfile.TemporaryDirectory() as root:
         for name, template, args in CASES:
             directory = os.path.join(root, name)
@@ -265,8 +309,10 @@ def main(out_file: str) -> None:
             os.makedirs(directory)
             write_layout(directory, files)
             found = AutoTokenizer.from_pretrained(directory).chat_template
-            result["layouts"][name] = {"files": files,
-                                       "found": found if isinstance(found, dict) else {"default": found}}
+            result["layouts"][name] = {
+                "files": files,
+                "found": found if isinstance(found, dict) else {"default": found},
+            }
         directory = os.path.join(root, "named")
         os.makedirs(directory)
         write_layout(directory, LAYOUTS["tokenizer-config-list"])
@@ -277,8 +323,10 @@ def main(out_file: str) -> None:
         json.dump(result, f, ensure_ascii=False, indent=1)
         f.write("\n")
     failed = [c["name"] for c in result["cases"] if "error" in c]
-    print(f"wrote {len(result['cases'])} cases ({len(failed)} expected failures: {failed}), "
-          f"{len(result['layouts'])} layouts, {len(result['named'])} named to {out_file}")
+    print(
+        f"wrote {len(result['cases'])} cases ({len(failed)} expected failures: {failed}), "
+        f"{len(result['layouts'])} layouts, {len(result['named'])} named to {out_file}"
+    )
 
 
 if __name__ == "__main__":

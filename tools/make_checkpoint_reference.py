@@ -42,16 +42,21 @@ def prompts(tokenizer: Tokenizer) -> dict[str, list[int]]:
 
 def variants(python: str) -> list[str]:
     code = "from tests.checkpoints import VARIANTS; print(' '.join(VARIANTS))"
-    return subprocess.run([python, "-c", code], cwd=ROOT, check=True, capture_output=True,
-                          text=True).stdout.split()
+    return subprocess.run([python, "-c", code], cwd=ROOT, check=True, capture_output=True, text=True).stdout.split()
 
 
 def greedy(path: str, ids: list[int]) -> list[int]:
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     with torch.no_grad():
-        gen = model.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False,
-                             eos_token_id=None, pad_token_id=0, min_new_tokens=NEW_TOKENS)
-    return gen[0, len(ids):].tolist()
+        gen = model.generate(
+            torch.tensor([ids]),
+            max_new_tokens=NEW_TOKENS,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+            min_new_tokens=NEW_TOKENS,
+        )
+    return gen[0, len(ids) :].tolist()
 
 
 def saved_config(path: str, out_dir: str) -> dict:
@@ -63,13 +68,17 @@ def saved_config(path: str, out_dir: str) -> dict:
 
 def main(python: str, out_file: str) -> None:
     torch.manual_seed(0)
-    result = {"new_tokens": NEW_TOKENS, "transformers": transformers.__version__, "torch": torch.__version__,
-              "variants": {}, "configs": {}}
+    result = {
+        "new_tokens": NEW_TOKENS,
+        "transformers": transformers.__version__,
+        "torch": torch.__version__,
+        "variants": {},
+        "configs": {},
+    }
     with tempfile.TemporaryDirectory() as tmp:
         for name in variants(python):
             path = os.path.join(tmp, name)
-            subprocess.run([python, "-m", "tests.checkpoints", path, name], cwd=ROOT, check=True,
-                           capture_output=True)
+            subprocess.run([python, "-m", "tests.checkpoints", path, name], cwd=ROOT, check=True, capture_output=True)
             tokenizer = Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
             cases = {case: {"prompt": ids, "output": greedy(path, ids)} for case, ids in prompts(tokenizer).items()}
             for case, data in cases.items():

@@ -46,10 +46,12 @@ CHATS = [
     [{"role": "user", "content": "What is 12 times 7?"}],
     [{"role": "user", "content": "Tell me a very short story about a cat."}],
     [{"role": "user", "content": "Answer with one word: what color is the sky on a clear day?"}],
-    [{"role": "system", "content": "You are a pirate. Answer like one."},
-     {"role": "user", "content": "Hello!"},
-     {"role": "assistant", "content": "Arr, ahoy there, matey!"},
-     {"role": "user", "content": "Where is the treasure?"}],
+    [
+        {"role": "system", "content": "You are a pirate. Answer like one."},
+        {"role": "user", "content": "Hello!"},
+        {"role": "assistant", "content": "Arr, ahoy there, matey!"},
+        {"role": "user", "content": "Where is the treasure?"},
+    ],
 ]
 
 SAMPLES = [
@@ -90,16 +92,29 @@ def load_fetch():
 def chat_case(tokenizer, model, messages):
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    assert ids == list(tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True,
-                                                     return_dict=True)["input_ids"])
+    assert ids == list(
+        tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=True)[
+            "input_ids"
+        ]
+    )
     with torch.no_grad():
-        gen = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                             max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=tokenizer.eos_token_id,
-                             pad_token_id=tokenizer.eos_token_id)
-    output = gen[0, len(ids):].tolist()
-    return {"messages": messages, "text": text, "prompt": ids, "output": output,
-            "stopped_at_eos": output[-1] == tokenizer.eos_token_id,
-            "output_text": tokenizer.decode(output, skip_special_tokens=True)}
+        gen = model.generate(
+            torch.tensor([ids]),
+            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            max_new_tokens=NEW_TOKENS,
+            do_sample=False,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.eos_token_id,
+        )
+    output = gen[0, len(ids) :].tolist()
+    return {
+        "messages": messages,
+        "text": text,
+        "prompt": ids,
+        "output": output,
+        "stopped_at_eos": output[-1] == tokenizer.eos_token_id,
+        "output_text": tokenizer.decode(output, skip_special_tokens=True),
+    }
 
 
 def sentencepiece_case(tmp):
@@ -108,27 +123,62 @@ def sentencepiece_case(tmp):
     with open(corpus, "w", encoding="utf-8") as f:
         f.write("\n".join(SPM_CORPUS * 3))
     prefix = os.path.join(tmp, "spm")
-    spm.SentencePieceTrainer.train(input=corpus, model_prefix=prefix, model_type="bpe", vocab_size=600,
-                                   byte_fallback=True, character_coverage=0.9995, num_threads=1,
-                                   split_digits=True, hard_vocab_limit=False, normalization_rule_name="identity",
-                                   remove_extra_whitespaces=False, minloglevel=2, user_defined_symbols=["<think>"],
-                                   bos_id=1, eos_id=2, unk_id=0, pad_id=-1)
+    spm.SentencePieceTrainer.train(
+        input=corpus,
+        model_prefix=prefix,
+        model_type="bpe",
+        vocab_size=600,
+        byte_fallback=True,
+        character_coverage=0.9995,
+        num_threads=1,
+        split_digits=True,
+        hard_vocab_limit=False,
+        normalization_rule_name="identity",
+        remove_extra_whitespaces=False,
+        minloglevel=2,
+        user_defined_symbols=["<think>"],
+        bos_id=1,
+        eos_id=2,
+        unk_id=0,
+        pad_id=-1,
+    )
     sp = spm.SentencePieceProcessor(model_file=prefix + ".model")
     tokens, scores, types = [], [], []
     for i in range(sp.vocab_size()):
         tokens.append(sp.id_to_piece(i))
         scores.append(float(sp.get_score(i)))
-        types.append(2 if sp.is_unknown(i) else 3 if sp.is_control(i) else 6 if sp.is_byte(i)
-                     else 5 if sp.is_unused(i) else 4 if tokens[-1] == "<think>" else 1)
-    vocab = {"tokens": tokens, "scores": scores, "token_type": types, "bos_token_id": 1,
-             "eos_token_id": 2, "unknown_token_id": 0, "add_bos_token": True}
+        types.append(
+            2
+            if sp.is_unknown(i)
+            else 3
+            if sp.is_control(i)
+            else 6
+            if sp.is_byte(i)
+            else 5
+            if sp.is_unused(i)
+            else 4
+            if tokens[-1] == "<think>"
+            else 1
+        )
+    vocab = {
+        "tokens": tokens,
+        "scores": scores,
+        "token_type": types,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "unknown_token_id": 0,
+        "add_bos_token": True,
+    }
     gguf_file = os.path.join(tmp, "spm.gguf")
     write_spm_gguf(gguf_file, vocab)
     hf = AutoTokenizer.from_pretrained(tmp, gguf_file="spm.gguf")
     texts = SAMPLES + ["Hello <think>reasoning</think> world", "unseen: ŽŸ Ω ∑ 🦀"]
-    return {**vocab, "texts": texts,
-            "sentencepiece_ids": [sp.encode(t) for t in texts],
-            "transformers_ids": [hf(t)["input_ids"] for t in texts]}
+    return {
+        **vocab,
+        "texts": texts,
+        "sentencepiece_ids": [sp.encode(t) for t in texts],
+        "transformers_ids": [hf(t)["input_ids"] for t in texts],
+    }
 
 
 def write_spm_gguf(path, vocab):
@@ -172,20 +222,32 @@ def main(out_file: str) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         os.symlink(gguf_path, os.path.join(tmp, fetch.SMOLLM2_FILE))
         tokenizer = AutoTokenizer.from_pretrained(tmp, gguf_file=fetch.SMOLLM2_FILE)
-        model = AutoModelForCausalLM.from_pretrained(tmp, gguf_file=fetch.SMOLLM2_FILE,
-                                                     dtype=torch.float32).eval()
+        model = AutoModelForCausalLM.from_pretrained(tmp, gguf_file=fetch.SMOLLM2_FILE, dtype=torch.float32).eval()
         chats = []
         for messages in CHATS:
             chats.append(chat_case(tokenizer, model, messages))
             print(repr(chats[-1]["output_text"]), flush=True)
         samples = [{"text": t, "ids": tokenizer(t)["input_ids"]} for t in SAMPLES]
-        divergent = [{"text": t, "transformers_ids": tokenizer(t)["input_ids"],
-                      "transformers_tokens": tokenizer.convert_ids_to_tokens(tokenizer(t)["input_ids"])}
-                     for t in DIVERGENT]
+        divergent = [
+            {
+                "text": t,
+                "transformers_ids": tokenizer(t)["input_ids"],
+                "transformers_tokens": tokenizer.convert_ids_to_tokens(tokenizer(t)["input_ids"]),
+            }
+            for t in DIVERGENT
+        ]
         spm_case = sentencepiece_case(tmp)
-    result = {"transformers": transformers.__version__, "torch": torch.__version__,
-              "gguf_file": fetch.SMOLLM2_FILE, "gguf_sha256": sha256(gguf_path), "new_tokens": NEW_TOKENS,
-              "chats": chats, "samples": samples, "divergent": divergent, "sentencepiece": spm_case}
+    result = {
+        "transformers": transformers.__version__,
+        "torch": torch.__version__,
+        "gguf_file": fetch.SMOLLM2_FILE,
+        "gguf_sha256": sha256(gguf_path),
+        "new_tokens": NEW_TOKENS,
+        "chats": chats,
+        "samples": samples,
+        "divergent": divergent,
+        "sentencepiece": spm_case,
+    }
     with open(out_file, "w", encoding="utf-8") as f:
         json.dump(result, f, indent=1, ensure_ascii=False)
         f.write("\n")

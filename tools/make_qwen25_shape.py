@@ -11,7 +11,8 @@ The tokenizer is a word-level vocabulary of the same size (``t0`` .. ``t151935``
 benchmarks feed token ids, and the servers only need every id to decode to something. llama.cpp's
 converter refuses a tokenizer it does not know, so ``--tokenizer HF_DIR`` copies a real one instead
 (SmolLM2's, from ``tools/export_hf.py``), and the vocabulary is then the tokenizer's (the layers keep
-the shape; the embedding and LM head shrink to it). ``--size 1.5b``: Qwen2.5-1.5B-Instruct's config (28 layers, hidden 1536, 12 query / 2 KV heads
+the shape; the embedding and LM head shrink to it). ``--size 1.5b``: Qwen2.5-1.5B-Instruct's config (28 layers,
+hidden 1536, 12 query / 2 KV heads
 of 128, MLP 8960, tied embeddings), ~3.1 GB. Deterministic: seed 0.
 """
 
@@ -23,13 +24,34 @@ import os
 import shutil
 import sys
 
-QWEN25_05B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-                  num_key_value_heads=2, vocab_size=151936, max_position_embeddings=32768,
-                  rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True, hidden_act="silu",
-                  initializer_range=0.02, bos_token_id=151643, eos_token_id=151645,
-                  use_sliding_window=False, sliding_window=32768, max_window_layers=21)
-QWEN25_15B = {**QWEN25_05B, "hidden_size": 1536, "intermediate_size": 8960, "num_hidden_layers": 28,
-              "num_attention_heads": 12, "num_key_value_heads": 2, "max_window_layers": 21}
+QWEN25_05B = dict(
+    hidden_size=896,
+    intermediate_size=4864,
+    num_hidden_layers=24,
+    num_attention_heads=14,
+    num_key_value_heads=2,
+    vocab_size=151936,
+    max_position_embeddings=32768,
+    rms_norm_eps=1e-6,
+    rope_theta=1000000.0,
+    tie_word_embeddings=True,
+    hidden_act="silu",
+    initializer_range=0.02,
+    bos_token_id=151643,
+    eos_token_id=151645,
+    use_sliding_window=False,
+    sliding_window=32768,
+    max_window_layers=21,
+)
+QWEN25_15B = {
+    **QWEN25_05B,
+    "hidden_size": 1536,
+    "intermediate_size": 8960,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 12,
+    "num_key_value_heads": 2,
+    "max_window_layers": 21,
+}
 
 
 def write_tokenizer(out: str, vocab_size: int) -> None:
@@ -40,8 +62,17 @@ def write_tokenizer(out: str, vocab_size: int) -> None:
     tokenizer.decoder = decoders.WordPiece(prefix="##")  # joins with spaces
     tokenizer.save(os.path.join(out, "tokenizer.json"))
     with open(os.path.join(out, "tokenizer_config.json"), "w") as f:
-        json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "unk_token": "t0", "bos_token": None,
-                   "eos_token": f"t{QWEN25_05B['eos_token_id']}", "model_max_length": 32768}, f, indent=1)
+        json.dump(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "unk_token": "t0",
+                "bos_token": None,
+                "eos_token": f"t{QWEN25_05B['eos_token_id']}",
+                "model_max_length": 32768,
+            },
+            f,
+            indent=1,
+        )
 
 
 def tokenizer_ids(hf_dir: str) -> dict:
@@ -56,8 +87,11 @@ def tokenizer_ids(hf_dir: str) -> dict:
         token = special.get(name)
         return tokenizer.token_to_id(token if isinstance(token, str) else (token or {}).get("content", ""))
 
-    return {"vocab_size": tokenizer.get_vocab_size(), "bos_token_id": token_id("bos_token"),
-            "eos_token_id": token_id("eos_token")}
+    return {
+        "vocab_size": tokenizer.get_vocab_size(),
+        "bos_token_id": token_id("bos_token"),
+        "eos_token_id": token_id("eos_token"),
+    }
 
 
 def main(argv: list[str]) -> int:
@@ -68,9 +102,13 @@ def main(argv: list[str]) -> int:
     parser.add_argument("out")
     parser.add_argument("--size", default="0.5b", choices=["0.5b", "1.5b"])
     parser.add_argument("--tokenizer", help="an HF directory whose tokenizer files to copy")
-    parser.add_argument("--arch", default="qwen2", choices=["qwen2", "llama"],
-                        help="llama: the same shape as a Llama (no q/k/v biases), which llama.cpp's converter "
-                             "takes with a tokenizer it recognizes by name only for a Qwen2")
+    parser.add_argument(
+        "--arch",
+        default="qwen2",
+        choices=["qwen2", "llama"],
+        help="llama: the same shape as a Llama (no q/k/v biases), which llama.cpp's converter "
+        "takes with a tokenizer it recognizes by name only for a Qwen2",
+    )
     args = parser.parse_args(argv)
     out = args.out
     os.makedirs(out, exist_ok=True)
@@ -79,7 +117,9 @@ def main(argv: list[str]) -> int:
     if args.tokenizer:  # its vocabulary: every id the model can emit decodes, in every server
         shape.update(tokenizer_ids(args.tokenizer))
     if args.arch == "llama":
-        shape = {k: v for k, v in shape.items() if k not in ("use_sliding_window", "sliding_window", "max_window_layers")}
+        shape = {
+            k: v for k, v in shape.items() if k not in ("use_sliding_window", "sliding_window", "max_window_layers")
+        }
         config = LlamaConfig(**shape, torch_dtype="bfloat16")
         model = LlamaForCausalLM(config).to(torch.bfloat16)
     else:

@@ -37,8 +37,12 @@ def prompts(tokenizer: Tokenizer) -> dict[str, list[int]]:
 
 def main(out_file: str) -> None:
     torch.manual_seed(0)
-    result = {"new_tokens": NEW_TOKENS, "transformers": __import__("transformers").__version__,
-              "torch": torch.__version__, "checkpoints": {}}
+    result = {
+        "new_tokens": NEW_TOKENS,
+        "transformers": __import__("transformers").__version__,
+        "torch": torch.__version__,
+        "checkpoints": {},
+    }
     with tempfile.TemporaryDirectory() as tmp:
         for name, options in CHECKPOINTS.items():
             path = tiny.make_tiny_model(f"{tmp}/{name}", **options)
@@ -47,12 +51,21 @@ def main(out_file: str) -> None:
             cases = {}
             for case, ids in prompts(tokenizer).items():
                 with torch.no_grad():
-                    gen = model.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False,
-                                         eos_token_id=None, pad_token_id=0, min_new_tokens=NEW_TOKENS)
-                cases[case] = {"prompt": ids, "output": gen[0, len(ids):].tolist()}
+                    gen = model.generate(
+                        torch.tensor([ids]),
+                        max_new_tokens=NEW_TOKENS,
+                        do_sample=False,
+                        eos_token_id=None,
+                        pad_token_id=0,
+                        min_new_tokens=NEW_TOKENS,
+                    )
+                cases[case] = {"prompt": ids, "output": gen[0, len(ids) :].tolist()}
                 print(name, case, len(ids), cases[case]["output"][:8], flush=True)
-            result["checkpoints"][name] = {"options": options, "digest": tiny.digest(path)
-                                           if options.get("shards", 1) == 1 else None, "cases": cases}
+            result["checkpoints"][name] = {
+                "options": options,
+                "digest": tiny.digest(path) if options.get("shards", 1) == 1 else None,
+                "cases": cases,
+            }
     with open(out_file, "w") as f:
         json.dump(result, f, indent=1)
 

@@ -26,8 +26,11 @@ def main() -> None:
     from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
     from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 
-    table = {"vllm": vllm.__version__, "/v1/completions": fields(CompletionRequest),
-             "/v1/chat/completions": fields(ChatCompletionRequest)}
+    table = {
+        "vllm": vllm.__version__,
+        "/v1/completions": fields(CompletionRequest),
+        "/v1/chat/completions": fields(ChatCompletionRequest),
+    }
     with open(sys.argv[1], "w") as f:
         json.dump(table, f, indent=1)
         f.write("\n")

@@ -6,6 +6,7 @@ import sys
 from fdcore.actors.runtime import main
 from fdcore.actors.topology import KINDS
 
+
 def actor_class(kind: str):
     if kind not in KINDS:
         raise SystemExit(f"unknown actor kind {kind!r}; known: {', '.join(KINDS)}")

@@ -13,8 +13,20 @@ from __future__ import annotations
 from fdcore.actors import faults
 from fdcore.actors.runtime import Actor
 from fdcore.core.kv_cache_manager import KVCacheManager
-from fdcore.protocol import (Allocate, CacheMessage, CacheReply, CacheReset, CacheStatsQuery,
-                             Computed, Free, Grow, GrowMany, GrowReply, Ping, Stop)
+from fdcore.protocol import (
+    Allocate,
+    CacheMessage,
+    CacheReply,
+    CacheReset,
+    CacheStatsQuery,
+    Computed,
+    Free,
+    Grow,
+    GrowMany,
+    GrowReply,
+    Ping,
+    Stop,
+)
 
 
 class CacheActor(Actor):
@@ -80,12 +92,11 @@ def prefix_caching_is_exact(config) -> bool:
     must not reuse them. (A missing or unreadable checkpoint is the worker's to report.)"""
     if config.model.backend == "null":
         return True
-    from fdcore.config import model_path
     from fdcore.checkpoint import CheckpointError, ModelArgs, read_config
+    from fdcore.config import model_path
 
     path = model_path(config)
     try:
         return not ModelArgs.from_config(read_config(path), path).rope.is_dynamic
     except CheckpointError:
         return True
-

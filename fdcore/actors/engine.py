@@ -29,15 +29,14 @@
 
 from __future__ import annotations
 
-import fcntl
 import os
-import sys
 import time
 from dataclasses import dataclass, field
 
 import msgspec
 
 from fdcore.actors import faults, health, topology
+from fdcore.actors.engine_links import ClientLinks, ClientSlot
 from fdcore.actors.runtime import Actor
 from fdcore.config import model_path
 from fdcore.core.detokenizer import IncrementalDetokenizer, byte_table
@@ -45,12 +44,34 @@ from fdcore.core.generation_config import sampling_defaults
 from fdcore.core.quarantine import Quarantine
 from fdcore.core.structured import Grammars
 from fdcore.core.tokenizer import ModelTokenizer
-from fdcore.core.validation import (RequestError, check_chat_options, check_length, check_one_prompt,
-                                    check_sampling, check_token_ids, validate_request_id)
-from fdcore.ipc import LinkReceiver, ProtocolError, RecordTooLarge, Ring, RingCorrupted, RingFull, Sender, names
-from fdcore.protocol import (AbortRequest, AddRequest, AddSeq, ClientToEngine, EngineMessage, FinishSeq, Hello,
-                             Metrics, RequestBody, Restarted, Resync, SamplingParams, SchedulerToEngine, SeqTokens,
-                             ServingStats, StatsQuery, Suspects, SupervisorToEngine, Update, Welcome)
+from fdcore.core.validation import (
+    RequestError,
+    check_chat_options,
+    check_length,
+    check_one_prompt,
+    check_sampling,
+    check_token_ids,
+    validate_request_id,
+)
+from fdcore.ipc import LinkReceiver, ProtocolError
+from fdcore.protocol import (
+    AddRequest,
+    AddSeq,
+    ClientToEngine,
+    EngineMessage,
+    FinishSeq,
+    Metrics,
+    RequestBody,
+    Restarted,
+    Resync,
+    SamplingParams,
+    SchedulerToEngine,
+    SeqTokens,
+    ServingStats,
+    SupervisorToEngine,
+    Suspects,
+    Update,
+)
 
 EPOCHS_PER_GENERATION = 1_000_000
 LIVENESS_INTERVAL = 0.5  # seconds between checks that each busy client slot still has its owner (README: a
@@ -77,19 +98,7 @@ class TrackedRequest:
     tenant: str = ""  # whom it is for (its client slot, and the client's own tenant): shares are per tenant
 
 
-@dataclass(eq=False)
-class ClientSlot:
-    index: int
-    sender: Sender
-    lock_fd: int
-    session: int = 0
-    requests: dict[str, int] = field(default_factory=dict)  # request id -> seq
-    outbox: list = field(default_factory=list)             # messages its full inbox did not take yet
-    stalled_since: float | None = None                     # when its inbox first had no room (monotonic)
-    logged_at: float = float("-inf")                       # when its last disconnection was logged (monotonic)
-
-
-class EngineActor(Actor):
+class EngineActor(ClientLinks, Actor):
     inbox_type = EngineMessage
 
     def on_start(self) -> None:
@@ -117,11 +126,11 @@ class EngineActor(Actor):
     def make_receiver(self, inbox):
         """Each link decoded with what its producer may send; a client's bad record is returned,
         not raised (see dispatch)."""
-        self.client_links = {link: topology.client_index(link) for link in inbox.links
-                             if topology.client_index(link) is not None}
+        self.client_links = {
+            link: topology.client_index(link) for link in inbox.links if topology.client_index(link) is not None
+        }
         unions = {link: ClientToEngine for link in self.client_links}
-        return LinkReceiver(inbox, {**unions, topology.SUPERVISOR: SupervisorToEngine,
-                                    "scheduler": SchedulerToEngine})
+        return LinkReceiver(inbox, {**unions, topology.SUPERVISOR: SupervisorToEngine, "scheduler": SchedulerToEngine})
 
     def dispatch(self, item) -> None:
         """The link names the sender: a client's message is handled as that client's whatever
@@ -148,32 +157,16 @@ class EngineActor(Actor):
             case Suspects():
                 self._on_suspects(message)
             case ServingStats():
-                self._deliver(message.client, [msgspec.structs.replace(
-                    message, requests=len(self.table), disconnected_clients=self.disconnected)])
+                self._deliver(
+                    message.client,
+                    [
+                        msgspec.structs.replace(
+                            message, requests=len(self.table), disconnected_clients=self.disconnected
+                        )
+                    ],
+                )
             case _:
                 super().handle(message)
-
-    def _on_client(self, client: int, message) -> None:
-        match message:
-            case AddRequest():
-                self._on_request(client, message)
-            case AbortRequest(request_id=request_id):
-                self._on_abort(client, request_id)
-            case Hello(session=session):
-                self._on_hello(client, session)
-            case StatsQuery():
-                self.send("scheduler", msgspec.structs.replace(message, client=client))
-
-    def _resync(self) -> None:
-        """An actor behind us was restarted and lost its state: start a new epoch and hand the
-        scheduler every unfinished request again, with the tokens already sent to its client
-        (they count toward max_tokens and are recomputed, not re-sent)."""
-        self.epoch += 1
-        self.send("scheduler", Resync(self.epoch))
-        eos = list(self.tokenizer.eos_token_ids)
-        for tracked in sorted(self.table.values(), key=lambda t: t.seq):
-            self.send("scheduler", AddSeq(tracked.seq, tracked.prompt_token_ids, tracked.params, eos,
-                                          list(tracked.output_token_ids), tracked.tenant))
 
     def on_stop(self) -> None:
         """The tree is stopping: every unfinished request ends now with the reason. Stopped to be
@@ -182,46 +175,73 @@ class EngineActor(Actor):
         if self.restarting:
             return
         for tracked in list(self.table.values()):
-            self._deliver(tracked.client, [Update(tracked.request_id, [], "", "error", error_code=503,
-                                                  error_msg=f"fdcore stopped: {self.stop_reason}")])
+            self._deliver(
+                tracked.client,
+                [
+                    Update(
+                        tracked.request_id,
+                        [],
+                        "",
+                        "error",
+                        error_code=503,
+                        error_msg=f"fdcore stopped: {self.stop_reason}",
+                    )
+                ],
+            )
             self._drop(tracked)
         for slot in self.clients.values():
             self._flush(slot)
-
-    def _on_hello(self, client: int, session: int) -> None:
-        slot = self._slot(client)
-        self._abandon(slot)
-        slot.session = session
-        slot.outbox.clear()
-        self._deliver(client, [Welcome(session, self.limits.vocab_size, self.limits.max_model_len,
-                                       model_path(self.config), os.getpid(), self.sampling_defaults)])
 
     def _on_request(self, client: int, m: AddRequest) -> None:
         slot = self._slot(client)
         try:
             tracked = self._admit(m, slot)
         except RequestError as exc:
-            self._deliver(client, [Update(m.request_id, [], "", "error", error_code=exc.code,
-                                          error_msg=str(exc))])
+            self._deliver(client, [Update(m.request_id, [], "", "error", error_code=exc.code, error_msg=str(exc))])
             return
         except Exception as exc:  # a bug this request triggers is its own 500, not the engine's crash
-            self._deliver(client, [Update(m.request_id, [], "", "error", error_code=500,
-                                          error_msg=f"request failed in fdcore:engine: {exc!r}")])
+            self._deliver(
+                client,
+                [
+                    Update(
+                        m.request_id,
+                        [],
+                        "",
+                        "error",
+                        error_code=500,
+                        error_msg=f"request failed in fdcore:engine: {exc!r}",
+                    )
+                ],
+            )
             return
         self.table[tracked.seq] = tracked
         slot.requests[m.request_id] = tracked.seq
-        self.send("scheduler", AddSeq(tracked.seq, tracked.prompt_token_ids, tracked.params,
-                                      list(self.tokenizer.eos_token_ids), tracked.output_token_ids, tracked.tenant))
+        self.send(
+            "scheduler",
+            AddSeq(
+                tracked.seq,
+                tracked.prompt_token_ids,
+                tracked.params,
+                list(self.tokenizer.eos_token_ids),
+                tracked.output_token_ids,
+                tracked.tenant,
+            ),
+        )
 
     def _admit(self, m: AddRequest, slot: ClientSlot) -> TrackedRequest:
         """Validate and tokenize; raises RequestError naming the field."""
         validate_request_id(m.request_id)
         if m.request_id in slot.requests:
-            raise RequestError("request_id", f"{m.request_id!r} is already in use by an unfinished "
-                                             "request of this client")
+            raise RequestError(
+                "request_id", f"{m.request_id!r} is already in use by an unfinished request of this client"
+            )
         if len(self.table) >= self.config.engine.max_pending_requests:
-            raise RequestError("request", f"the engine already holds {len(self.table)} requests, its limit "
-                                          "(engine.max_pending_requests); retry later", code=429)
+            raise RequestError(
+                "request",
+                f"the engine already holds {len(self.table)} requests, its limit "
+                "(engine.max_pending_requests); retry later",
+                code=429,
+            )
         body = self._body(m.body)
         check_one_prompt(body.prompt, body.prompt_token_ids, body.messages)  # before the sampling checks
         check_chat_options(body)
@@ -244,9 +264,19 @@ class EngineActor(Actor):
             detokenizer.add(token)
         # what the client has shown already (text held back then is still to come)
         detokenizer.emitted = min(m.resume_text_chars, len(detokenizer.text)) if resumed else 0
-        return TrackedRequest(seq, slot.index, m.request_id, prompt_ids, params, detokenizer, m.arrival_time,
-                              resumed, announced=bool(resumed), prompt_scores=scores,
-                              tenant=f"{slot.index}/{m.tenant[:64]}")
+        return TrackedRequest(
+            seq,
+            slot.index,
+            m.request_id,
+            prompt_ids,
+            params,
+            detokenizer,
+            m.arrival_time,
+            resumed,
+            announced=bool(resumed),
+            prompt_scores=scores,
+            tenant=f"{slot.index}/{m.tenant[:64]}",
+        )
 
     def _body(self, raw) -> RequestBody:
         try:
@@ -265,8 +295,7 @@ class EngineActor(Actor):
             return  # finished already, or never known: nothing to do
         tracked = self.table[seq]
         self.send("scheduler", FinishSeq(seq, "abort"))
-        self._deliver(client, [self._update(tracked, [], tracked.detokenizer.finish(), "abort", None,
-                                            time.time())])
+        self._deliver(client, [self._update(tracked, [], tracked.detokenizer.finish(), "abort", None, time.time())])
         self._drop(tracked)
 
     # ------------------------------------------------------------------ tokens
@@ -277,7 +306,7 @@ class EngineActor(Actor):
         for scores in m.prompt_scores or ():
             tracked = self.table.get(scores.seq)
             if tracked is not None and tracked.prompt_scores is not None:
-                tracked.prompt_scores[scores.first:scores.first + len(scores.scores)] = scores.scores
+                tracked.prompt_scores[scores.first : scores.first + len(scores.scores)] = scores.scores
         by_client: dict[int, list[Update]] = {}
         for i, seq in enumerate(m.seqs):
             tracked = self.table.get(seq)
@@ -299,8 +328,9 @@ class EngineActor(Actor):
         faults.check(self.poison, tracked.seq, tracked.prompt_token_ids)
         if tracked.prompt_scores is not None and None in tracked.prompt_scores[1:]:
             missing = tracked.prompt_scores[1:].count(None)
-            raise RuntimeError(f"prompt_logprobs: {missing} prompt tokens were not scored (backend "
-                               f"{self.config.model.backend!r})")
+            raise RuntimeError(
+                f"prompt_logprobs: {missing} prompt tokens were not scored (backend {self.config.model.backend!r})"
+            )
         token, reason = m.token_ids[i], m.finish_reasons[i]
         tracked.output_token_ids.append(token)
         tracked.first_token_time = tracked.first_token_time or now
@@ -328,12 +358,12 @@ class EngineActor(Actor):
     def _fail(self, tracked: TrackedRequest, reason: str, code: int = 500) -> None:
         """End one request with an error (the scheduler forgets it); nobody else is touched."""
         self.send("scheduler", FinishSeq(tracked.seq, "abort"))
-        self._deliver(tracked.client, [Update(tracked.request_id, [], "", "error", error_code=code,
-                                              error_msg=reason)])
+        self._deliver(tracked.client, [Update(tracked.request_id, [], "", "error", error_code=code, error_msg=reason)])
         self._drop(tracked)
 
-    def _update(self, t: TrackedRequest, tokens: list[int], text: str, reason: str | None,
-                logprobs, now: float) -> Update:
+    def _update(
+        self, t: TrackedRequest, tokens: list[int], text: str, reason: str | None, logprobs, now: float
+    ) -> Update:
         prompt_ids, scores = None, None
         if not t.announced:
             prompt_ids, t.announced = t.prompt_token_ids, True
@@ -342,8 +372,7 @@ class EngineActor(Actor):
                 t.params = msgspec.structs.replace(t.params, prompt_logprobs=None)
         metrics = None
         if reason is not None:
-            metrics = Metrics(t.arrival_time, t.first_token_time, now, len(t.prompt_token_ids),
-                              len(t.output_token_ids))
+            metrics = Metrics(t.arrival_time, t.first_token_time, now, len(t.prompt_token_ids), len(t.output_token_ids))
         return Update(t.request_id, tokens, text, reason, logprobs, prompt_ids, metrics, prompt_logprobs=scores)
 
     def _drop(self, tracked: TrackedRequest) -> None:
@@ -352,103 +381,6 @@ class EngineActor(Actor):
         slot = self.clients.get(tracked.client)
         if slot is not None:
             slot.requests.pop(tracked.request_id, None)
-
-    # ----------------------------------------------------------------- clients
-    def _slot(self, client: int) -> ClientSlot:
-        slot = self.clients.get(client)
-        if slot is None:
-            inbox = topology.inbox_name(self.instance_id, topology.client_id(client))
-            # as the supervisor made it: the client may have written anything into its header
-            sender = Sender(Ring.attach(topology.link_name(self.instance_id, topology.client_id(client),
-                                                           self.child_id),
-                                        trust_header=False, bell_name=inbox))
-            lock_fd = os.open(os.path.join(names.SHM_DIR, inbox.lstrip("/")), os.O_RDWR)
-            slot = self.clients[client] = ClientSlot(client, sender, lock_fd)
-        return slot
-
-    def _deliver(self, client: int, messages: list) -> None:
-        slot = self.clients.get(client)
-        if slot is None:
-            return
-        slot.outbox += messages
-        self._flush(slot)
-
-    def _flush(self, slot: ClientSlot) -> None:
-        """Send a client's queued updates in records its ring can hold; a client that has left no
-        room for longer than ``engine.client_stall_timeout`` while it has requests open is cut off
-        (its backlog would grow without bound); nobody else ever waits for it."""
-        while slot.outbox:
-            try:
-                count = self._send_some(slot)
-            except RingCorrupted as exc:  # the client wrote into its ring's words: its link is reset
-                slot.sender.ring.drop_unread()
-                slot.sender.ring.rewrite_header()
-                slot.outbox.clear()
-                self._disconnect(slot.index, f"its inbox is corrupted ({exc})")
-                return
-            if count == 0:
-                now = time.monotonic()
-                slot.stalled_since = slot.stalled_since or now
-                if slot.requests and now - slot.stalled_since > self.config.engine.client_stall_timeout:
-                    self._disconnect(slot.index, f"it read nothing for {self.config.engine.client_stall_timeout:g} s")
-                return
-            del slot.outbox[:count]
-            slot.stalled_since = None
-
-    def _send_some(self, slot: ClientSlot) -> int:
-        """Send the longest prefix of the outbox (halving from all of it) that fits one record and
-        the room its ring has now; how many messages went (0: no room)."""
-        count = len(slot.outbox)
-        while True:
-            try:
-                slot.sender.send_many(slot.outbox[:count], timeout=0)
-                return count
-            except RingFull:
-                if count == 1:
-                    return 0
-            except RecordTooLarge:
-                if count == 1:  # one message larger than the ring: it can never be delivered
-                    slot.outbox[0] = self._too_large(slot, slot.outbox[0])
-                    continue
-            count //= 2
-
-    def _too_large(self, slot: ClientSlot, message) -> Update:
-        """An update no record of the client's ring can hold (a request's text cannot be split
-        here without breaking the stream's accounting): its request ends with a 500 instead."""
-        request_id = getattr(message, "request_id", "")
-        seq = slot.requests.get(request_id)
-        if seq is not None:
-            self.send("scheduler", FinishSeq(seq, "abort"))
-            self._drop(self.table[seq])
-        return Update(request_id, [], "", "error", error_code=500,
-                      error_msg="an update larger than the client's ring (supervisor.ring_capacity)")
-
-    def _disconnect(self, client: int, reason: str) -> None:
-        """Cut a client off: its requests end with a 400 saying why (sent with the next flush), its
-        slot forgets its session and backlog, whatever else it wrote is dropped. The engine and every
-        other client go on. Logged at most once a second a slot (a client may keep breaking its link)."""
-        slot = self._slot(client)
-        self.disconnected += 1
-        now = time.monotonic()
-        if now - slot.logged_at >= 1.0:
-            slot.logged_at = now
-            sys.stderr.write(f"fdcore: engine disconnected {topology.client_id(client)}: {reason}\n")
-        self.receiver.source.drain(topology.client_id(client))  # first: what it sends after our answer counts
-        slot.outbox.clear()
-        slot.stalled_since = None
-        slot.session = 0
-        for seq in list(slot.requests.values()):
-            tracked = self.table[seq]
-            self.send("scheduler", FinishSeq(seq, "abort"))
-            slot.outbox.append(Update(tracked.request_id, [], "", "error", error_code=400,
-                                      error_msg=f"client disconnected by the engine: {reason}"))
-            self._drop(tracked)
-
-    def _abandon(self, slot: ClientSlot) -> None:
-        """Abort every request of a slot's previous owner (it is gone, or replaced)."""
-        for seq in list(slot.requests.values()):
-            self.send("scheduler", FinishSeq(seq, "abort"))
-            self._drop(self.table[seq])
 
     def _restore(self, slot: ClientSlot) -> None:
         """A slot whose owner is gone, made as the supervisor made it for the next owner: both rings
@@ -459,14 +391,6 @@ class EngineActor(Actor):
         slot.sender.ring.drop_unread()
         slot.sender.ring.rewrite_header()
         slot.outbox.clear()
-
-    def _owner_alive(self, slot: ClientSlot) -> bool:
-        try:
-            fcntl.flock(slot.lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return True  # the owner holds its lock
-        fcntl.flock(slot.lock_fd, fcntl.LOCK_UN)
-        return False
 
     def after_messages(self) -> None:
         for slot in self.clients.values():
@@ -489,7 +413,6 @@ class EngineActor(Actor):
             slot.sender.close()
             os.close(slot.lock_fd)
         super().close()
-
 
 
 def _explain_decode_error(message: str) -> tuple[str, str]:

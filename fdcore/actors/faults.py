@@ -61,8 +61,9 @@ def behaviour_for(child_id: str) -> tuple[str, int] | None:
     parts = value.split(":")
     count = parts[2] if len(parts) == 3 else "1"
     if len(parts) not in (2, 3) or parts[1] not in BEHAVIOURS or not count.isdigit() or int(count) < 1:
-        raise ValueError(f"{FAULT_ENV}={value!r}: expected <child id>:<behaviour>[:<n>], "
-                         f"behaviour one of {BEHAVIOURS}, n >= 1")
+        raise ValueError(
+            f"{FAULT_ENV}={value!r}: expected <child id>:<behaviour>[:<n>], behaviour one of {BEHAVIOURS}, n >= 1"
+        )
     target, behaviour = parts[:2]
     return (behaviour, int(count)) if target == child_id else None
 
@@ -105,6 +106,7 @@ def _deaf_to_stop(handle):
     def handle_all_but_stop(message) -> None:
         if not isinstance(message, Stop):
             handle(message)
+
     return handle_all_but_stop
 
 
@@ -127,4 +129,5 @@ def _wedge_on_work(actor, dispatch, count: int):
         while True:
             actor.heartbeat()
             time.sleep(actor.config.supervisor.heartbeat_interval / 2)
+
     return dispatch_or_wedge

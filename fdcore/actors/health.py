@@ -61,11 +61,11 @@ class HealthBoard:
         self.slots = len(self._words) // (WORDS_PER_SLOT + 1)
 
     @classmethod
-    def create(cls, name: str, slots: int) -> "HealthBoard":
+    def create(cls, name: str, slots: int) -> HealthBoard:
         return cls(name, map_segment(name, board_bytes(slots)), owner=True)
 
     @classmethod
-    def attach(cls, name: str) -> "HealthBoard":
+    def attach(cls, name: str) -> HealthBoard:
         return cls(name, map_segment(name, None), owner=False)
 
     def read(self, slot: int, word: int) -> int:
@@ -120,8 +120,9 @@ class StallWatch:
         self.progress: int | None = None  # not looked at yet
         self.owed_since = now_ns
 
-    def look(self, heartbeat_ns: int, progress: int, busy: bool, now_ns: int, hang_timeout_ns: int,
-             grace_ns: int = 0) -> str | None:
+    def look(
+        self, heartbeat_ns: int, progress: int, busy: bool, now_ns: int, hang_timeout_ns: int, grace_ns: int = 0
+    ) -> str | None:
         """Why the actor counts as hung now, or None. Inside its grace (``now_ns < grace_ns``) it owes
         nothing; past it, its silence counts from the grace's end at the earliest."""
         if progress != self.progress or not busy or now_ns < grace_ns:  # (None, the first look, differs from any count)

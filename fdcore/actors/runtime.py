@@ -27,10 +27,10 @@ import traceback
 
 from fdcore.actors import faults, health, topology
 from fdcore.actors.health import HealthBoard, State
+from fdcore.checkpoint import CheckpointError
 from fdcore.config import Config, load_config, worker_ranks, worker_threads
 from fdcore.core import placement
 from fdcore.ipc import BroadcastRing, Inbox, Receiver, Ring, RingEmpty, Sender
-from fdcore.checkpoint import CheckpointError
 from fdcore.protocol import ControlMessage, Ping, Pong, Stop, Suspects
 
 PR_SET_PDEATHSIG = 1
@@ -57,8 +57,7 @@ class Actor:
     inbox_type = ControlMessage
     suspects_to: str | None = None  # where a crash report naming requests goes (on to the engine)
 
-    def __init__(self, child_id: str, instance_id: str, config: Config, board: HealthBoard,
-                 slot: int):
+    def __init__(self, child_id: str, instance_id: str, config: Config, board: HealthBoard, slot: int):
         self.child_id = child_id
         self.instance_id = instance_id
         self.config = config
@@ -125,8 +124,7 @@ class Actor:
         if self.suspects_to is None or not self.handling:
             return
         try:
-            self.send(self.suspects_to, Suspects(self.child_id, getattr(self, "epoch", None) or 0,
-                                                 list(self.handling)))
+            self.send(self.suspects_to, Suspects(self.child_id, getattr(self, "epoch", None) or 0, list(self.handling)))
         except Exception as exc:
             sys.stderr.write(f"fdcore: {self.child_id} could not report its suspects: {exc!r}\n")
 
@@ -153,8 +151,7 @@ class Actor:
         elif messages:
             self._sender(to).send_many(messages)
 
-    def call(self, to: str, message, reply_type, timeout: float, prelude: list = (), *,
-             accept=None, interrupt=None):
+    def call(self, to: str, message, reply_type, timeout: float, prelude: list = (), *, accept=None, interrupt=None):
         """Send ``message`` (after ``prelude``, in the same record) and wait for the first
         message of ``reply_type`` (that ``accept`` approves, if given); everything else that
         arrives meanwhile is kept, in order, for the loop (``deferred``). A message of type (or
@@ -169,8 +166,7 @@ class Actor:
         finally:
             self.board.write(self.slot, health.BUSY, busy)
 
-    def _await_reply(self, to: str, reply_type, deadline: float, timeout: float, interval: float, accept,
-                     interrupt):
+    def _await_reply(self, to: str, reply_type, deadline: float, timeout: float, interval: float, accept, interrupt):
         """call()'s wait, ticking the heartbeat (we are alive, only waiting)."""
         while True:
             self.heartbeat()
@@ -183,13 +179,13 @@ class Actor:
                 continue
             for i, reply in enumerate(batch):
                 if isinstance(reply, reply_type) and (accept is None or accept(reply)):
-                    self.deferred += batch[i + 1:]
+                    self.deferred += batch[i + 1 :]
                     return reply
                 if isinstance(reply, reply_type):
                     continue  # a stale answer (another epoch): dropped
                 self.deferred.append(reply)
                 if interrupt is not None and isinstance(reply, interrupt):
-                    self.deferred += batch[i + 1:]
+                    self.deferred += batch[i + 1 :]
                     raise Interrupted(reply)
 
     def close(self) -> None:
@@ -227,6 +223,7 @@ def run(actor: Actor, inbox: Inbox) -> None:
 
 
 def main(actor_cls, argv=None) -> int:
+    # (long: an actor's whole life in order, each health-board state written beside what causes it)
     args = _parse_args(argv)
     _die_with_parent(args.parent)
     standby = args.standby is not None
@@ -258,8 +255,11 @@ def main(actor_cls, argv=None) -> int:
             board.write(args.slot, health.PID, os.getpid())
             actor.standby = False
         producers = topology.producers_of(args.id, config)
-        inbox = Inbox.attach(topology.inbox_name(args.instance, args.id), producers,
-                             untrusted=[p for p in producers if topology.client_index(p) is not None])
+        inbox = Inbox.attach(
+            topology.inbox_name(args.instance, args.id),
+            producers,
+            untrusted=[p for p in producers if topology.client_index(p) is not None],
+        )
         for producer, ring_name, reader in topology.broadcast_links(args.id, args.instance):
             inbox.attach_reader(producer, ring_name, reader)
         board.write(args.slot, health.STATE, State.READY)
@@ -327,12 +327,15 @@ def _parse_args(argv):
     parser.add_argument("--slot", type=int, required=True)
     parser.add_argument("--config", required=True)
     parser.add_argument("--parent", type=int, required=True, help="the supervisor's pid")
-    parser.add_argument("--standby", default=None,
-                        help="load, then wait on this semaphore before taking over the actor's place")
-    parser.add_argument("--weights-fd", type=int, default=None,
-                        help="an inherited descriptor: the rank's shared weight file")
-    parser.add_argument("--kv-fd", type=int, default=None,
-                        help="an inherited descriptor: the rank's shared KV cache file")
+    parser.add_argument(
+        "--standby", default=None, help="load, then wait on this semaphore before taking over the actor's place"
+    )
+    parser.add_argument(
+        "--weights-fd", type=int, default=None, help="an inherited descriptor: the rank's shared weight file"
+    )
+    parser.add_argument(
+        "--kv-fd", type=int, default=None, help="an inherited descriptor: the rank's shared KV cache file"
+    )
     return parser.parse_args(argv)
 
 
@@ -354,8 +357,11 @@ def _take_place(child_id: str, config: Config) -> placement.Placement | None:
     plan = placement.inherited_plan(worker_ranks(config.workers), worker_threads(config.workers))
     if plan is None:
         return None
-    mine = (placement.rank_cpus(plan, topology.worker_rank(child_id)) if topology.kind_of(child_id) == "worker"
-            else plan.control)
+    mine = (
+        placement.rank_cpus(plan, topology.worker_rank(child_id))
+        if topology.kind_of(child_id) == "worker"
+        else plan.control
+    )
     try:
         placement.pin_process_threads(None, mine)
     except OSError as exc:  # (CPUs taken away since the supervisor started, e.g. by a cgroup): run unpinned

@@ -26,10 +26,33 @@ from collections import deque
 from fdcore.actors import faults, topology
 from fdcore.actors.runtime import Actor, Interrupted
 from fdcore.config import kv_outlives_workers
-from fdcore.core.scheduler import Request, ScheduledRequest, Scheduler, BatchLimits
-from fdcore.protocol import (AddSeq, Allocate, CacheReply, CacheReset, CacheStats, CacheStatsQuery, Computed,
-                             FinishSeq, Free, Grow, GrowMany, GrowReply, NewSeq, Resync, SchedulerMessage, SeqTokens,
-                             ServingStats, StatsQuery, Step, StepItem, StepResult, Stop, Suspects, WorkerSync)
+from fdcore.core.scheduler import BatchLimits, Request, ScheduledRequest, Scheduler
+from fdcore.protocol import (
+    AddSeq,
+    Allocate,
+    CacheReply,
+    CacheReset,
+    CacheStats,
+    CacheStatsQuery,
+    Computed,
+    FinishSeq,
+    Free,
+    Grow,
+    GrowMany,
+    GrowReply,
+    NewSeq,
+    Resync,
+    SchedulerMessage,
+    SeqTokens,
+    ServingStats,
+    StatsQuery,
+    Step,
+    StepItem,
+    StepResult,
+    Stop,
+    Suspects,
+    WorkerSync,
+)
 
 PIPELINE_DEPTH = 2  # steps in flight: the one running and the next, queued
 
@@ -57,8 +80,15 @@ class RemoteBlocks:
     def _call(self, message, reply_type=CacheReply):
         prelude, self.outgoing = self.outgoing, []
         epoch = self.actor.epoch
-        reply = self.actor.call("cache", message, reply_type, self.timeout, prelude,
-                                accept=lambda r: r.epoch == epoch, interrupt=(Resync, Stop))
+        reply = self.actor.call(
+            "cache",
+            message,
+            reply_type,
+            self.timeout,
+            prelude,
+            accept=lambda r: r.epoch == epoch,
+            interrupt=(Resync, Stop),
+        )
         self.stats = reply.stats
         return reply
 
@@ -80,7 +110,7 @@ class RemoteBlocks:
         if not needed:
             return
         reply = self._call(GrowMany([s for s, _ in needed], [n for _, n in needed]), GrowReply)
-        for (seq, _), table in zip(needed[:reply.granted], reply.tables, strict=True):
+        for (seq, _), table in zip(needed[: reply.granted], reply.tables, strict=True):
             self.tables[seq] = table
 
     def allocate(self, seq: int, token_ids: list[int], max_new_tokens: int, reuse_prefix: bool = True) -> int | None:
@@ -106,7 +136,7 @@ class RemoteBlocks:
         first = self.registered[seq]
         if full > first:
             size = self.block_size
-            self.outgoing.append(Computed(seq, first, token_ids[first * size:full * size], num_computed))
+            self.outgoing.append(Computed(seq, first, token_ids[first * size : full * size], num_computed))
             self.registered[seq] = full
 
     def free(self, seq: int) -> None:
@@ -141,15 +171,26 @@ class SchedulerActor(Actor):
         # An RPC is normally answered in microseconds; a dead or stalled cache manager is found (at most
         # a hang timeout), replaced (at most a start timeout) and announced (Resync), which interrupts
         # the wait (see Actor.call): the timeout is only the last resort past both.
-        self.blocks = RemoteBlocks(self, c.cache.block_size, c.cache.enable_prefix_caching,
-                                   c.supervisor.hang_timeout + c.supervisor.start_timeout)
-        self.policy = Scheduler(BatchLimits(c.scheduler.max_num_seqs, c.scheduler.max_num_batched_tokens,
-                                            c.scheduler.max_model_len, c.cache.num_blocks,
-                                            c.scheduler.long_prefill_tokens), self.blocks)
+        self.blocks = RemoteBlocks(
+            self,
+            c.cache.block_size,
+            c.cache.enable_prefix_caching,
+            c.supervisor.hang_timeout + c.supervisor.start_timeout,
+        )
+        self.policy = Scheduler(
+            BatchLimits(
+                c.scheduler.max_num_seqs,
+                c.scheduler.max_num_batched_tokens,
+                c.scheduler.max_model_len,
+                c.cache.num_blocks,
+                c.scheduler.long_prefill_tokens,
+            ),
+            self.blocks,
+        )
         self.step_number = 0
         self.in_flight: deque[tuple[int, list[ScheduledRequest]]] = deque()
-        self.unsent: dict[int, NewSeq] = {}      # sequences the worker has not been told about yet
-        self.forget: list[int] = []              # finished sequences the worker may drop
+        self.unsent: dict[int, NewSeq] = {}  # sequences the worker has not been told about yet
+        self.forget: list[int] = []  # finished sequences the worker may drop
         self.sent_tables: dict[int, list[int]] = {}  # the table object each sequence's worker copy has
 
     # ---------------------------------------------------------------- messages
@@ -195,8 +236,16 @@ class SchedulerActor(Actor):
     def _add(self, m: AddSeq) -> None:
         self.handling = [m.seq]
         faults.check(self.poison, m.seq, m.prompt_token_ids)
-        self.policy.add(Request(m.seq, list(m.prompt_token_ids), m.params, tuple(m.eos_token_ids),
-                                list(m.output_token_ids), tenant=m.tenant))
+        self.policy.add(
+            Request(
+                m.seq,
+                list(m.prompt_token_ids),
+                m.params,
+                tuple(m.eos_token_ids),
+                list(m.output_token_ids),
+                tenant=m.tenant,
+            )
+        )
         self.unsent[m.seq] = NewSeq(m.seq, m.prompt_token_ids, m.output_token_ids, m.params, m.eos_token_ids)
 
     def _forget(self, seq: int) -> None:
@@ -218,8 +267,17 @@ class SchedulerActor(Actor):
             logprobs = logprobs and [logprobs[i] for i in live]
         finished = self.policy.update(scheduled, dict(zip(result.seqs, result.token_ids, strict=True)))
         reasons = {r.request_id: r.finish_reason for r in finished}
-        self.send("engine", SeqTokens(self.epoch, seqs, tokens, [reasons.get(s) for s in seqs] if reasons
-                                      else [None] * len(seqs), logprobs, scores or None))
+        self.send(
+            "engine",
+            SeqTokens(
+                self.epoch,
+                seqs,
+                tokens,
+                [reasons.get(s) for s in seqs] if reasons else [None] * len(seqs),
+                logprobs,
+                scores or None,
+            ),
+        )
         for request in finished:
             self._forget(request.request_id)
 
@@ -229,8 +287,9 @@ class SchedulerActor(Actor):
             cache = self.blocks.refresh_stats() if self.epoch is not None else self.blocks.stats
         except Interrupted:
             cache = self.blocks.stats
-        return ServingStats(nonce, len(p.running), len(p.waiting), len(p.requests), self.step_number,
-                            p.num_preemptions, cache, client)
+        return ServingStats(
+            nonce, len(p.running), len(p.waiting), len(p.requests), self.step_number, p.num_preemptions, cache, client
+        )
 
     # ------------------------------------------------------------------- steps
     def after_messages(self) -> None:

@@ -73,10 +73,17 @@ def child_ids(config: Config) -> list[str]:
 def child_specs(config: Config) -> list[ChildSpec]:
     """Every child as the supervisor starts it, in start order: id, kind, what runs it, who may
     send to it, whether its restart loses request state."""
-    return [ChildSpec(cid, kind_of(cid), shutdown_timeout=config.supervisor.shutdown_timeout,
-                      actor_class=KINDS[kind_of(cid)].actor_class, producers=tuple(producers_of(cid, config)),
-                      stateful=KINDS[kind_of(cid)].stateful)
-            for cid in child_ids(config)]
+    return [
+        ChildSpec(
+            cid,
+            kind_of(cid),
+            shutdown_timeout=config.supervisor.shutdown_timeout,
+            actor_class=KINDS[kind_of(cid)].actor_class,
+            producers=tuple(producers_of(cid, config)),
+            stateful=KINDS[kind_of(cid)].stateful,
+        )
+        for cid in child_ids(config)
+    ]
 
 
 def kind_of(child_id: str) -> str:
@@ -90,7 +97,7 @@ def title_of(child_id: str) -> str:
     """The process title: fdcore:engine, fdcore:worker:0, fdcore:api (fdcore:api:1 of several), ..."""
     kind = kind_of(child_id)
     if kind != child_id:
-        return f"fdcore:{kind}:{child_id[len(kind):]}"
+        return f"fdcore:{kind}:{child_id[len(kind) :]}"
     return f"fdcore:{child_id}"
 
 
@@ -171,7 +178,7 @@ def shared_memory_need(config: Config, group_bytes: int = 0) -> tuple[int, int]:
     board, the owner record, the spares' semaphores and ``group_bytes`` of a worker group's
     communicator. Each object takes whole pages (segments are committed at creation)."""
     from fdcore.ipc.broadcast import segment_size as broadcast_bytes
-    from fdcore.ipc.ring import HEADER_SIZE, round_capacity
+    from fdcore.ipc.ring_layout import HEADER_SIZE, round_capacity
     from fdcore.ipc.shm import segment_bytes
 
     ring = segment_bytes(HEADER_SIZE + round_capacity(config.supervisor.ring_capacity))
@@ -179,11 +186,20 @@ def shared_memory_need(config: Config, group_bytes: int = 0) -> tuple[int, int]:
     specs = child_ids(config)
     inboxes = [specs] + [producers_of(cid, config) for cid in specs] + [["engine"]] * config.engine.max_clients
     links = sum(len(producers) for producers in inboxes)
-    objects = {"doorbells": (2 * page, len(inboxes)), "rings": (ring + page, links),
-               "steps": (segment_bytes(broadcast_bytes(round_capacity(config.supervisor.ring_capacity),
-                                                       len(worker_ids(config)))) + page, 1),
-               "health": (segment_bytes(health.board_bytes(len(specs))), 1), "owner": (page, 1),
-               "spares": (page, len(worker_ids(config)) if config.workers.standby else 0),
-               "group": (segment_bytes(group_bytes), 1 if group_bytes else 0)}
-    return (sum(size * count for size, count in objects.values()),
-            sum(count * (2 if name in ("doorbells", "rings", "steps") else 1) for name, (_, count) in objects.items()))
+    objects = {
+        "doorbells": (2 * page, len(inboxes)),
+        "rings": (ring + page, links),
+        "steps": (
+            segment_bytes(broadcast_bytes(round_capacity(config.supervisor.ring_capacity), len(worker_ids(config))))
+            + page,
+            1,
+        ),
+        "health": (segment_bytes(health.board_bytes(len(specs))), 1),
+        "owner": (page, 1),
+        "spares": (page, len(worker_ids(config)) if config.workers.standby else 0),
+        "group": (segment_bytes(group_bytes), 1 if group_bytes else 0),
+    }
+    return (
+        sum(size * count for size, count in objects.values()),
+        sum(count * (2 if name in ("doorbells", "rings", "steps") else 1) for name, (_, count) in objects.items()),
+    )

@@ -78,7 +78,7 @@ class SeqState:
     def tokens(self, start: int, end: int) -> list[int]:
         n = len(self.prompt)
         if start >= n:
-            return self.output[start - n:end - n]
+            return self.output[start - n : end - n]
         return (self.prompt + self.output)[start:end] if end > n else self.prompt[start:end]
 
 
@@ -87,8 +87,6 @@ class WorkerActor(Actor):
     suspects_to = "scheduler"  # it forwards the report to the engine
 
     def on_start(self) -> None:
-        from fdcore.checkpoint import Checkpoint, inspect_checkpoint, load_checkpoint
-
         self.seqs: dict[int, SeqState] = {}
         self.epoch: int | None = None  # no step is run before the scheduler's WorkerSync
         self.poison = faults.poison_for("worker")
@@ -104,13 +102,38 @@ class WorkerActor(Actor):
 
             self.model, self.cache = NullModel.from_path(model_path(self.config)), None
             return
+        self._load_model()
+        cache = self.config.cache
+        self.cache = self.model.new_cache(cache.num_blocks, cache.block_size, cache.dtype, self.kv_fd)
+        sys.stderr.write(
+            f"{self.child_id}: KV cache in {self.cache.dtype}: {cache.num_blocks} blocks of "
+            f"{cache.block_size} tokens{' in the rank shared memory' if self.kv_fd is not None else ''}\n"
+        )
+        if self.world == 1:  # a shared cache holds the serving worker's blocks: the warm-up writes one of its own
+            self._warm_up(self.model.new_cache(1, cache.block_size, cache.dtype) if self.cache.shared else self.cache)
+        if self.standby:  # its cache costs nothing until it takes over (the warm-up touched it all: huge pages)
+            self.cache.release()
+
+    def _load_model(self) -> None:
+        """The model for this rank: its weights mapped from the shared file where another process packed them
+        there, else read from the checkpoint (and packed into the file for the others); the weight prefetch
+        setting measured at load and re-tried while serving."""
+        from fdcore.checkpoint import Checkpoint, inspect_checkpoint, load_checkpoint
         from fdcore.models.llama import LlamaModel
 
         path, started = model_path(self.config), time.monotonic()
         args = inspect_checkpoint(path)
-        self.step_cost = StepCost.unmeasured(parameter_count(  # (until a pass is timed: the warm-up's, or the first)
-            args.hidden_size, args.intermediate_size, args.num_layers, args.num_heads, args.num_kv_heads,
-            args.head_dim, args.vocab_size))
+        self.step_cost = StepCost.unmeasured(
+            parameter_count(  # (until a pass is timed: the warm-up's, or the first)
+                args.hidden_size,
+                args.intermediate_size,
+                args.num_layers,
+                args.num_heads,
+                args.num_kv_heads,
+                args.head_dim,
+                args.vocab_size,
+            )
+        )
         shared = self._shared_weights(args)
         if shared is not None and shared.manifest is not None:  # mapped, not read: only the architecture
             checkpoint = Checkpoint(path, args, (), {})  # (the rank's shard: _join_group)
@@ -132,22 +155,16 @@ class WorkerActor(Actor):
 
             chosen = weight_prefetch()  # (the load's choice, as the kernels hold it)
             self.prefetch_trial = SwitchTrial(chosen, not chosen)
-            sys.stderr.write(f"{self.child_id}: weight prefetch {'on' if chosen else 'off'} (a pass over the "
-                             f"weights: on {timing[True] * 1e3:.2f} ms, off {timing[False] * 1e3:.2f} ms)\n")
-        cache = self.config.cache
-        self.cache = self.model.new_cache(cache.num_blocks, cache.block_size, cache.dtype, self.kv_fd)
-        sys.stderr.write(f"{self.child_id}: KV cache in {self.cache.dtype}: {cache.num_blocks} blocks of "
-                         f"{cache.block_size} tokens{' in the rank shared memory' if self.kv_fd is not None else ''}\n")
-        if self.world == 1:  # a shared cache holds the serving worker's blocks: the warm-up writes one of its own
-            self._warm_up(self.model.new_cache(1, cache.block_size, cache.dtype) if self.cache.shared else self.cache)
-        if self.standby:  # its cache costs nothing until it takes over (the warm-up touched it all: huge pages)
-            self.cache.release()
+            sys.stderr.write(
+                f"{self.child_id}: weight prefetch {'on' if chosen else 'off'} (a pass over the "
+                f"weights: on {timing[True] * 1e3:.2f} ms, off {timing[False] * 1e3:.2f} ms)\n"
+            )
 
     def _shared_weights(self, args):
         """The rank's shared weight file (fdcore.models.shared_weights) attached, or locked for us to pack the
         weights into; None where this rank's processes keep private copies (``workers.shared_weights``,
         the file's PRIVATE state, or no file: a worker started without a supervisor)."""
-        from fdcore.models.llama import shared_pages_slowdown
+        from fdcore.models.page_probe import shared_pages_slowdown
         from fdcore.models.shared_weights import EMPTY, PUBLISHED, SLOWER_MARGIN, WeightFile
 
         if self.weights_fd is None or self.config.workers.shared_weights == "off":
@@ -183,10 +200,16 @@ class WorkerActor(Actor):
     def _say_where_the_weights_are(self, shared, seconds: float) -> None:
         if shared is None:
             return
-        how = ("mapped from" if shared.manifest is not None else
-               "packed into" if shared.full is None else f"kept private ({shared.full}), partly in")
-        sys.stderr.write(f"{self.child_id}: weights {how} the rank's shared memory ({shared.used >> 20} MiB) "
-                         f"in {seconds:.2f} s\n")
+        how = (
+            "mapped from"
+            if shared.manifest is not None
+            else "packed into"
+            if shared.full is None
+            else f"kept private ({shared.full}), partly in"
+        )
+        sys.stderr.write(
+            f"{self.child_id}: weights {how} the rank's shared memory ({shared.used >> 20} MiB) in {seconds:.2f} s\n"
+        )
 
     def _warm_up(self, cache) -> None:
         """A short prompt and a few decode steps before the worker counts as ready: the first forward
@@ -239,15 +262,25 @@ class WorkerActor(Actor):
         import os
 
         from fdcore.ipc.allreduce import ShmCommunicator
-        from fdcore.models.tensor_parallel import PaddleCommunicator, TensorGroup, communicator_capacity, shard_checkpoint
+        from fdcore.models.tensor_parallel import (
+            PaddleCommunicator,
+            TensorGroup,
+            communicator_capacity,
+            shard_checkpoint,
+        )
 
         capacity = communicator_capacity(checkpoint.args, self.config.scheduler, self.world)
         checkpoint, shard = shard_checkpoint(checkpoint, self.rank, self.world)
         if self.config.workers.communicator == "paddle":
             comm = PaddleCommunicator(self.rank, self.world, os.environ[topology.GROUP_MASTER_ENV])
         else:
-            comm = ShmCommunicator.attach(topology.group_name(self.instance_id), self.rank, self.world, capacity,
-                                          timeout=self.config.supervisor.hang_timeout)
+            comm = ShmCommunicator.attach(
+                topology.group_name(self.instance_id),
+                self.rank,
+                self.world,
+                capacity,
+                timeout=self.config.supervisor.hang_timeout,
+            )
         return checkpoint, TensorGroup(shard, comm)
 
     def _loading(self, done: int, total: int) -> None:
@@ -279,6 +312,7 @@ class WorkerActor(Actor):
             raise
 
     def run_step(self, step: Step) -> StepResult | None:
+        # (long: one step's phases share its per-row lists, in order; apart, each would take a dozen of them)
         from fdcore.models.sampling import SamplerRequest, sample
 
         started = time.perf_counter()
@@ -287,8 +321,9 @@ class WorkerActor(Actor):
         for new in step.new:
             self.handling = [new.seq]
             faults.check(self.poison, new.seq, new.prompt_token_ids)
-            self.seqs[new.seq] = SeqState(list(new.prompt_token_ids), list(new.output_token_ids), new.params,
-                                          tuple(new.eos_token_ids))
+            self.seqs[new.seq] = SeqState(
+                list(new.prompt_token_ids), list(new.output_token_ids), new.params, tuple(new.eos_token_ids)
+            )
         self.handling = [item.seq for item in step.items]  # a failing forward names the whole batch
         token_ids, starts, tables, prompt_lengths, sampling, scoring = [], [], [], [], [], []
         states = self.seqs
@@ -344,16 +379,18 @@ class WorkerActor(Actor):
         picks = sample(logits if len(rows) == len(logits) else logits[np.asarray(rows)], requests)
         logprobs = None
         if any(s.params.logprobs is not None for _, _, s in sampling):
-            logprobs = [None if p.logprob is None else [(p.token_id, p.logprob), *(p.top_logprobs or [])]
-                        for p in picks]
+            logprobs = [
+                None if p.logprob is None else [(p.token_id, p.logprob), *(p.top_logprobs or [])] for p in picks
+            ]
         if self.world > 1:  # the other ranks append them too (their next steps' inputs)
             self.model.group.comm.broadcast(np.asarray([p.token_id for p in picks], dtype=np.int64))
         for (_, _, state), pick in zip(sampling, picks, strict=True):
             state.output.append(pick.token_id)
             if state.matcher is not None:
                 state.matcher.consume_token(pick.token_id)  # (a token the mask allowed: it cannot fail)
-        return StepResult(step.step, step.epoch, seqs, [p.token_id for p in picks], logprobs,
-                          time.perf_counter() - started, scores)
+        return StepResult(
+            step.step, step.epoch, seqs, [p.token_id for p in picks], logprobs, time.perf_counter() - started, scores
+        )
 
     def _prefetch_trial(self, token_ids: list) -> SwitchTrial | None:
         """The weight-prefetch trial a step takes part in, its value applied: batch-1 decode steps only (the
@@ -368,9 +405,11 @@ class WorkerActor(Actor):
 
     def _prefetch_tried(self, trial: SwitchTrial, seconds: float) -> None:
         if trial.record(seconds):
-            sys.stderr.write(f"{self.child_id}: weight prefetch now {'on' if trial.current else 'off'} (batch-1 "
-                             f"steps alternating: {'off' if trial.current else 'on'} took {1 / trial.last_ratio:.3f}x "
-                             f"the time)\n")
+            sys.stderr.write(
+                f"{self.child_id}: weight prefetch now {'on' if trial.current else 'off'} (batch-1 "
+                f"steps alternating: {'off' if trial.current else 'on'} took {1 / trial.last_ratio:.3f}x "
+                f"the time)\n"
+            )
 
     def _follow(self, sampling: list) -> None:
         """A rank above 0: the tokens rank 0 drew this step, appended as if drawn here. Rank 0 may first
@@ -391,7 +430,7 @@ class WorkerActor(Actor):
         count, scores = state.scored_in(item.start, item.start + item.num_tokens), []
         for first in range(0, count, SCORE_ROWS):
             last = min(first + SCORE_ROWS, count)
-            following = state.prompt[item.start + first + 1:item.start + last + 1]
+            following = state.prompt[item.start + first + 1 : item.start + last + 1]
             scores += score_tokens(self.model.logits(hidden[first:last]), following, state.params.prompt_logprobs)
         return PromptScores(item.seq, item.start + 1, scores)
 
@@ -415,8 +454,7 @@ class WorkerActor(Actor):
             from fdcore.core.structured import Grammars
             from fdcore.core.tokenizer import load_tokenizer
 
-            self.grammars = Grammars(load_tokenizer(model_path(self.config)), self.model.args.vocab_size,
-                                     states[0].eos)
+            self.grammars = Grammars(load_tokenizer(model_path(self.config)), self.model.args.vocab_size, states[0].eos)
         for state in states:
             if state.matcher is None:
                 state.matcher = self.grammars.matcher(state.grammar, state.output)

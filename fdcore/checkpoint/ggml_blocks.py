@@ -2,7 +2,8 @@
 
 llama.cpp's Q8_0 (per output row and block of 32 inputs, ``w = d * q``, d in float16, q in [-128, 127])
 is fdcore's wint8 (``w = d * u + m``, u in [0, 255]) with ``u = q + 128`` and ``m = -128 d``, and its
-Q4_1 fdcore's wint4 (``w = d * q + m``, d and m in float16, q in [0, 15]); its Q4_0 (``w = d * (q - 8)``) is Q4_1 with ``m = -8 d``, which float16 holds exactly. A
+Q4_1 fdcore's wint4 (``w = d * q + m``, d and m in float16, q in [0, 15]); its Q4_0 (``w = d * (q - 8)``) is Q4_1
+with ``m = -8 d``, which float16 holds exactly. A
 file's block of one of these kinds is repacked for fdcore's kernels level for level, so a model run
 with the matching ``model.quantization`` multiplies exactly the file's weights, as llama.cpp does.
 Quantizing the dequantized file again would not: its scale and minimum are recomputed from the block's
@@ -45,29 +46,35 @@ class Blocks:
             weight += self.minimum[:, :, None]
         return weight.reshape(rows, cols)
 
-    def take_rows(self, part) -> "Blocks":
-        return Blocks(self.kind, self.levels[part], self.scale[part],
-                      None if self.minimum is None else self.minimum[part])
+    def take_rows(self, part) -> Blocks:
+        return Blocks(
+            self.kind, self.levels[part], self.scale[part], None if self.minimum is None else self.minimum[part]
+        )
 
-    def take_columns(self, part: slice) -> "Blocks | None":
+    def take_columns(self, part: slice) -> Blocks | None:
         """Inputs ``part`` (a tensor-parallel rank's share); None when it does not cut at block bounds."""
         start, stop, _ = part.indices(self.levels.shape[1])
         if start % BLOCK or stop % BLOCK:
             return None
         blocks = slice(start // BLOCK, stop // BLOCK)
-        return Blocks(self.kind, self.levels[:, part], self.scale[:, blocks],
-                      None if self.minimum is None else self.minimum[:, blocks])
+        return Blocks(
+            self.kind,
+            self.levels[:, part],
+            self.scale[:, blocks],
+            None if self.minimum is None else self.minimum[:, blocks],
+        )
 
 
-def concatenate_rows(pieces: list["Blocks | None"]) -> "Blocks | None":
+def concatenate_rows(pieces: list[Blocks | None]) -> Blocks | None:
     """Several weights stacked by rows (q, k and v as one product); None unless all are of one kind."""
     if any(piece is None for piece in pieces) or len({piece.kind for piece in pieces}) != 1:
         return None
     if len(pieces) == 1:
         return pieces[0]
     minimum = None if pieces[0].minimum is None else np.concatenate([p.minimum for p in pieces])
-    return Blocks(pieces[0].kind, np.concatenate([p.levels for p in pieces]),
-                  np.concatenate([p.scale for p in pieces]), minimum)
+    return Blocks(
+        pieces[0].kind, np.concatenate([p.levels for p in pieces]), np.concatenate([p.scale for p in pieces]), minimum
+    )
 
 
 def from_ggml(type_name: str, raw: np.ndarray, shape: tuple[int, int]) -> Blocks | None:
@@ -109,7 +116,7 @@ def _from_q4_k(raw: np.ndarray, shape: tuple[int, int]) -> Blocks | None:
     their scales to the weights, so most are not). None when a product is beyond float16's range."""
     rows, cols = shape
     data = np.ascontiguousarray(raw, dtype=np.uint8).reshape(rows, cols // SUPER_BLOCK, _Q4_K_BYTES)
-    d, dmin = (data[:, :, o:o + 2].copy().view(np.float16)[:, :, 0].astype(np.float32) for o in (0, 2))
+    d, dmin = (data[:, :, o : o + 2].copy().view(np.float16)[:, :, 0].astype(np.float32) for o in (0, 2))
     packed = data[:, :, 4:16]  # 8 six-bit scales and 8 six-bit minimums (llama.cpp's get_scale_min_k4)
     low, mid, high = packed[:, :, 0:4], packed[:, :, 4:8], packed[:, :, 8:12]
     sc = np.concatenate([low & 0x3F, (high & 0x0F) | ((low >> 2) & 0x30)], axis=2).astype(np.float32)

@@ -78,7 +78,6 @@ from fdcore.checkpoint.ggml_blocks import Blocks, from_ggml
 from fdcore.checkpoint.gguf_metadata import Metadata, float32_value, open_gguf
 from fdcore.checkpoint.model_args import CheckpointError
 
-
 # general.architecture -> the HF class (Mistral files say "llama": see _hf_architecture)
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
@@ -121,8 +120,9 @@ def _hf_architecture(meta: Metadata) -> tuple[str, str]:
     writes "llama"; only the model's name tells them apart (transformers does the same)."""
     arch = meta.require("general.architecture")
     if arch not in ARCHITECTURES:
-        raise meta.error("general.architecture", f"architecture {arch!r} is not supported; "
-                                                 f"supported: {', '.join(ARCHITECTURES)}")
+        raise meta.error(
+            "general.architecture", f"architecture {arch!r} is not supported; supported: {', '.join(ARCHITECTURES)}"
+        )
     names = f"{meta.get('general.name', '')} {meta.get('general.basename', '')}".lower()
     if arch == "llama" and "mistral" in names:
         return arch, "MistralForCausalLM"
@@ -136,8 +136,10 @@ def _head_dim(meta: Metadata, arch: str, hidden: int, heads: int) -> int:
     for key in (f"{arch}.attention.value_length", f"{arch}.rope.dimension_count"):
         value = meta.get(key)
         if value is not None and value != head_dim:
-            raise meta.error(key, f"{value} differs from head_dim {head_dim} (partial rotary or "
-                                  "different value width is not supported)")
+            raise meta.error(
+                key,
+                f"{value} differs from head_dim {head_dim} (partial rotary or different value width is not supported)",
+            )
     return head_dim
 
 
@@ -178,21 +180,28 @@ def _llama3_rope_scaling(factors: np.ndarray, head_dim: int, theta: float, file:
     f = factors.astype(np.float64).reshape(-1)
     inv_freq = theta ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
     if f.shape != inv_freq.shape or not np.all(f >= 1.0 - 1e-6):
-        raise CheckpointError(f"{file}: tensor 'rope_freqs.weight' has {f.size} values >= 1 expected "
-                              f"{inv_freq.size} (head_dim / 2)")
+        raise CheckpointError(
+            f"{file}: tensor 'rope_freqs.weight' has {f.size} values >= 1 expected {inv_freq.size} (head_dim / 2)"
+        )
     factor = float(f.max())
     if factor <= 1.0 + 1e-6:
         return None
     middle = (f > 1.0 + 1e-6) & (f < factor * (1 - 1e-6))
     if middle.sum() < 2:
-        raise CheckpointError(f"{file}: tensor 'rope_freqs.weight' has too few smoothed frequencies to "
-                              "recover llama3 rope scaling from")
+        raise CheckpointError(
+            f"{file}: tensor 'rope_freqs.weight' has too few smoothed frequencies to recover llama3 rope scaling from"
+        )
     inverse_wavelength = inv_freq / (2 * np.pi)
     smooth = (1 / f[middle] - 1 / factor) / (1 - 1 / factor)
     slope, offset = np.polyfit(inverse_wavelength[middle], smooth, 1)
     low, high = 1.0, round(1.0 - 1.0 / offset, 4)
-    scaling = {"rope_type": "llama3", "factor": float32_value(factor), "low_freq_factor": low,
-               "high_freq_factor": high, "original_max_position_embeddings": round(float(slope) * (high - low))}
+    scaling = {
+        "rope_type": "llama3",
+        "factor": float32_value(factor),
+        "low_freq_factor": low,
+        "high_freq_factor": high,
+        "original_max_position_embeddings": round(float(slope) * (high - low)),
+    }
     if not np.allclose(_llama3_divisors(scaling, inv_freq), f, rtol=1e-4):
         raise CheckpointError(f"{file}: tensor 'rope_freqs.weight' does not follow llama3 rope scaling")
     return scaling
@@ -250,8 +259,7 @@ def _config(meta: Metadata, tensors_by_name: dict) -> dict:
     if (window := meta.get(f"{arch}.attention.sliding_window")) is not None:
         config["sliding_window"] = window  # every layer (HF Llama has none: ModelArgs refuses it)
         if arch in ("qwen2", "qwen3"):
-            config.update(use_sliding_window=True,
-                          layer_types=["sliding_attention"] * config["num_hidden_layers"])
+            config.update(use_sliding_window=True, layer_types=["sliding_attention"] * config["num_hidden_layers"])
     for key in ("bos", "eos"):
         if (token := meta.get(f"tokenizer.ggml.{key}_token_id")) is not None:
             config[f"{key}_token_id"] = token
@@ -284,13 +292,23 @@ def _expected_tensors(config: dict) -> list[_Expected]:
     c = config
     h, inter, hd = c["hidden_size"], c["intermediate_size"], c["head_dim"]
     q, kv = c["num_attention_heads"] * hd, c["num_key_value_heads"] * hd
-    out = [_Expected("token_embd.weight", "model.embed_tokens.weight", (c["vocab_size"], h)),
-           _Expected("output_norm.weight", "model.norm.weight", (h,))]
+    out = [
+        _Expected("token_embd.weight", "model.embed_tokens.weight", (c["vocab_size"], h)),
+        _Expected("output_norm.weight", "model.norm.weight", (h,)),
+    ]
     if not c["tie_word_embeddings"]:
         out.append(_Expected("output.weight", "lm_head.weight", (c["vocab_size"], h)))
-    layer = {"attn_norm.weight": (h,), "ffn_norm.weight": (h,), "attn_q.weight": (q, h),
-             "attn_k.weight": (kv, h), "attn_v.weight": (kv, h), "attn_output.weight": (h, q),
-             "ffn_gate.weight": (inter, h), "ffn_up.weight": (inter, h), "ffn_down.weight": (h, inter)}
+    layer = {
+        "attn_norm.weight": (h,),
+        "ffn_norm.weight": (h,),
+        "attn_q.weight": (q, h),
+        "attn_k.weight": (kv, h),
+        "attn_v.weight": (kv, h),
+        "attn_output.weight": (h, q),
+        "ffn_gate.weight": (inter, h),
+        "ffn_up.weight": (inter, h),
+        "ffn_down.weight": (h, inter),
+    }
     if c["model_type"] == "qwen2" or c.get("attention_bias"):
         layer.update({"attn_q.bias": (q,), "attn_k.bias": (kv,), "attn_v.bias": (kv,)})
     if c.get("attention_bias"):  # HF Llama / Qwen3: o_proj has one too
@@ -300,8 +318,10 @@ def _expected_tensors(config: dict) -> list[_Expected]:
     if c["model_type"] == "qwen3":
         layer.update({"attn_q_norm.weight": (hd,), "attn_k_norm.weight": (hd,)})
     for i in range(c["num_hidden_layers"]):
-        out += [_Expected(f"blk.{i}.{name}", f"model.layers.{i}.{_LAYER_TENSORS[name]}", shape)
-                for name, shape in layer.items()]
+        out += [
+            _Expected(f"blk.{i}.{name}", f"model.layers.{i}.{_LAYER_TENSORS[name]}", shape)
+            for name, shape in layer.items()
+        ]
     return out
 
 
@@ -314,8 +334,7 @@ def _unpermute_rows(weight: np.ndarray, heads: int) -> np.ndarray:
     (2, d/2) -> (d/2, 2) transpose per head. This is the inverse, (d/2, 2) -> (2, d/2).
     """
     half = weight.shape[0] // heads // 2
-    return np.ascontiguousarray(
-        weight.reshape(heads, half, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape))
+    return np.ascontiguousarray(weight.reshape(heads, half, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape))
 
 
 def _dequantize(tensor, file: str) -> np.ndarray:
@@ -324,8 +343,9 @@ def _dequantize(tensor, file: str) -> np.ndarray:
 
     kind = tensor.tensor_type.name
     if kind not in SUPPORTED_TYPES:
-        raise CheckpointError(f"{file}: tensor {tensor.name!r} has type {kind}, which is not "
-                              f"supported ({', '.join(SUPPORTED_TYPES)})")
+        raise CheckpointError(
+            f"{file}: tensor {tensor.name!r} has type {kind}, which is not supported ({', '.join(SUPPORTED_TYPES)})"
+        )
     data = dequantize(tensor.data, tensor.tensor_type)
     if kind == "F32":  # a view of the memory map: copied, so nothing keeps the file mapped
         data = np.array(data, copy=True)
@@ -339,8 +359,7 @@ def _hf_name(gguf_name: str, file: str) -> str:
     match = _BLOCK.fullmatch(gguf_name)
     if match and match.group(2) in _LAYER_TENSORS:
         return f"model.layers.{match.group(1)}.{_LAYER_TENSORS[match.group(2)]}"
-    raise CheckpointError(f"{file}: tensor {gguf_name!r} is not part of the architectures fdcore "
-                          "implements")
+    raise CheckpointError(f"{file}: tensor {gguf_name!r} is not part of the architectures fdcore implements")
 
 
 def _convert(tensor, config: dict, file: str) -> tuple[np.ndarray, Blocks | None]:
@@ -353,8 +372,13 @@ def _convert(tensor, config: dict, file: str) -> tuple[np.ndarray, Blocks | None
     if heads:
         weight = _unpermute_rows(weight, heads)
         if blocks is not None:
-            blocks = Blocks(blocks.kind, *(None if a is None else _unpermute_rows(a, heads)
-                                           for a in (blocks.levels, blocks.scale, blocks.minimum)))
+            blocks = Blocks(
+                blocks.kind,
+                *(
+                    None if a is None else _unpermute_rows(a, heads)
+                    for a in (blocks.levels, blocks.scale, blocks.minimum)
+                ),
+            )
     return weight, blocks
 
 
@@ -369,8 +393,9 @@ def _permuted_heads(name: str, config: dict) -> int:
     return 0
 
 
-def _read_tensors(reader, config: dict, file: str, progress: Callable[[int, int], None] | None
-                  ) -> tuple[dict[str, np.ndarray], dict[str, Blocks]]:
+def _read_tensors(
+    reader, config: dict, file: str, progress: Callable[[int, int], None] | None
+) -> tuple[dict[str, np.ndarray], dict[str, Blocks]]:
     """Every tensor, dequantized one at a time (peak memory: the float32 result + one tensor), and
     the blocks of those a packed matrix takes as they are."""
     expected = {e.gguf_name: e for e in _expected_tensors(config)}
@@ -386,12 +411,15 @@ def _read_tensors(reader, config: dict, file: str, progress: Callable[[int, int]
             continue
         hf_name = _hf_name(tensor.name, file)
         if tensor.name not in expected:
-            raise CheckpointError(f"{file}: tensor {tensor.name!r} ({hf_name}) is not expected by "
-                                  f"a {config['architectures'][0]} with this metadata")
+            raise CheckpointError(
+                f"{file}: tensor {tensor.name!r} ({hf_name}) is not expected by "
+                f"a {config['architectures'][0]} with this metadata"
+            )
         shape = tuple(int(n) for n in reversed(tensor.shape))
         if shape != expected[tensor.name].shape:
-            raise CheckpointError(f"{file}: tensor {tensor.name!r} has shape {shape}, the metadata "
-                                  f"implies {expected[tensor.name].shape}")
+            raise CheckpointError(
+                f"{file}: tensor {tensor.name!r} has shape {shape}, the metadata implies {expected[tensor.name].shape}"
+            )
         tensors[hf_name], blocks = _convert(tensor, config, file)
         if blocks is not None:
             native[hf_name] = blocks
@@ -400,8 +428,9 @@ def _read_tensors(reader, config: dict, file: str, progress: Callable[[int, int]
     return tensors, native
 
 
-def read_gguf(file: str, progress: Callable[[int, int], None] | None = None
-              ) -> tuple[dict, dict[str, np.ndarray], tuple[int, ...], dict[str, Blocks]]:
+def read_gguf(
+    file: str, progress: Callable[[int, int], None] | None = None
+) -> tuple[dict, dict[str, np.ndarray], tuple[int, ...], dict[str, Blocks]]:
     """Read a Llama / Mistral / Qwen2 / Qwen3 GGUF file completely, as fdcore's loader reads a directory.
 
     Returns ``(config, tensors, eos_ids)``:

@@ -25,8 +25,15 @@ _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<
 _NUMPY = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "?", 10: "<u8", 11: "<i8", 12: "<f8"}
 STRING, ARRAY = 8, 9
 # element types the reference reader gives as typed arrays (the rest as bytes, by quantization blocks)
-_TYPED = {"F16": np.float16, "F32": np.float32, "F64": np.float64, "I8": np.int8, "I16": np.int16,
-          "I32": np.int32, "I64": np.int64}
+_TYPED = {
+    "F16": np.float16,
+    "F32": np.float32,
+    "F64": np.float64,
+    "I8": np.int8,
+    "I16": np.int16,
+    "I32": np.int32,
+    "I64": np.int64,
+}
 
 
 class GgufFormatError(ValueError):
@@ -39,9 +46,9 @@ class GgufTensor:
 
     name: str
     tensor_type: object  # gguf.GGMLQuantizationType
-    shape: np.ndarray    # ggml order (innermost first), as the reference reader's
-    offset: int          # of its data in the file
-    _file: "GgufFile"
+    shape: np.ndarray  # ggml order (innermost first), as the reference reader's
+    offset: int  # of its data in the file
+    _file: GgufFile
 
     @cached_property
     def data(self) -> np.ndarray:
@@ -104,7 +111,7 @@ class GgufFile:
         length = self._scalar("<Q")
         if self.at + length > len(self.buffer):
             raise GgufFormatError("a string runs past the end of the file")
-        text = bytes(self.buffer[self.at:self.at + length]).decode("utf-8")
+        text = bytes(self.buffer[self.at : self.at + length]).decode("utf-8")
         self.at += length
         return text
 

@@ -11,10 +11,11 @@ import numpy as np
 from fdcore.checkpoint.gguf_file import GgufFile, GgufFormatError
 from fdcore.checkpoint.model_args import CheckpointError
 
+
 class Metadata:
     """The key/value section of one GGUF file, with errors that name the file and the key."""
 
-    def __init__(self, reader, file: str):
+    def __init__(self, reader: GgufFile, file: str):
         self.fields, self.file = reader.fields, file
 
     def __contains__(self, key: str) -> bool:
@@ -36,8 +37,7 @@ class Metadata:
     def integer(self, key: str, default: int | None = None) -> int:
         value = self.require(key) if default is None else self.get(key, default)
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise CheckpointError(f"{self.file}: metadata key {key!r} must be a positive integer, "
-                                  f"got {value!r}")
+            raise CheckpointError(f"{self.file}: metadata key {key!r} must be a positive integer, got {value!r}")
         return value
 
     def number(self, key: str, default: float | None = None) -> float:

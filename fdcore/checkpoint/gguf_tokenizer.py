@@ -14,13 +14,19 @@ if TYPE_CHECKING:
 _CONTROL, _UNKNOWN, _USER_DEFINED = 3, 2, 4
 
 # Split patterns, as llama.cpp and the models' own tokenizer.json files have them.
-_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_TEKKEN_SPLIT = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
-                 r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
-                 r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_TEKKEN_SPLIT = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+    r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 
 
 @dataclass(frozen=True)
@@ -36,10 +42,14 @@ class _PreTokenizer:
 # tokenizer.ggml.pre -> pre-tokenizer; the names and groups are llama.cpp's (llama-vocab.cpp)
 PRE_TOKENIZERS = {
     "gpt-2": _PreTokenizer("gpt2"),
-    **{name: _PreTokenizer("digits") for name in
-       ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b")},
-    **{name: _PreTokenizer(_LLAMA3_SPLIT, ignore_merges=True) for name in
-       ("llama3", "llama-v3", "llama-bpe", "falcon3", "pixtral")},
+    **{
+        name: _PreTokenizer("digits")
+        for name in ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b")
+    },
+    **{
+        name: _PreTokenizer(_LLAMA3_SPLIT, ignore_merges=True)
+        for name in ("llama3", "llama-v3", "llama-bpe", "falcon3", "pixtral")
+    },
     "dbrx": _PreTokenizer(_LLAMA3_SPLIT),
     "smaug-bpe": _PreTokenizer(_LLAMA3_SPLIT),
     "qwen2": _PreTokenizer(_QWEN2_SPLIT),
@@ -51,8 +61,7 @@ PRE_TOKENIZERS = {
 def _byte_alphabet() -> dict[int, str]:
     """GPT-2's byte -> printable character table (bytes_to_unicode), which byte-level vocabularies
     are spelled in: printable Latin-1 stands for itself, other bytes are shifted past 255."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
-                 *range(ord("®"), ord("ÿ") + 1)]
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     table, extra = {b: chr(b) for b in printable}, 0
     for b in range(256):
         if b not in table:
@@ -78,25 +87,35 @@ def _byte_level_bpe(meta: Metadata, tokens: list[str]):
     alphabet = _byte_alphabet()
     letters = set(alphabet.values())
     # A token written in plain text (llama.cpp stores some added tokens that way) is respelled.
-    vocab = {tok if set(tok) <= letters else "".join(alphabet[b] for b in tok.encode("utf-8")): i
-             for i, tok in enumerate(tokens)}
+    vocab = {
+        tok if set(tok) <= letters else "".join(alphabet[b] for b in tok.encode("utf-8")): i
+        for i, tok in enumerate(tokens)
+    }
     pre_name = meta.get("tokenizer.ggml.pre", "gpt-2")
     if pre_name not in PRE_TOKENIZERS:
-        raise meta.error("tokenizer.ggml.pre", f"pre-tokenizer {pre_name!r} is not supported; "
-                                              f"supported: {', '.join(sorted(PRE_TOKENIZERS))}")
+        raise meta.error(
+            "tokenizer.ggml.pre",
+            f"pre-tokenizer {pre_name!r} is not supported; supported: {', '.join(sorted(PRE_TOKENIZERS))}",
+        )
     pre = PRE_TOKENIZERS[pre_name]
     merges = _split_merges(meta, meta.require("tokenizer.ggml.merges"))
     tokenizer = Tokenizer(models.BPE(vocab, merges, ignore_merges=pre.ignore_merges))
     if pre.split == "gpt2":
         tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     elif pre.split == "digits":
-        tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Digits(individual_digits=True),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
+        tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Digits(individual_digits=True),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+            ]
+        )
     else:
-        tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(pre.split), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(pre.split), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
     tokenizer.decoder = decoders.ByteLevel()
     return tokenizer, letters
 
@@ -108,8 +127,7 @@ def _merges_from_scores(tokens: list[str], scores: list[float]) -> list[tuple[st
     vocab = {tok: i for i, tok in enumerate(tokens)}
     candidates = []
     for tok, score in zip(tokens, scores, strict=True):
-        local = [(tok[:k], tok[k:], score) for k in range(1, len(tok))
-                 if tok[:k] in vocab and tok[k:] in vocab]
+        local = [(tok[:k], tok[k:], score) for k in range(1, len(tok)) if tok[:k] in vocab and tok[k:] in vocab]
         candidates += sorted(local, key=lambda m: (vocab[m[0]], vocab[m[1]]))
     candidates.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
     return [(left, right) for left, right, _ in candidates]
@@ -135,7 +153,8 @@ def _sentencepiece_bpe(meta: Metadata, tokens: list[str]):
     tokenizer = Tokenizer(models.BPE(vocab, merges, unk_token=unk, fuse_unk=True, byte_fallback=True))
     prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
     tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(
-        replacement="▁", prepend_scheme="first" if prefix else "never", split=False)
+        replacement="▁", prepend_scheme="first" if prefix else "never", split=False
+    )
     steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
     if prefix:
         steps.append(decoders.Strip(" ", 1, 0))
@@ -143,8 +162,9 @@ def _sentencepiece_bpe(meta: Metadata, tokens: list[str]):
     return tokenizer, None
 
 
-def _add_special_tokens(tokenizer, tokens: list[str], types: list[int], letters: set[str] | None,
-                        named: set[int]) -> None:
+def _add_special_tokens(
+    tokenizer, tokens: list[str], types: list[int], letters: set[str] | None, named: set[int]
+) -> None:
     """Control / unknown tokens (and the named bos/eos) become special, user-defined ones plain
     added tokens: either way matched whole in the text, never cut by BPE.
 
@@ -182,8 +202,7 @@ def _post_processor(meta: Metadata, tokens: list[str], default_bos: bool):
     if not specials:
         return None
     pair = single + [piece.replace("$A", "$B").replace(":0", ":1") for piece in single]
-    return processors.TemplateProcessing(single=" ".join(single), pair=" ".join(pair),
-                                         special_tokens=specials)
+    return processors.TemplateProcessing(single=" ".join(single), pair=" ".join(pair), special_tokens=specials)
 
 
 def gguf_tokenizer(file: str) -> tuple[Tokenizer, dict]:
@@ -223,7 +242,9 @@ def gguf_tokenizer(file: str) -> tuple[Tokenizer, dict]:
             raise meta.error(f"tokenizer.ggml.{key}_token_id", f"{token_id} is outside the vocabulary")
     _add_special_tokens(tokenizer, tokens, types, letters, {i for i in ids.values() if i is not None})
     tokenizer.post_processor = _post_processor(meta, tokens, default_bos=model == "llama")
-    settings = {"chat_template": meta.get("tokenizer.chat_template"),
-                "bos_token": None if ids["bos"] is None else tokens[ids["bos"]],
-                "eos_token": None if ids["eos"] is None else tokens[ids["eos"]]}
+    settings = {
+        "chat_template": meta.get("tokenizer.chat_template"),
+        "bos_token": None if ids["bos"] is None else tokens[ids["bos"]],
+        "eos_token": None if ids["eos"] is None else tokens[ids["eos"]],
+    }
     return tokenizer, settings

@@ -20,6 +20,7 @@ import numpy as np
 from fdcore.checkpoint.ggml_blocks import Blocks
 from fdcore.checkpoint.model_args import CheckpointError, ModelArgs
 
+
 @dataclass
 class Checkpoint:
     path: str
@@ -175,16 +176,17 @@ def _checked_headers(f, file: str, args: ModelArgs) -> dict[str, tuple[str, tupl
     copy of the embedding as lm_head is the same matrix: left out (not read)."""
     wanted = set(args.expected_shapes())
     skip = {"lm_head.weight"} if args.tie_word_embeddings else set()
-    slices = {name: f.get_slice(name) for name in f.keys()
-              if not name.endswith(UNUSED_TENSOR_SUFFIXES) and name not in skip}
+    slices = {
+        name: f.get_slice(name) for name in f.keys() if not name.endswith(UNUSED_TENSOR_SUFFIXES) and name not in skip
+    }
     headers = {name: (part.get_dtype(), tuple(part.get_shape())) for name, part in slices.items()}
     for name, (dtype, _) in headers.items():
         if name not in wanted:
-            raise CheckpointError(f"{file}: tensor {name!r} is not used by this architecture "
-                                  "(config.json does not ask for it)")
+            raise CheckpointError(
+                f"{file}: tensor {name!r} is not used by this architecture (config.json does not ask for it)"
+            )
         if dtype not in FLOAT_DTYPES:
-            raise CheckpointError(f"{file}: tensor {name!r} has dtype {dtype}; fdcore reads "
-                                  f"{', '.join(FLOAT_DTYPES)}")
+            raise CheckpointError(f"{file}: tensor {name!r} has dtype {dtype}; fdcore reads {', '.join(FLOAT_DTYPES)}")
     return headers
 
 
@@ -237,8 +239,9 @@ def _check_shapes(args: ModelArgs, shapes: dict[str, tuple[int, ...]], path: str
         if name not in shapes:
             raise CheckpointError(f"{path}: tensor {name!r} is missing")
         if tuple(shapes[name]) != shape:
-            raise CheckpointError(f"{path}: tensor {name!r} has shape {tuple(shapes[name])}, "
-                                  f"config.json implies {shape}")
+            raise CheckpointError(
+                f"{path}: tensor {name!r} has shape {tuple(shapes[name])}, config.json implies {shape}"
+            )
 
 
 def _stderr_progress(done: int, total: int) -> None:

@@ -45,39 +45,114 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-
 from fdcore.checkpoint.rope import ROPE_TYPES, RopeSpec
 
-SUPPORTED = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
-             "Qwen3ForCausalLM": "qwen3"}
+SUPPORTED = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
 
 # Keys that change nothing when serving: bookkeeping, training-only settings, token ids
 # read elsewhere (the tokenizer and generation_config.json), and generation settings that
 # older transformers wrote into config.json.
-IGNORED = frozenset({
-    "_name_or_path", "architectures", "model_type", "transformers_version", "dtype", "torch_dtype",
-    "bos_token_id", "pad_token_id", "initializer_range", "use_cache", "attention_dropout",
-    "output_attentions", "output_hidden_states", "return_dict", "problem_type", "id2label", "label2id",
-    "chunk_size_feed_forward", "is_encoder_decoder", "is_decoder", "add_cross_attention",
-    "tie_encoder_decoder", "cross_attention_hidden_size", "torchscript", "use_bfloat16",
-    "tf_legacy_loss", "pruned_heads", "pretraining_tp", "tokenizer_class", "prefix", "sep_token_id",
-    "decoder_start_token_id", "task_specific_params", "finetuning_task", "fdcore_tiny_version",
-    "max_length", "min_length", "do_sample", "early_stopping", "num_beams", "num_beam_groups",
-    "diversity_penalty", "temperature", "top_k", "top_p", "typical_p", "repetition_penalty",
-    "length_penalty", "no_repeat_ngram_size", "encoder_no_repeat_ngram_size", "bad_words_ids",
-    "num_return_sequences", "output_scores", "return_dict_in_generate", "forced_bos_token_id",
-    "forced_eos_token_id", "remove_invalid_values", "exponential_decay_length_penalty",
-    "suppress_tokens", "begin_suppress_tokens",
-    # exporters' own notes (SmolLM2's nanotron export, transformers.js, unsloth)
-    "is_llama_config", "transformers.js_config", "unsloth_version", "unsloth_fixed",
-})
-READ = frozenset({
-    "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-    "head_dim", "vocab_size", "max_position_embeddings", "rms_norm_eps", "hidden_act", "rope_parameters",
-    "rope_theta", "rope_scaling", "partial_rotary_factor", "tie_word_embeddings", "attention_bias",
-    "mlp_bias", "sliding_window", "use_sliding_window", "max_window_layers", "layer_types", "eos_token_id",
-    "original_max_position_embeddings",
-})
+IGNORED = frozenset(
+    {
+        "_name_or_path",
+        "architectures",
+        "model_type",
+        "transformers_version",
+        "dtype",
+        "torch_dtype",
+        "bos_token_id",
+        "pad_token_id",
+        "initializer_range",
+        "use_cache",
+        "attention_dropout",
+        "output_attentions",
+        "output_hidden_states",
+        "return_dict",
+        "problem_type",
+        "id2label",
+        "label2id",
+        "chunk_size_feed_forward",
+        "is_encoder_decoder",
+        "is_decoder",
+        "add_cross_attention",
+        "tie_encoder_decoder",
+        "cross_attention_hidden_size",
+        "torchscript",
+        "use_bfloat16",
+        "tf_legacy_loss",
+        "pruned_heads",
+        "pretraining_tp",
+        "tokenizer_class",
+        "prefix",
+        "sep_token_id",
+        "decoder_start_token_id",
+        "task_specific_params",
+        "finetuning_task",
+        "fdcore_tiny_version",
+        "max_length",
+        "min_length",
+        "do_sample",
+        "early_stopping",
+        "num_beams",
+        "num_beam_groups",
+        "diversity_penalty",
+        "temperature",
+        "top_k",
+        "top_p",
+        "typical_p",
+        "repetition_penalty",
+        "length_penalty",
+        "no_repeat_ngram_size",
+        "encoder_no_repeat_ngram_size",
+        "bad_words_ids",
+        "num_return_sequences",
+        "output_scores",
+        "return_dict_in_generate",
+        "forced_bos_token_id",
+        "forced_eos_token_id",
+        "remove_invalid_values",
+        "exponential_decay_length_penalty",
+        "suppress_tokens",
+        "begin_suppress_tokens",
+        # exporters' own notes (SmolLM2's nanotron export, transformers.js, unsloth)
+        "is_llama_config",
+        "transformers.js_config",
+        "unsloth_version",
+        "unsloth_fixed",
+    }
+)
+READ = frozenset(
+    {
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "vocab_size",
+        "max_position_embeddings",
+        "rms_norm_eps",
+        "hidden_act",
+        "rope_parameters",
+        "rope_theta",
+        "rope_scaling",
+        "partial_rotary_factor",
+        "tie_word_embeddings",
+        "attention_bias",
+        "mlp_bias",
+        "sliding_window",
+        "use_sliding_window",
+        "max_window_layers",
+        "layer_types",
+        "eos_token_id",
+        "original_max_position_embeddings",
+    }
+)
 # What each architecture has beyond the common keys (a key of another family is refused:
 # e.g. transformers' Llama has no sliding window, so a Llama config asking for one is not served).
 FAMILY_KEYS = {
@@ -87,9 +162,19 @@ FAMILY_KEYS = {
     "qwen3": {"attention_bias", "sliding_window", "use_sliding_window", "max_window_layers", "layer_types"},
 }
 ROPE_FIELDS = {  # rope parameter keys each type reads (beyond rope_type / type and rope_theta)
-    "default": set(), "linear": {"factor"}, "dynamic": {"factor"},
-    "yarn": {"factor", "original_max_position_embeddings", "attention_factor", "beta_fast", "beta_slow",
-             "mscale", "mscale_all_dim", "truncate"},
+    "default": set(),
+    "linear": {"factor"},
+    "dynamic": {"factor"},
+    "yarn": {
+        "factor",
+        "original_max_position_embeddings",
+        "attention_factor",
+        "beta_fast",
+        "beta_slow",
+        "mscale",
+        "mscale_all_dim",
+        "truncate",
+    },
     "llama3": {"factor", "original_max_position_embeddings", "low_freq_factor", "high_freq_factor"},
 }
 
@@ -132,12 +217,13 @@ class ModelArgs:
         return self.sliding_windows[layer] if self.sliding_windows else 0
 
     @classmethod
-    def from_config(cls, config: dict, source: str) -> "ModelArgs":
+    def from_config(cls, config: dict, source: str) -> ModelArgs:
         archs = config.get("architectures") or []
         arch = next((a for a in archs if a in SUPPORTED), None)
         if arch is None:
-            raise CheckpointError(f"{source}: architecture {archs or 'missing'} is not supported; "
-                                  f"supported: {', '.join(SUPPORTED)}")
+            raise CheckpointError(
+                f"{source}: architecture {archs or 'missing'} is not supported; supported: {', '.join(SUPPORTED)}"
+            )
         family = SUPPORTED[arch]
         _refuse_unknown_keys(config, family, source)
         heads = _field(config, "num_attention_heads", source)
@@ -147,11 +233,14 @@ class ModelArgs:
         max_positions = _optional_int(config, "max_position_embeddings", 2048, source)
         attention_bias = _flag(config, "attention_bias", source)
         args = cls(
-            architecture=arch, hidden_size=hidden,
+            architecture=arch,
+            hidden_size=hidden,
             intermediate_size=_field(config, "intermediate_size", source),
-            num_layers=layers, num_heads=heads,
+            num_layers=layers,
+            num_heads=heads,
             num_kv_heads=_optional_int(config, "num_key_value_heads", heads, source),
-            head_dim=head_dim, vocab_size=_field(config, "vocab_size", source),
+            head_dim=head_dim,
+            vocab_size=_field(config, "vocab_size", source),
             max_position_embeddings=max_positions,
             rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
             rope=rope_spec(config, head_dim, max_positions, source),
@@ -163,8 +252,10 @@ class ModelArgs:
             sliding_windows=sliding_windows(config, family, layers, source),
         )
         if args.num_heads % args.num_kv_heads:
-            raise CheckpointError(f"{source}: num_attention_heads ({heads}) is not a multiple of "
-                                  f"num_key_value_heads ({args.num_kv_heads})")
+            raise CheckpointError(
+                f"{source}: num_attention_heads ({heads}) is not a multiple of "
+                f"num_key_value_heads ({args.num_kv_heads})"
+            )
         if args.head_dim % 2:
             raise CheckpointError(f"{source}: head_dim {args.head_dim} must be even for rotary embeddings")
         return args
@@ -176,24 +267,41 @@ class ModelArgs:
         shapes = {"model.embed_tokens.weight": (self.vocab_size, h), "model.norm.weight": (h,)}
         for i in range(self.num_layers):
             p = f"model.layers.{i}."
-            shapes.update({
-                p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
-                p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
-                p + "mlp.gate_proj.weight": (inter, h), p + "mlp.up_proj.weight": (inter, h),
-                p + "mlp.down_proj.weight": (h, inter),
-                p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
-            })
+            shapes.update(
+                {
+                    p + "self_attn.q_proj.weight": (q, h),
+                    p + "self_attn.k_proj.weight": (kv, h),
+                    p + "self_attn.v_proj.weight": (kv, h),
+                    p + "self_attn.o_proj.weight": (h, q),
+                    p + "mlp.gate_proj.weight": (inter, h),
+                    p + "mlp.up_proj.weight": (inter, h),
+                    p + "mlp.down_proj.weight": (h, inter),
+                    p + "input_layernorm.weight": (h,),
+                    p + "post_attention_layernorm.weight": (h,),
+                }
+            )
             if self.qkv_bias:
-                shapes.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
-                               p + "self_attn.v_proj.bias": (kv,)})
+                shapes.update(
+                    {
+                        p + "self_attn.q_proj.bias": (q,),
+                        p + "self_attn.k_proj.bias": (kv,),
+                        p + "self_attn.v_proj.bias": (kv,),
+                    }
+                )
             if self.o_bias:
                 shapes[p + "self_attn.o_proj.bias"] = (h,)
             if self.mlp_bias:
-                shapes.update({p + "mlp.gate_proj.bias": (inter,), p + "mlp.up_proj.bias": (inter,),
-                               p + "mlp.down_proj.bias": (h,)})
+                shapes.update(
+                    {
+                        p + "mlp.gate_proj.bias": (inter,),
+                        p + "mlp.up_proj.bias": (inter,),
+                        p + "mlp.down_proj.bias": (h,),
+                    }
+                )
             if self.qk_norm:
-                shapes.update({p + "self_attn.q_norm.weight": (self.head_dim,),
-                               p + "self_attn.k_norm.weight": (self.head_dim,)})
+                shapes.update(
+                    {p + "self_attn.q_norm.weight": (self.head_dim,), p + "self_attn.k_norm.weight": (self.head_dim,)}
+                )
         if not self.tie_word_embeddings:
             shapes["lm_head.weight"] = (self.vocab_size, h)
         return shapes
@@ -204,8 +312,7 @@ def _refuse_unknown_keys(config: dict, family: str, source: str) -> None:
     allowed = IGNORED | common | FAMILY_KEYS[family]
     for key, value in config.items():
         if key not in allowed and not (value is None or value is False):
-            raise CheckpointError(f"{source}: key {key!r} = {value!r} is not implemented by fdcore "
-                                  f"for {family} models")
+            raise CheckpointError(f"{source}: key {key!r} = {value!r} is not implemented by fdcore for {family} models")
     act = config.get("hidden_act", "silu")
     if act != "silu":
         raise CheckpointError(f"{source}: key 'hidden_act' = {act!r} is not implemented (only 'silu')")
@@ -227,22 +334,29 @@ def rope_spec(config: dict, head_dim: int, max_positions: int, source: str) -> R
     if partial not in (None, 1, 1.0):
         raise CheckpointError(f"{source}: key 'partial_rotary_factor' = {partial!r} is not implemented (only 1.0)")
     if rope_type not in ROPE_TYPES:
-        raise CheckpointError(f"{source}: key '{key}.rope_type' = {rope_type!r} is not implemented; "
-                              f"implemented: {', '.join(ROPE_TYPES)}")
+        raise CheckpointError(
+            f"{source}: key '{key}.rope_type' = {rope_type!r} is not implemented; implemented: {', '.join(ROPE_TYPES)}"
+        )
     for name, value in params.items():
         if name not in ROPE_FIELDS[rope_type] and value is not None:
-            raise CheckpointError(f"{source}: key '{key}.{name}' = {value!r} is not implemented for "
-                                  f"rope_type {rope_type!r}")
+            raise CheckpointError(
+                f"{source}: key '{key}.{name}' = {value!r} is not implemented for rope_type {rope_type!r}"
+            )
     if rope_type in ("llama3", "yarn"):
-        params.setdefault("original_max_position_embeddings", config.get("original_max_position_embeddings")
-                          or max_positions)
-    required = {"linear": ["factor"], "dynamic": ["factor"], "llama3": ["factor", "low_freq_factor",
-                                                                       "high_freq_factor"]}
+        params.setdefault(
+            "original_max_position_embeddings", config.get("original_max_position_embeddings") or max_positions
+        )
+    required = {
+        "linear": ["factor"],
+        "dynamic": ["factor"],
+        "llama3": ["factor", "low_freq_factor", "high_freq_factor"],
+    }
     for name in required.get(rope_type, []):
         if not isinstance(params.get(name), (int, float)):
             raise CheckpointError(f"{source}: key '{key}.{name}' is required for rope_type {rope_type!r}")
-    return RopeSpec(rope_type=rope_type, theta=float(theta), head_dim=head_dim,
-                    max_position_embeddings=max_positions, **params)
+    return RopeSpec(
+        rope_type=rope_type, theta=float(theta), head_dim=head_dim, max_position_embeddings=max_positions, **params
+    )
 
 
 def sliding_windows(config: dict, family: str, layers: int, source: str) -> tuple[int, ...]:
@@ -259,8 +373,10 @@ def sliding_windows(config: dict, family: str, layers: int, source: str) -> tupl
         first = _optional_int(config, "max_window_layers", 28, source)
         types = ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
     if len(types) != layers or set(types) - {"full_attention", "sliding_attention"}:
-        raise CheckpointError(f"{source}: key 'layer_types' = {types!r} must list 'full_attention' or "
-                              f"'sliding_attention' for each of the {layers} layers")
+        raise CheckpointError(
+            f"{source}: key 'layer_types' = {types!r} must list 'full_attention' or "
+            f"'sliding_attention' for each of the {layers} layers"
+        )
     if "sliding_attention" not in types:
         return ()
     if not config.get("use_sliding_window", True) or not window:

@@ -159,8 +159,10 @@ def _llama3(spec: RopeSpec, seq_len: int | None) -> tuple[np.ndarray, float]:
     high_wavelen = old_context / spec.high_freq_factor
     wavelen = np.float32(2 * math.pi) / inv_freq
     scaled = np.where(wavelen > low_wavelen, inv_freq / factor, inv_freq).astype(np.float32)
-    smooth = ((np.float32(old_context) / wavelen - np.float32(spec.low_freq_factor))
-              / np.float32(spec.high_freq_factor - spec.low_freq_factor)).astype(np.float32)
+    smooth = (
+        (np.float32(old_context) / wavelen - np.float32(spec.low_freq_factor))
+        / np.float32(spec.high_freq_factor - spec.low_freq_factor)
+    ).astype(np.float32)
     smoothed = (np.float32(1) - smooth) * scaled / factor + smooth * scaled
     medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
     return np.where(medium, smoothed, scaled).astype(np.float32), 1.0

@@ -68,12 +68,17 @@ TOKENIZER_CONFIG = {
     "chat_template": CHAT_TEMPLATE,
 }
 
-FILES = ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
-         "tokenizer_config.json"]
+FILES = ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
 
 
-QWEN2_CONFIG = {**CONFIG, "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2",
-                "tie_word_embeddings": True, "use_sliding_window": False, "attention_bias": True}
+QWEN2_CONFIG = {
+    **CONFIG,
+    "architectures": ["Qwen2ForCausalLM"],
+    "model_type": "qwen2",
+    "tie_word_embeddings": True,
+    "use_sliding_window": False,
+    "attention_bias": True,
+}
 
 
 def weights(seed: int = SEED, config: dict = CONFIG) -> dict[str, np.ndarray]:
@@ -92,13 +97,13 @@ def weights(seed: int = SEED, config: dict = CONFIG) -> dict[str, np.ndarray]:
     tensors = {"model.embed_tokens.weight": normal(c["vocab_size"], hidden, std=embed_std)}
     for i in range(c["num_hidden_layers"]):
         p = f"model.layers.{i}."
-        tensors[p + "self_attn.q_proj.weight"] = normal(q_out, hidden, std=hidden ** -0.5)
-        tensors[p + "self_attn.k_proj.weight"] = normal(kv_out, hidden, std=hidden ** -0.5)
-        tensors[p + "self_attn.v_proj.weight"] = normal(kv_out, hidden, std=hidden ** -0.5)
-        tensors[p + "self_attn.o_proj.weight"] = normal(hidden, q_out, std=q_out ** -0.5)
-        tensors[p + "mlp.gate_proj.weight"] = normal(inter, hidden, std=hidden ** -0.5)
-        tensors[p + "mlp.up_proj.weight"] = normal(inter, hidden, std=hidden ** -0.5)
-        tensors[p + "mlp.down_proj.weight"] = normal(hidden, inter, std=inter ** -0.5)
+        tensors[p + "self_attn.q_proj.weight"] = normal(q_out, hidden, std=hidden**-0.5)
+        tensors[p + "self_attn.k_proj.weight"] = normal(kv_out, hidden, std=hidden**-0.5)
+        tensors[p + "self_attn.v_proj.weight"] = normal(kv_out, hidden, std=hidden**-0.5)
+        tensors[p + "self_attn.o_proj.weight"] = normal(hidden, q_out, std=q_out**-0.5)
+        tensors[p + "mlp.gate_proj.weight"] = normal(inter, hidden, std=hidden**-0.5)
+        tensors[p + "mlp.up_proj.weight"] = normal(inter, hidden, std=hidden**-0.5)
+        tensors[p + "mlp.down_proj.weight"] = normal(hidden, inter, std=inter**-0.5)
         tensors[p + "input_layernorm.weight"] = np.ones(hidden, np.float32)
         tensors[p + "post_attention_layernorm.weight"] = np.ones(hidden, np.float32)
         if c["attention_bias"]:
@@ -106,7 +111,7 @@ def weights(seed: int = SEED, config: dict = CONFIG) -> dict[str, np.ndarray]:
                 tensors[p + f"self_attn.{name}_proj.bias"] = normal(size, std=0.1)
     tensors["model.norm.weight"] = np.ones(hidden, np.float32)
     if not c["tie_word_embeddings"]:
-        tensors["lm_head.weight"] = normal(c["vocab_size"], hidden, std=hidden ** -0.5)
+        tensors["lm_head.weight"] = normal(c["vocab_size"], hidden, std=hidden**-0.5)
     return tensors
 
 
@@ -120,8 +125,9 @@ def make_tiny_model(path: str, seed: int = SEED, *, arch: str = "llama", shards:
     config = QWEN2_CONFIG if arch == "qwen2" else CONFIG
     with atomic_directory(path, prefix=".tiny-") as tmp:
         _write_json(os.path.join(tmp, "config.json"), config)
-        _write_json(os.path.join(tmp, "generation_config.json"),
-                    {"bos_token_id": 1, "eos_token_id": 2, "do_sample": False})
+        _write_json(
+            os.path.join(tmp, "generation_config.json"), {"bos_token_id": 1, "eos_token_id": 2, "do_sample": False}
+        )
         _write_json(os.path.join(tmp, "tokenizer_config.json"), TOKENIZER_CONFIG)
         shutil.copyfile(TOKENIZER, os.path.join(tmp, "tokenizer.json"))
         save_weights(tmp, weights(seed, config), shards)
@@ -166,8 +172,10 @@ def save_weights(directory: str, tensors: dict[str, np.ndarray], shards: int, dt
         save(part, os.path.join(directory, file), metadata={"format": "pt"})
         weight_map.update({n: file for n in part})
     total = sum(t.size * (4 if dtype == "float32" else 2) for t in tensors.values())
-    _write_json(os.path.join(directory, "model.safetensors.index.json"),
-                {"metadata": {"total_size": total}, "weight_map": weight_map})
+    _write_json(
+        os.path.join(directory, "model.safetensors.index.json"),
+        {"metadata": {"total_size": total}, "weight_map": weight_map},
+    )
 
 
 def _writer(tensors: dict[str, np.ndarray], dtype: str):
@@ -180,9 +188,16 @@ def _writer(tensors: dict[str, np.ndarray], dtype: str):
     from safetensors import TensorSpec, serialize_file
 
     def save(arrays: dict[str, np.ndarray], file: str, metadata: dict) -> None:
-        serialize_file({name: TensorSpec(dtype=dtype, shape=list(array.shape), data_ptr=array.ctypes.data,
-                                         data_len=array.nbytes) for name, array in arrays.items()},
-                       file, metadata=metadata)
+        serialize_file(
+            {
+                name: TensorSpec(
+                    dtype=dtype, shape=list(array.shape), data_ptr=array.ctypes.data, data_len=array.nbytes
+                )
+                for name, array in arrays.items()
+            },
+            file,
+            metadata=metadata,
+        )
 
     return save, {name: _rounded(array, dtype) for name, array in tensors.items()}
 

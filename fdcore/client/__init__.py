@@ -32,9 +32,19 @@ requests are re-submitted to the new engine and resume.
 
 from fdcore.client.async_llm import AsyncLLM
 from fdcore.client.llm import LLM
-from fdcore.client.outputs import (CompletionOutput, EngineDeadError, EngineError, RequestOutput, chat_prompt)
+from fdcore.client.outputs import CompletionOutput, EngineDeadError, EngineError, RequestOutput, chat_prompt
 from fdcore.client.tree import Tree
 from fdcore.protocol import PromptLogprob, SamplingParams
 
-__all__ = ["LLM", "AsyncLLM", "CompletionOutput", "EngineDeadError", "EngineError", "PromptLogprob", "RequestOutput",
-           "SamplingParams", "Tree", "chat_prompt"]
+__all__ = [
+    "LLM",
+    "AsyncLLM",
+    "CompletionOutput",
+    "EngineDeadError",
+    "EngineError",
+    "PromptLogprob",
+    "RequestOutput",
+    "SamplingParams",
+    "Tree",
+    "chat_prompt",
+]

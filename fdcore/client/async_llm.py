@@ -6,15 +6,16 @@ from __future__ import annotations
 import asyncio
 import functools
 import uuid
+
+from fdcore.client.base import Client
+from fdcore.client.outputs import chat_prompt, output_of, refused
+from fdcore.client.router import Backoff, LoopSink
+from fdcore.client.tree import check_health
 from fdcore.ipc import RingFull
 from fdcore.protocol import (
     SamplingParams,
     ServingStats,
 )
-from fdcore.client.base import Client
-from fdcore.client.outputs import chat_prompt, output_of, refused
-from fdcore.client.router import Backoff, LoopSink
-from fdcore.client.tree import check_health
 
 
 # -------------------------------------------------------------------- async
@@ -23,8 +24,15 @@ class AsyncLLM(Client):
     (each in its own thread)."""
 
     # ---------------------------------------------------------------- public
-    async def generate(self, prompt, sampling_params: SamplingParams | None = None,
-                       request_id: str | None = None, *, wait: bool = False, tenant: str = ""):
+    async def generate(
+        self,
+        prompt,
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
+        *,
+        wait: bool = False,
+        tenant: str = "",
+    ):
         """Stream ``RequestOutput`` deltas of one request until it finishes. ``wait=True``: while the
         engine is full (429), the request waits in this client and is sent again as room frees,
         instead of ending with the 429 error. ``tenant``: whom it is for, where this client serves
@@ -63,8 +71,13 @@ class AsyncLLM(Client):
         except RingFull:
             await asyncio.get_running_loop().run_in_executor(None, submit)
 
-    async def chat(self, messages: list[dict], sampling_params: SamplingParams | None = None,
-                   request_id: str | None = None, **options):
+    async def chat(
+        self,
+        messages: list[dict],
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
+        **options,
+    ):
         """Stream the answer to one conversation; ``options`` as :func:`chat_prompt` (tools, ...)."""
         async for out in self.generate(chat_prompt(messages, **options), sampling_params, request_id):
             yield out

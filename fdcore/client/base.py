@@ -4,14 +4,14 @@ reads the slot."""
 from __future__ import annotations
 
 import os
-from fdcore.config import Config, ConfigError, load_config
+
 from fdcore.client.connection import Connection
 from fdcore.client.router import Router
 from fdcore.client.tree import Tree, check_health
+from fdcore.config import Config, ConfigError, load_config
 from fdcore.protocol import Welcome
 
-
-INITIAL_WINDOW = 4096        # requests LLM.generate keeps in flight before the engine says how many fit
+INITIAL_WINDOW = 4096  # requests LLM.generate keeps in flight before the engine says how many fit
 
 
 class Client:

@@ -8,8 +8,12 @@ import os
 import secrets
 import threading
 import time
+
 import msgspec
+
 from fdcore.actors import topology
+from fdcore.client.outputs import EngineError
+from fdcore.client.tree import Tree
 from fdcore.ipc import Inbox, Receiver, Ring, RingCorrupted, RingEmpty, RingFull, Sender, names
 from fdcore.protocol import (
     AbortRequest,
@@ -19,20 +23,17 @@ from fdcore.protocol import (
     SamplingParams,
     Welcome,
 )
-from fdcore.client.outputs import EngineError
-from fdcore.client.tree import Tree
-
 
 ENCODE = msgspec.msgpack.Encoder().encode
 
 
-HELLO_RESEND = 1.0           # a Hello unanswered this long is sent again
+HELLO_RESEND = 1.0  # a Hello unanswered this long is sent again
 
 
-RESYNC_PAUSE = 0.01          # a Hello our own link refused (its words contradict each other) is retried after this
+RESYNC_PAUSE = 0.01  # a Hello our own link refused (its words contradict each other) is retried after this
 
 
-SEND_TIMEOUT = 30.0          # how long a send waits for room in the engine's link before RingFull
+SEND_TIMEOUT = 30.0  # how long a send waits for room in the engine's link before RingFull
 
 
 # --------------------------------------------------------------- connection
@@ -47,8 +48,13 @@ class Connection:
             # as the supervisor made them: a previous owner of the slot may have written anything there
             self.inbox = Inbox.attach(topology.inbox_name(tree.instance, client), ["engine"], untrusted=["engine"])
             self.receiver = Receiver(self.inbox, ClientMessage)
-            self.sender = Sender(Ring.attach(topology.link_name(tree.instance, "engine", client), trust_header=False,
-                                             bell_name=topology.inbox_name(tree.instance, "engine")))
+            self.sender = Sender(
+                Ring.attach(
+                    topology.link_name(tree.instance, "engine", client),
+                    trust_header=False,
+                    bell_name=topology.inbox_name(tree.instance, "engine"),
+                )
+            )
             self._send_lock = threading.Lock()
             self.welcome = self.handshake(timeout)
         except BaseException:
@@ -62,8 +68,9 @@ class Connection:
             try:
                 fd = os.open(topology.client_slot_path(instance, slot), os.O_RDWR)
             except FileNotFoundError:
-                raise EngineError(f"all {slot} client slots of instance {instance} are taken "
-                                  "(engine.max_clients)", 503) from None
+                raise EngineError(
+                    f"all {slot} client slots of instance {instance} are taken (engine.max_clients)", 503
+                ) from None
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 return slot, fd
@@ -116,8 +123,16 @@ class Connection:
         with self._send_lock:
             self.sender.send(message, timeout=timeout)
 
-    def submit(self, request_id: str, prompt, params: SamplingParams, resume_token_ids=(),
-               resume_text_chars: int = 0, timeout: float = SEND_TIMEOUT, tenant: str = "") -> None:
+    def submit(
+        self,
+        request_id: str,
+        prompt,
+        params: SamplingParams,
+        resume_token_ids=(),
+        resume_text_chars: int = 0,
+        timeout: float = SEND_TIMEOUT,
+        tenant: str = "",
+    ) -> None:
         body: dict = {"sampling_params": params}
         if isinstance(prompt, str):
             body["prompt"] = prompt
@@ -127,15 +142,26 @@ class Connection:
             body["messages"] = prompt
         else:
             body["prompt_token_ids"] = prompt
-        self.send(AddRequest(self.slot, request_id, msgspec.Raw(ENCODE(body)), time.time(),
-                             list(resume_token_ids), resume_text_chars, tenant), timeout)
+        self.send(
+            AddRequest(
+                self.slot,
+                request_id,
+                msgspec.Raw(ENCODE(body)),
+                time.time(),
+                list(resume_token_ids),
+                resume_text_chars,
+                tenant,
+            ),
+            timeout,
+        )
 
     def resubmit(self, flights: dict) -> None:
         """Hand a restarted engine these requests again ({request id: InFlight}), each with the
         tokens and text already received, so their streams resume where they were."""
         for request_id, flight in flights.items():
-            self.submit(request_id, flight.prompt, flight.params, flight.token_ids, flight.text_chars,
-                        tenant=flight.tenant)
+            self.submit(
+                request_id, flight.prompt, flight.params, flight.token_ids, flight.text_chars, tenant=flight.tenant
+            )
 
     def send_soon(self, message) -> None:
         """Send without waiting: now if the link has room and no other thread is sending, else from

@@ -8,15 +8,16 @@ import queue
 import sys
 import time
 import uuid
+
+from fdcore.client.base import INITIAL_WINDOW, Client
+from fdcore.client.outputs import RequestOutput, accumulate, as_prompt_list, chat_prompt, refused
+from fdcore.client.router import Backoff, Router
+from fdcore.client.tree import check_health
 from fdcore.protocol import (
     SamplingParams,
     ServingStats,
     Update,
 )
-from fdcore.client.base import Client, INITIAL_WINDOW
-from fdcore.client.outputs import RequestOutput, accumulate, as_prompt_list, chat_prompt, refused
-from fdcore.client.router import Backoff, Router
-from fdcore.client.tree import check_health
 
 
 # --------------------------------------------------------------------- sync
@@ -24,8 +25,9 @@ class LLM(Client):
     """Synchronous helper: ``LLM(config).generate(prompts, params) -> list[RequestOutput]``; safe to
     call from several threads at once."""
 
-    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+    def generate(
+        self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool = True
+    ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs in the order of ``prompts``. However many there
         are, none is refused: a window of requests is kept in the engine and refilled as they
         finish, shrunk to what the engine accepts when it answers 429 (the refused ones are sent
@@ -36,8 +38,13 @@ class LLM(Client):
             raise ValueError(f"{len(params)} sampling_params for {len(prompts)} prompts")
         return Batch(self._router, prompts, params, Progress(len(prompts), enabled=use_tqdm), self._window).run()
 
-    def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
-             use_tqdm: bool = True, **options) -> list[RequestOutput]:
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | None = None,
+        use_tqdm: bool = True,
+        **options,
+    ) -> list[RequestOutput]:
         """Answer one conversation, or each of a list of them; ``options`` as :func:`chat_prompt`."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         return self.generate([chat_prompt(c, **options) for c in conversations], sampling_params, use_tqdm)
@@ -74,7 +81,8 @@ class Batch:
     client holds state only for the window (plus each finished output).
 
     NOTE: the window is learnt as TCP learns its congestion window: it starts at the engine's
-    limit (its configured one when this client started the tree, else the default); every 429 shrinks it to the requests still in flight (a burst's refusals arrive
+    limit (its configured one when this client started the tree, else the default); every 429 shrinks it to the
+    requests still in flight (a burst's refusals arrive
     together, so it settles on what the engine accepted), every finished request grows it by
     1/window (one more request per window's worth of answers), probing for room other clients
     freed. With nothing in flight, a refused request waits a doubling back-off before it retries.
@@ -172,8 +180,9 @@ class Progress:
         if self.enabled:
             filled = 30 * self.done // self.total
             rate = self.done / max(1e-9, time.monotonic() - self.started)
-            sys.stderr.write(f"\rgenerating [{'#' * filled}{'.' * (30 - filled)}] {self.done}/{self.total} "
-                             f"({rate:.1f} req/s)")
+            sys.stderr.write(
+                f"\rgenerating [{'#' * filled}{'.' * (30 - filled)}] {self.done}/{self.total} ({rate:.1f} req/s)"
+            )
             sys.stderr.flush()
 
     def close(self) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
 from fdcore.protocol import (
     Metrics,
     PromptLogprob,
@@ -53,24 +54,42 @@ class RequestOutput:
     prompt_logprobs: list[PromptLogprob | None] | None = None
 
 
-def chat_prompt(messages: list[dict], *, tools: list[dict] | None = None, documents: list[dict] | None = None,
-                add_generation_prompt: bool | None = None, continue_final_message: bool | None = None,
-                chat_template_kwargs: dict | None = None, chat_template: str | None = None) -> dict:
+def chat_prompt(
+    messages: list[dict],
+    *,
+    tools: list[dict] | None = None,
+    documents: list[dict] | None = None,
+    add_generation_prompt: bool | None = None,
+    continue_final_message: bool | None = None,
+    chat_template_kwargs: dict | None = None,
+    chat_template: str | None = None,
+) -> dict:
     """A chat prompt for ``generate``: the messages and the template options given (transformers'
     ``apply_chat_template`` names; None leaves an option to the engine: no tools or documents, a
     generation prompt unless the final message is continued, the model's default template)."""
-    options = {"tools": tools, "documents": documents, "add_generation_prompt": add_generation_prompt,
-               "continue_final_message": continue_final_message, "chat_template_kwargs": chat_template_kwargs,
-               "chat_template": chat_template}
+    options = {
+        "tools": tools,
+        "documents": documents,
+        "add_generation_prompt": add_generation_prompt,
+        "continue_final_message": continue_final_message,
+        "chat_template_kwargs": chat_template_kwargs,
+        "chat_template": chat_template,
+    }
     return {"messages": messages, **{name: value for name, value in options.items() if value is not None}}
 
 
 def output_of(request_id: str, prompt, update: Update, prompt_token_ids) -> RequestOutput:
-    return RequestOutput(request_id, prompt, prompt_token_ids,
-                         CompletionOutput(0, update.text, list(update.token_ids), update.logprobs,
-                                          update.finish_reason),
-                         update.finish_reason is not None, update.metrics, update.error_code, update.error_msg,
-                         update.prompt_logprobs)
+    return RequestOutput(
+        request_id,
+        prompt,
+        prompt_token_ids,
+        CompletionOutput(0, update.text, list(update.token_ids), update.logprobs, update.finish_reason),
+        update.finish_reason is not None,
+        update.metrics,
+        update.error_code,
+        update.error_msg,
+        update.prompt_logprobs,
+    )
 
 
 def refused(update: Update) -> bool:

@@ -8,6 +8,10 @@ import secrets
 import threading
 import time
 from dataclasses import dataclass, field
+
+from fdcore.client.connection import SEND_TIMEOUT, Connection
+from fdcore.client.outputs import EngineDeadError, EngineError
+from fdcore.client.tree import Tree, tree_gone
 from fdcore.core import placement
 from fdcore.ipc import RingEmpty, RingFull
 from fdcore.protocol import (
@@ -16,15 +20,11 @@ from fdcore.protocol import (
     StatsQuery,
     Update,
 )
-from fdcore.client.connection import Connection, SEND_TIMEOUT
-from fdcore.client.outputs import EngineDeadError, EngineError
-from fdcore.client.tree import Tree, tree_gone
-
 
 ENGINE_CHECK_INTERVAL = 0.2  # seconds between looks at whether the engine (and the tree) still live
 
 
-RECOVERY_TIMEOUT = 300.0     # how long a restarted engine may take to answer
+RECOVERY_TIMEOUT = 300.0  # how long a restarted engine may take to answer
 
 
 class Stream:
@@ -86,8 +86,16 @@ class Router:
         self.thread.start()
 
     # ---------------------------------------------------------- callers
-    def submit(self, request_id: str, prompt, params: SamplingParams, sink, target,
-               timeout: float = SEND_TIMEOUT, tenant: str = "") -> None:
+    def submit(
+        self,
+        request_id: str,
+        prompt,
+        params: SamplingParams,
+        sink,
+        target,
+        timeout: float = SEND_TIMEOUT,
+        tenant: str = "",
+    ) -> None:
         """Open a request whose answers go to ``sink([(target, update), ...])``; RingFull (nothing
         registered) if the engine's link has no room within ``timeout``, or, with ``timeout == 0``,
         if another thread holds the lock while it waits for room (a caller on an event loop then
@@ -170,7 +178,7 @@ class Router:
                 except OSError:
                     pass  # (CPUs this program may not use: it reads from wherever it runs)
             self._read()
-        except BaseException as exc:  # noqa: BLE001 -- the watchdog: whatever killed us fails every request loudly
+        except BaseException as exc:
             self._die(f"the client's reader thread died: {exc!r}")
 
     def _read(self) -> None:

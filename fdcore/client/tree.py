@@ -9,20 +9,26 @@ import signal
 import subprocess
 import sys
 import time
+
 from fdcore.actors import health, topology
 from fdcore.actors.health import HealthBoard, State
+from fdcore.client.outputs import EngineError
 from fdcore.config import Config, config_memfd, fd_path
 from fdcore.core import placement
 from fdcore.ipc import names
-from fdcore.client.outputs import EngineError
 
 
 # --------------------------------------------------------------------- tree
 class Tree:
     """The supervisor we started (if any) and the instance id we talk to."""
 
-    def __init__(self, instance: str, proc: subprocess.Popen | None = None, lifeline: int | None = None,
-                 control_cpus: list[int] | None = None):
+    def __init__(
+        self,
+        instance: str,
+        proc: subprocess.Popen | None = None,
+        lifeline: int | None = None,
+        control_cpus: list[int] | None = None,
+    ):
         self.instance = instance
         self.control_cpus = control_cpus  # where the tree's control plane runs (the supervisor's plan), if pinned
         self.proc = proc
@@ -39,8 +45,17 @@ class Tree:
         path, config_fd = _config_source(config)
         read_fd, write_fd = os.pipe()
         watch_fd, lifeline = os.pipe()
-        cmd = [sys.executable, "-m", "fdcore.supervisor", "--config", path, "--ready-fd", str(write_fd),
-               "--parent-fd", str(watch_fd)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "fdcore.supervisor",
+            "--config",
+            path,
+            "--ready-fd",
+            str(write_fd),
+            "--parent-fd",
+            str(watch_fd),
+        ]
         passed = (write_fd, watch_fd) + (() if config_fd is None else (config_fd,))
         try:
             proc = subprocess.Popen(cmd, pass_fds=passed, process_group=0, stdin=subprocess.DEVNULL)
@@ -61,12 +76,19 @@ class Tree:
 
     @classmethod
     def find(cls, instance: str | None) -> Tree:
-        running = sorted({e.instance_id for e in names.list_entries()
-                          if topology.is_engine_inbox(e) and names.pid_alive(e.owner_pid)})
+        running = sorted(
+            {
+                e.instance_id
+                for e in names.list_entries()
+                if topology.is_engine_inbox(e) and names.pid_alive(e.owner_pid)
+            }
+        )
         if instance is None:
             if len(running) != 1:
-                raise EngineError(f"connect(): {len(running)} running fdcore instances ({', '.join(running)}); "
-                                  "name one with instance=...")
+                raise EngineError(
+                    f"connect(): {len(running)} running fdcore instances ({', '.join(running)}); "
+                    "name one with instance=..."
+                )
             instance = running[0]
         elif instance not in running:
             raise EngineError(f"connect(): no running fdcore instance {instance!r} (running: {running})")
@@ -110,8 +132,9 @@ def _read_ready(fd: int, proc: subprocess.Popen, timeout: float) -> str:
             chunk = os.read(fd, 256)
             if not chunk:
                 code = proc.wait()
-                raise EngineError(f"the fdcore tree failed to start (supervisor exit code {code}); "
-                                  "its log above says why")
+                raise EngineError(
+                    f"the fdcore tree failed to start (supervisor exit code {code}); its log above says why"
+                )
             data += chunk
     return data.decode().strip()
 

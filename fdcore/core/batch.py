@@ -15,8 +15,8 @@ from dataclasses import dataclass
 class BatchInput:
     """One step's work, per sequence (the scheduler fills it)."""
 
-    token_ids: list[list[int]]   # the new tokens of each sequence this step
-    start_positions: list[int]   # position of each sequence's first new token
+    token_ids: list[list[int]]  # the new tokens of each sequence this step
+    start_positions: list[int]  # position of each sequence's first new token
     block_tables: list[list[int]]
     prompt_lengths: list[int] | None = None  # for dynamic rotary scaling (see fdcore.checkpoint.rope)
 

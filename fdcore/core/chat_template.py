@@ -30,8 +30,8 @@ from dataclasses import dataclass
 from datetime import datetime
 from functools import lru_cache
 
-from fdcore.core.validation import RequestError
 from fdcore.checkpoint import CheckpointError, read_json_object
+from fdcore.core.validation import RequestError
 
 CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "  # transformers' marker for the end of the continued message
 REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
@@ -53,26 +53,38 @@ class ChatTemplates:
         self.templates = templates
 
     @classmethod
-    def load(cls, path: str, tokenizer_config: dict) -> "ChatTemplates":
+    def load(cls, path: str, tokenizer_config: dict) -> ChatTemplates:
         found = find_templates(path, tokenizer_config)
-        return cls(path, {name: ChatTemplate(name, source, text, compile_template(text, source))
-                          for name, (text, source) in found.items()})
+        return cls(
+            path,
+            {
+                name: ChatTemplate(name, source, text, compile_template(text, source))
+                for name, (text, source) in found.items()
+            },
+        )
 
     def select(self, name: str | None = None, tools: list | None = None) -> ChatTemplate:
         """transformers' choice: the named one; else tool_use when tools are given; else default."""
         if not self.templates:
-            raise RequestError("messages", f"the model at {self.path} has no chat template (chat_template.jinja, "
-                                           "chat_template.json or tokenizer_config.json); send a prompt instead")
+            raise RequestError(
+                "messages",
+                f"the model at {self.path} has no chat template (chat_template.jinja, "
+                "chat_template.json or tokenizer_config.json); send a prompt instead",
+            )
         if name is not None:
             if name not in self.templates:
-                raise RequestError("chat_template", f"the model has no chat template named {name!r} "
-                                                    f"(it has: {', '.join(sorted(self.templates))})")
+                raise RequestError(
+                    "chat_template",
+                    f"the model has no chat template named {name!r} (it has: {', '.join(sorted(self.templates))})",
+                )
             return self.templates[name]
         if tools is not None and "tool_use" in self.templates:
             return self.templates["tool_use"]
         if "default" not in self.templates:
-            raise RequestError("chat_template", "the model has several chat templates and no default: name one of "
-                                                f"{', '.join(sorted(self.templates))}")
+            raise RequestError(
+                "chat_template",
+                f"the model has several chat templates and no default: name one of {', '.join(sorted(self.templates))}",
+            )
         return self.templates["default"]
 
 
@@ -108,8 +120,9 @@ def _from_setting(value, source: str) -> dict[str, tuple[str, str]]:
         return {}
     if isinstance(value, str):
         return {"default": (value, source)}
-    if isinstance(value, list) and all(isinstance(t, dict) and isinstance(t.get("name"), str)
-                                       and isinstance(t.get("template"), str) for t in value):
+    if isinstance(value, list) and all(
+        isinstance(t, dict) and isinstance(t.get("name"), str) and isinstance(t.get("template"), str) for t in value
+    ):
         return {t["name"]: (t["template"], source) for t in value}
     raise CheckpointError(f"{source}: chat_template must be a string or a list of {{name, template}} objects")
 
@@ -136,11 +149,13 @@ def _environment():
     from jinja2.ext import loopcontrols
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[_generation_tag(), loopcontrols])
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_generation_tag(), loopcontrols]
+    )
     env.filters["tojson"] = _tojson
-    env.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now,
-                       dict=_TemplateDict(), namespace=_namespace_class())
+    env.globals.update(
+        raise_exception=_raise_exception, strftime_now=_strftime_now, dict=_TemplateDict(), namespace=_namespace_class()
+    )
     return env
 
 
@@ -201,7 +216,7 @@ def _namespace_class():
             raise SecurityError(f"a chat template cannot store {name!r} on a namespace (no leading underscores)")
 
     class TemplateNamespace(Namespace):
-        def __init__(*args, **kwargs):  # noqa: N805 (jinja's own signature trick: self may be a keyword)
+        def __init__(*args, **kwargs):
             self, args = args[0], args[1:]
             for name in dict(*args, **kwargs):
                 check(name)
@@ -224,26 +239,33 @@ class ChatOptions:
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     variables: dict | None = None  # chat_template_kwargs: extra template variables
-    template: str | None = None    # a template's name (see ChatTemplates.select)
+    template: str | None = None  # a template's name (see ChatTemplates.select)
 
 
 def render(template: ChatTemplate, messages: list[dict], options: ChatOptions, special_tokens: dict) -> str:
     """The prompt text; any failure of the template is a RequestError naming ``messages``."""
     continuing = options.continue_final_message
     if continuing and options.add_generation_prompt:
-        raise RequestError("continue_final_message", "cannot be combined with add_generation_prompt: continue the "
-                                                     "final message, or start a new one, not both")
+        raise RequestError(
+            "continue_final_message",
+            "cannot be combined with add_generation_prompt: continue the final message, or start a new one, not both",
+        )
     messages = [_alias_reasoning(m) for m in messages]
     final = _mark_final_message(messages, template) if continuing else None
     try:
-        text = template.compiled.render(messages=messages, tools=options.tools, documents=options.documents,
-                                        add_generation_prompt=options.add_generation_prompt,
-                                        **{**special_tokens, **(options.variables or {})})
+        text = template.compiled.render(
+            messages=messages,
+            tools=options.tools,
+            documents=options.documents,
+            add_generation_prompt=options.add_generation_prompt,
+            **{**special_tokens, **(options.variables or {})},
+        )
     except TemplateRaised as exc:
         raise RequestError("messages", f"the chat template ({template.source}) refused them: {exc}") from None
     except Exception as exc:  # whatever a template does wrong, it is this request's error only
-        raise RequestError("messages", f"the chat template ({template.source}) failed on them "
-                                       f"({type(exc).__name__}: {exc})") from None
+        raise RequestError(
+            "messages", f"the chat template ({template.source}) failed on them ({type(exc).__name__}: {exc})"
+        ) from None
     return _cut_after_final_message(text, final) if continuing else text
 
 
@@ -262,8 +284,9 @@ def _mark_final_message(messages: list[dict], template: ChatTemplate) -> str:
     if not isinstance(final, str):
         raise RequestError("continue_final_message", "the final message has no content to continue")
     if "content" not in template.text:
-        raise RequestError("continue_final_message", f"the chat template ({template.source}) never shows "
-                                                     "a message's content")
+        raise RequestError(
+            "continue_final_message", f"the chat template ({template.source}) never shows a message's content"
+        )
     messages[-1] = {**messages[-1], "content": final + CONTINUE_TAG}
     return final
 
@@ -272,10 +295,12 @@ def _cut_after_final_message(text: str, final: str) -> str:
     """The rendered text up to the end of the final message's content: the model continues it."""
     tag = CONTINUE_TAG.strip()
     if final.strip() not in text or tag not in text:
-        raise RequestError("continue_final_message", "the chat template does not show the final message as "
-                                                     "given, so it cannot be continued")
+        raise RequestError(
+            "continue_final_message",
+            "the chat template does not show the final message as given, so it cannot be continued",
+        )
     at = text.rindex(tag)
-    if text[at:at + len(CONTINUE_TAG)] == CONTINUE_TAG:
+    if text[at : at + len(CONTINUE_TAG)] == CONTINUE_TAG:
         return text[:at]
     return text[:at].rstrip()  # the template trimmed the message's trailing space
 
@@ -292,8 +317,9 @@ def _prepare(i: int, message: dict) -> dict:
     if isinstance(out.get("content"), list):
         out["content"] = "\n".join(part["text"] for part in out["content"])
     if "tool_calls" in out:
-        out["tool_calls"] = [_parse_arguments(f"messages[{i}].tool_calls[{j}]", call)
-                             for j, call in enumerate(out["tool_calls"])]
+        out["tool_calls"] = [
+            _parse_arguments(f"messages[{i}].tool_calls[{j}]", call) for j, call in enumerate(out["tool_calls"])
+        ]
     return out
 
 

@@ -17,6 +17,7 @@ import codecs
 import json
 from functools import lru_cache
 
+
 class IncrementalDetokenizer:
     def __init__(self, tokenizer, prompt_token_ids: list[int], stop: list[str] | None = None):
         self.tokenizer = getattr(tokenizer, "tokenizer", tokenizer)  # a ModelTokenizer or a Tokenizer
@@ -29,8 +30,8 @@ class IncrementalDetokenizer:
             self.stream = DecodeStream(ids=list(prompt_token_ids[-6:]), skip_special_tokens=True)
         self.stop = [s for s in (stop or []) if s]
         self.hold = max((len(s) for s in self.stop), default=1) - 1
-        self.text = ""       # all final output text so far (stop string excluded)
-        self.emitted = 0     # characters of ``text`` already handed out
+        self.text = ""  # all final output text so far (stop string excluded)
+        self.emitted = 0  # characters of ``text`` already handed out
         self.stopped = False
 
     def add(self, token_id: int) -> str:
@@ -46,7 +47,7 @@ class IncrementalDetokenizer:
         if piece:
             self.text += piece
         if not self.stop:  # nothing to hold back: everything final is shown at once
-            out = self.text[self.emitted:]
+            out = self.text[self.emitted :]
             self.emitted = len(self.text)
             return out
         return self._release()
@@ -58,7 +59,7 @@ class IncrementalDetokenizer:
         if self.table is not None and self.pending:
             self.text += codecs.utf_8_decode(self.pending, "replace", True)[0]  # a dangling partial character
             self.pending = b""
-        out = self.text[self.emitted:]
+        out = self.text[self.emitted :]
         self.emitted = len(self.text)
         return out
 
@@ -68,13 +69,13 @@ class IncrementalDetokenizer:
             if at != -1:
                 self.text = self.text[:at]
                 self.stopped = True
-                out = self.text[self.emitted:]
+                out = self.text[self.emitted :]
                 self.emitted = len(self.text)
                 return out
         safe = len(self.text) - self.hold
         if safe <= self.emitted:
             return ""
-        out = self.text[self.emitted:safe]
+        out = self.text[self.emitted : safe]
         self.emitted = safe
         return out
 
@@ -128,18 +129,23 @@ def _token_bytes_function(decoder):
         byte_of = {c: b for b, c in _bytes_to_unicode().items()}
         return lambda text: bytes(byte_of[c] for c in text) if all(c in byte_of for c in text) else text.encode()
     if decoder.get("type") == "Sequence" and _is_metaspace_byte_fallback(decoder.get("decoders", [])):
+
         def metaspace(text: str) -> bytes:
             if len(text) == 6 and text.startswith("<0x") and text.endswith(">"):
                 return bytes([int(text[3:5], 16)])
             return text.replace("\u2581", " ").encode()
+
         return metaspace
     return None
 
 
 def _is_metaspace_byte_fallback(steps: list) -> bool:
     kinds = [step.get("type") for step in steps]
-    replace_ok = all(step.get("pattern", {}).get("String") == "\u2581" and step.get("content") == " "
-                     for step in steps if step.get("type") == "Replace")
+    replace_ok = all(
+        step.get("pattern", {}).get("String") == "\u2581" and step.get("content") == " "
+        for step in steps
+        if step.get("type") == "Replace"
+    )
     # Strip (of the sequence's first space) only matters at the start of a text: a continuation keeps it.
     return set(kinds) <= {"Replace", "ByteFallback", "Fuse", "Strip"} and "ByteFallback" in kinds and replace_ok
 
@@ -147,8 +153,11 @@ def _is_metaspace_byte_fallback(steps: list) -> bool:
 @lru_cache(maxsize=1)
 def _bytes_to_unicode() -> dict[int, str]:
     """GPT-2's reversible map from bytes to printable characters (byte-level BPE's alphabet)."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("\xa1"), ord("\xac") + 1)) + \
-        list(range(ord("\xae"), ord("\xff") + 1))
+    printable = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("\xa1"), ord("\xac") + 1))
+        + list(range(ord("\xae"), ord("\xff") + 1))
+    )
     chars = printable[:]
     extra = 0
     for b in range(256):

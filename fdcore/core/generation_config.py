@@ -18,14 +18,19 @@ from __future__ import annotations
 
 import os
 
-from fdcore.core.validation import ModelLimits, RequestError, check_sampling
 from fdcore.checkpoint import CheckpointError, read_json_object
+from fdcore.core.validation import ModelLimits, RequestError, check_sampling
 from fdcore.protocol import SamplingParams
 
 # generation_config.json key -> (SamplingParams field, type)
-KEYS = {"temperature": ("temperature", float), "top_p": ("top_p", float), "top_k": ("top_k", int),
-        "min_p": ("min_p", float), "repetition_penalty": ("repetition_penalty", float),
-        "max_new_tokens": ("max_tokens", int)}
+KEYS = {
+    "temperature": ("temperature", float),
+    "top_p": ("top_p", float),
+    "top_k": ("top_k", int),
+    "min_p": ("min_p", float),
+    "repetition_penalty": ("repetition_penalty", float),
+    "max_new_tokens": ("max_tokens", int),
+}
 MODES = ("auto", "none")
 
 
@@ -43,8 +48,9 @@ def read_sampling_defaults(path: str, mode: str = "auto") -> dict[str, int | flo
     if not os.path.exists(file):
         return {}
     data = read_json_object(file)
-    return {field: _typed(data[key], kind, file, key)
-            for key, (field, kind) in KEYS.items() if data.get(key) is not None}
+    return {
+        field: _typed(data[key], kind, file, key) for key, (field, kind) in KEYS.items() if data.get(key) is not None
+    }
 
 
 def sampling_defaults(path: str, mode: str, limits: ModelLimits) -> dict[str, int | float]:
@@ -52,7 +58,7 @@ def sampling_defaults(path: str, mode: str, limits: ModelLimits) -> dict[str, in
     return fit_to_model(read_sampling_defaults(path, mode), limits, generation_config_file(path))
 
 
-def fit_to_model(defaults: dict, limits: ModelLimits, source: str) -> dict[str, int | float]:
+def fit_to_model(defaults: dict[str, int | float], limits: ModelLimits, source: str) -> dict[str, int | float]:
     """The defaults as the engine applies them: max_tokens capped at max_model_len (the scheduler
     stops there anyway) and top_k at the vocabulary (a larger top_k keeps every token, as in
     transformers); then range-checked like a request's, a bad value being the checkpoint's error."""
@@ -62,13 +68,13 @@ def fit_to_model(defaults: dict, limits: ModelLimits, source: str) -> dict[str, 
     if "top_k" in fitted:
         fitted["top_k"] = min(fitted["top_k"], limits.vocab_size)
     try:
-        check_sampling(SamplingParams(**fitted), limits)
+        check_sampling(SamplingParams(**fitted), limits)  # type: ignore[arg-type]  # (each key a field of its type)
     except RequestError as exc:
         raise CheckpointError(f"{source}: {exc}") from None
     return fitted
 
 
-def _typed(value, kind: type, file: str, key: str) -> int | float:
+def _typed(value: object, kind: type, file: str, key: str) -> int | float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise CheckpointError(f"{file}: {key} must be a number, got {value!r}")
     if kind is int:

@@ -68,12 +68,20 @@ class KVCacheManager:
     def statistics(self) -> CacheStats:
         """The counters as the scheduler and the engine's stats report them (one type for the concept)."""
         total, free = len(self.blocks), len(self._free)
-        return CacheStats(total, free, len(self._cached), (total - free) / total,
-                          self._hits / self._queried if self._queried else 0.0, self._queried, self._hits)
+        return CacheStats(
+            total,
+            free,
+            len(self._cached),
+            (total - free) / total,
+            self._hits / self._queried if self._queried else 0.0,
+            self._queried,
+            self._hits,
+        )
 
     # ------------------------------------------------------------- allocation
-    def allocate(self, request_id: str, token_ids: list[int], max_new_tokens: int,
-                 reuse_prefix: bool = True) -> int | None:
+    def allocate(
+        self, request_id: str, token_ids: list[int], max_new_tokens: int, reuse_prefix: bool = True
+    ) -> int | None:
         """Start a request: reuse cached prefix blocks (unless ``reuse_prefix`` is False: a request
         that scores its prompt computes all of it), then room for up to ``max_new_tokens`` more.
 
@@ -119,8 +127,7 @@ class KVCacheManager:
         allocation.blocks += [self._fresh() for _ in range(max(0, needed))]
         return True
 
-    def cache_computed(self, request_id: str, token_ids: list[int], num_computed: int,
-                       first_block: int = 0) -> None:
+    def cache_computed(self, request_id: str, token_ids: list[int], num_computed: int, first_block: int = 0) -> None:
         """Register the request's newly full, computed blocks in the prefix cache.
 
         ``token_ids`` may start at block ``first_block`` (at most the number of
@@ -130,12 +137,14 @@ class KVCacheManager:
             return
         allocation = self._requests[request_id]
         if first_block > allocation.num_hashed:
-            raise ValueError(f"request {request_id!r}: tokens start at block {first_block}, "
-                             f"but only {allocation.num_hashed} blocks are registered")
+            raise ValueError(
+                f"request {request_id!r}: tokens start at block {first_block}, "
+                f"but only {allocation.num_hashed} blocks are registered"
+            )
         full = min(num_computed // self.block_size, len(allocation.blocks))
         for index in range(allocation.num_hashed, full):
             at = (index - first_block) * self.block_size
-            tokens = tuple(token_ids[at:at + self.block_size])
+            tokens = tuple(token_ids[at : at + self.block_size])
             block_hash = hash((allocation.last_hash, tokens))
             block = allocation.blocks[index]
             if block.block_hash is None and block_hash not in self._cached:
@@ -168,8 +177,13 @@ class KVCacheManager:
     def _keep_tail(self, request_id, computed: int, tokens: tuple) -> None:
         allocation = self._requests.get(request_id)
         index, held = divmod(computed, self.block_size)
-        if (allocation is None or not held or len(tokens) != held or index >= len(allocation.blocks)
-                or allocation.num_hashed != index):  # (its full blocks must all be registered: the parent)
+        if (
+            allocation is None
+            or not held
+            or len(tokens) != held
+            or index >= len(allocation.blocks)
+            or allocation.num_hashed != index
+        ):  # (its full blocks must all be registered: the parent)
             return
         block, key = allocation.blocks[index], (allocation.last_hash, tokens)
         if block.ref_count != 1 or block.block_hash is not None or key in self._tails:  # (shared; full; a twin's)
@@ -185,7 +199,7 @@ class KVCacheManager:
         hits, parent = [], None
         usable = (len(token_ids) - 1) // self.block_size  # keep the last token to compute
         for index in range(usable):
-            tokens = tuple(token_ids[index * self.block_size:(index + 1) * self.block_size])
+            tokens = tuple(token_ids[index * self.block_size : (index + 1) * self.block_size])
             parent = hash((parent, tokens))
             block = self._cached.get(parent)
             if block is None:
@@ -201,7 +215,7 @@ class KVCacheManager:
             return None, 0
         start = index * self.block_size
         for held in range(min(self.block_size - 1, len(token_ids) - start), 0, -1):
-            block = self._tails.get((parent, tuple(token_ids[start:start + held])))
+            block = self._tails.get((parent, tuple(token_ids[start : start + held])))
             if block is not None and block.ref_count == 0:
                 return block, min(held, len(token_ids) - 1 - start)
         return None, 0

@@ -26,6 +26,7 @@ control plane would have nowhere to go. ``workers.pin_cpus = false`` turns it of
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from fdcore import envs
@@ -36,11 +37,11 @@ CPUS_ENV = envs.CPUS  # the CPUs the supervisor started with, "0,1,..." (set for
 @dataclass(frozen=True)
 class Placement:
     control: frozenset[int]
-    mains: tuple[int, ...]                 # per rank: its main thread's CPU
-    helpers: tuple[frozenset[int], ...]    # per rank: where its other threads run
+    mains: tuple[int, ...]  # per rank: its main thread's CPU
+    helpers: tuple[frozenset[int], ...]  # per rank: where its other threads run
 
 
-def plan(cpus, ranks: int, threads: int) -> Placement | None:
+def plan(cpus: Iterable[int], ranks: int, threads: int) -> Placement | None:
     """The placement of ``ranks`` workers of ``threads`` math threads each on ``cpus``; None when
     there is nothing to separate (one CPU, or as many ranks as CPUs)."""
     cpus = sorted(set(cpus))
@@ -48,13 +49,13 @@ def plan(cpus, ranks: int, threads: int) -> Placement | None:
         return None
     share = max(1, min(threads, len(cpus) // ranks))
     mains = tuple(cpus[r * share] for r in range(ranks))
-    spare = cpus[ranks * share:]
+    spare = cpus[ranks * share :]
     control = frozenset(spare or (c for c in cpus if c not in mains))
-    helpers = tuple(frozenset(cpus[r * share + 1:(r + 1) * share]) or control for r in range(ranks))
+    helpers = tuple(frozenset(cpus[r * share + 1 : (r + 1) * share]) or control for r in range(ranks))
     return Placement(control, mains, helpers)
 
 
-def encode_cpus(cpus) -> str:
+def encode_cpus(cpus: Iterable[int]) -> str:
     return ",".join(str(c) for c in sorted(cpus))
 
 
@@ -66,7 +67,7 @@ def decode_cpus(text: str) -> list[int]:
         raise ValueError(f"{CPUS_ENV}={text!r}: expected CPU numbers separated by commas") from None
 
 
-def inherited_plan(ranks: int, threads: int, environ=os.environ) -> Placement | None:
+def inherited_plan(ranks: int, threads: int, environ: Mapping[str, str] = os.environ) -> Placement | None:
     """The placement the supervisor's children follow (None: the supervisor set none)."""
     text = envs.get(CPUS_ENV, environ)
     return plan(decode_cpus(text), ranks, threads) if text else None
@@ -77,7 +78,7 @@ def rank_cpus(placement: Placement, rank: int) -> frozenset[int]:
     return placement.helpers[rank] | {placement.mains[rank]}
 
 
-def pin_this_thread(cpus) -> None:
+def pin_this_thread(cpus: Iterable[int]) -> None:
     """Bind the calling thread (Linux: pid 0 of sched_setaffinity is the caller) to ``cpus``; threads
     it starts afterwards inherit them."""
     os.sched_setaffinity(0, cpus)
@@ -101,7 +102,7 @@ def set_idle(idle: bool, pid: int | str = "self") -> None:
             pass  # (a thread that ended meanwhile)
 
 
-def pin_process_threads(main_cpu: int | None, others) -> None:
+def pin_process_threads(main_cpu: int | None, others: Iterable[int]) -> None:
     """This process's main thread onto ``main_cpu`` alone (None: onto ``others`` too), every other
     thread onto ``others``."""
     main = os.getpid()

@@ -15,14 +15,17 @@ from __future__ import annotations
 
 import re
 
-_TOKEN = re.compile(r'''
+_TOKEN = re.compile(
+    r"""
     (?P<string>"(?:[^"\\]|\\.)*"i?)
   | (?P<regex>/(?:[^/\\\n]|\\.)+/[imslux]*)
   | (?P<name>[?!]?[A-Za-z_][A-Za-z_0-9]*(?:\.-?\d+)?)
   | (?P<op>\.\.|->|[|()\[\]?*+~:])
   | (?P<number>\d+)
   | (?P<space>\s+|//[^\n]*)
-  | (?P<other>.)''', re.X)
+  | (?P<other>.)""",
+    re.X,
+)
 
 
 def empty_start(lark: str, start: str = "start") -> bool:

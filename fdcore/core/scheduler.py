@@ -55,10 +55,10 @@ class Request:
     status: Status = Status.WAITING
     finish_reason: str | None = None
     num_preemptions: int = 0
-    num_pending: int = 0        # trailing PLACEHOLDER tokens: sampled on the worker, not yet reported
+    num_pending: int = 0  # trailing PLACEHOLDER tokens: sampled on the worker, not yet reported
     full_blocks_known: int = 0  # full computed blocks already offered to the prefix cache
     final_pending: bool = False  # its last token (by length) is being sampled: schedule no more
-    tenant: str = ""            # who it is for: KV blocks are shared fairly between tenants
+    tenant: str = ""  # who it is for: KV blocks are shared fairly between tenants
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -79,17 +79,17 @@ class ScheduledRequest:
 
     def __init__(self, request: Request, start: int, num_tokens: int, block_table: list[int]):
         self.request = request
-        self.start = start            # position of the first token computed this step
+        self.start = start  # position of the first token computed this step
         self.num_tokens = num_tokens  # tokens computed this step
         self.block_table = block_table
         # this step brings the request level: its logits give the next token
         self.samples = start + num_tokens == request.num_tokens
-        self.launched = False         # accounted for ahead of its result (see Scheduler.launch)
+        self.launched = False  # accounted for ahead of its result (see Scheduler.launch)
         self.preemptions = request.num_preemptions  # (another count at its result: these blocks are gone)
 
     @property
     def token_ids(self) -> list[int]:
-        return self.request.all_token_ids[self.start:self.start + self.num_tokens]
+        return self.request.all_token_ids[self.start : self.start + self.num_tokens]
 
 
 @dataclass
@@ -146,8 +146,11 @@ class Scheduler:
             request = self._next_waiting()
             if not self._may_admit(request):
                 break
-            item = (self._schedule_waiting(request, min(budget, prefill))
-                    if len(self.running) < self.config.max_num_seqs else None)
+            item = (
+                self._schedule_waiting(request, min(budget, prefill))
+                if len(self.running) < self.config.max_num_seqs
+                else None
+            )
             if item is None:
                 if self._displace_for(request, scheduled):
                     continue
@@ -240,8 +243,11 @@ class Scheduler:
             return False
         held = self._blocks_by_tenant()
         largest = self._most_over()
-        if (largest == request.tenant or held[largest] <= self._share(largest)
-                or held.get(request.tenant, 0) + self._need(request) > share):
+        if (
+            largest == request.tenant
+            or held[largest] <= self._share(largest)
+            or held.get(request.tenant, 0) + self._need(request) > share
+        ):
             return False
         self._preempt(next(r for r in reversed(self.running) if r.tenant == largest), scheduled)
         return True
@@ -278,8 +284,9 @@ class Scheduler:
         return ScheduledRequest(request, start, count, self.kv.block_table(request.request_id))
 
     def _schedule_waiting(self, request: Request, budget: int) -> ScheduledRequest | None:
-        cached = self.kv.allocate(request.request_id, request.all_token_ids, budget,
-                                  reuse_prefix=request.params.prompt_logprobs is None)
+        cached = self.kv.allocate(
+            request.request_id, request.all_token_ids, budget, reuse_prefix=request.params.prompt_logprobs is None
+        )
         if cached is None:
             return None
         request.num_computed_tokens = cached
@@ -382,7 +389,7 @@ class Scheduler:
         for request in self.running:
             computed = request.num_computed_tokens - pending[request.request_id]
             held = computed % size
-            tokens = request.all_token_ids[computed - held:computed]
+            tokens = request.all_token_ids[computed - held : computed]
             if held and PLACEHOLDER not in tokens:
                 tails.append((request.request_id, computed, tokens))
         return tails

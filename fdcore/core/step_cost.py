@@ -17,16 +17,16 @@ for the model's parameter count: SLOW_FLOPS and SLOW_BYTES.
 from __future__ import annotations
 
 GRACE_FACTOR = 4.0  # a pass may take this many times its expected cost before the hang timeout counts
-DECAY = 0.99        # per pass: how fast a raised estimate sinks back
-SLOW_FLOPS = 2e9    # floating-point operations a second of a slow CPU core (an unmeasured worker's bound)
-SLOW_BYTES = 2e9    # bytes a second such a CPU reads the weights at
+DECAY = 0.99  # per pass: how fast a raised estimate sinks back
+SLOW_FLOPS = 2e9  # floating-point operations a second of a slow CPU core (an unmeasured worker's bound)
+SLOW_BYTES = 2e9  # bytes a second such a CPU reads the weights at
 
 
 class StepCost:
     """Expected seconds of a forward pass of ``tokens`` tokens, learnt from the passes measured."""
 
     def __init__(self, per_pass: float, per_token: float, measured: bool = True):
-        self.per_pass = per_pass    # seconds: a one-token pass
+        self.per_pass = per_pass  # seconds: a one-token pass
         self.per_token = per_token  # seconds each further token adds
         self._pass_known = self._token_known = measured  # (else: a bound, replaced by the first measurement)
 
@@ -55,8 +55,9 @@ class StepCost:
         self._token_known = True
 
 
-def parameter_count(hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int, head_dim: int,
-                    vocab: int) -> int:
+def parameter_count(
+    hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int, head_dim: int, vocab: int
+) -> int:
     """Weights a token's pass multiplies by (a decoder's projections and its LM head)."""
     attention = hidden * head_dim * (2 * heads + 2 * kv_heads)
     return layers * (attention + 3 * hidden * intermediate) + vocab * hidden

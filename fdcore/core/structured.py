@@ -29,9 +29,9 @@ from collections import OrderedDict
 import numpy as np
 
 from fdcore.core.productive import empty_start
+from fdcore.core.token_mask import mask_words
 from fdcore.core.validation import RequestError
 from fdcore.protocol import StructuredOutputs
-from fdcore.core.token_mask import mask_words
 
 FIELD = "structured_outputs"
 FORMS = ("json", "regex", "choice", "grammar", "json_object", "llguidance")
@@ -119,7 +119,7 @@ class Grammars:
         self.eos_token_ids = list(eos_token_ids)
         self._tokenizer = None
         self._executor = None
-        self._verdicts: OrderedDict[str, str] = OrderedDict()   # grammar -> "" or its error
+        self._verdicts: OrderedDict[str, str] = OrderedDict()  # grammar -> "" or its error
         self._pristine: OrderedDict[str, object] = OrderedDict()  # grammar -> a matcher before any token
 
     @property
@@ -128,8 +128,9 @@ class Grammars:
             import llguidance
 
             try:
-                self._tokenizer = llguidance.LLTokenizer(self._source.to_str(), n_vocab=self.vocab_size,
-                                                         eos_token=self.eos_token_ids)
+                self._tokenizer = llguidance.LLTokenizer(
+                    self._source.to_str(), n_vocab=self.vocab_size, eos_token=self.eos_token_ids
+                )
             except Exception as exc:  # the model's, not the request's: refused, never a crash of the engine
                 raise RequestError(FIELD, f"this model's tokenizer cannot drive a grammar ({exc})", 501) from None
         return self._tokenizer

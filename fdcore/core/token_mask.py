@@ -19,5 +19,5 @@ def allowed_tokens(bits: np.ndarray, vocab_size: int) -> np.ndarray:
 def pack_allowed(allowed: np.ndarray) -> np.ndarray:
     """The packed form of a [vocab] bool mask (what llguidance fills and the Gumbel kernel reads)."""
     words = np.zeros(mask_words(allowed.size) * 32, dtype=bool)
-    words[:allowed.size] = allowed
+    words[: allowed.size] = allowed
     return np.packbits(words, bitorder="little").view(np.int32)

@@ -28,11 +28,18 @@ import secrets
 
 from tokenizers import Tokenizer
 
-from fdcore.core.chat_template import ChatOptions, ChatTemplates, prepare_messages, render
-from fdcore.core.validation import (SPECIAL_TOKENS, ModelLimits, RequestError, check_chat_options, check_one_prompt,
-                                   check_token_ids)
 from fdcore.checkpoint import CheckpointError, eos_ids, is_gguf, read_config, read_json_object
+from fdcore.core.chat_template import ChatOptions, ChatTemplates, prepare_messages, render
+from fdcore.core.validation import (
+    SPECIAL_TOKENS,
+    ModelLimits,
+    RequestError,
+    check_chat_options,
+    check_one_prompt,
+    check_token_ids,
+)
 
+NO_OPTIONS = ChatOptions()  # a chat request's options when it sets none
 
 
 class ModelTokenizer:
@@ -58,25 +65,37 @@ class ModelTokenizer:
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids)
 
-    def render_chat(self, messages: list[dict], options: ChatOptions = ChatOptions()) -> str:
+    def render_chat(self, messages: list[dict], options: ChatOptions = NO_OPTIONS) -> str:
         """The prompt text of checked messages (RequestError naming the field when it cannot be made)."""
         template = self.chat_templates.select(options.template, options.tools)
         return render(template, prepare_messages(messages), options, self.special_tokens)
 
-    def encode_chat(self, messages: list[dict], options: ChatOptions = ChatOptions()) -> list[int]:
+    def encode_chat(self, messages: list[dict], options: ChatOptions = NO_OPTIONS) -> list[int]:
         """The prompt's ids; control-token text from the request (anywhere in it) is encoded as text."""
         supplied = (messages, options.tools, options.documents, options.variables)
         if not any(self._controls(text) for text in _strings(supplied)):
             return self.tokenizer.encode(self.render_chat(messages, options), add_special_tokens=False).ids
         shield = _Shield(self.control_texts)
         messages, tools, documents, variables = shield.hide(supplied)
-        text = self.render_chat(messages, ChatOptions(tools, documents, options.add_generation_prompt,
-                                                      options.continue_final_message, variables, options.template))
+        text = self.render_chat(
+            messages,
+            ChatOptions(
+                tools,
+                documents,
+                options.add_generation_prompt,
+                options.continue_final_message,
+                variables,
+                options.template,
+            ),
+        )
         ids = []
         for piece, control in shield.split(text):
             if piece:
-                ids += self._encode_as_text(shield.reveal(piece)) if shield.hides(piece) else (
-                    self.tokenizer.encode(piece, add_special_tokens=False).ids)
+                ids += (
+                    self._encode_as_text(shield.reveal(piece))
+                    if shield.hides(piece)
+                    else (self.tokenizer.encode(piece, add_special_tokens=False).ids)
+                )
             if control is not None:
                 ids.append(self.tokenizer.token_to_id(control))
         return ids
@@ -154,7 +173,7 @@ class _Shield:
         """(text, the template's control text after it or None) pieces of a rendered prompt."""
         cursor = 0
         for match in self._find_control.finditer(text):
-            yield text[cursor:match.start()], match.group(0)
+            yield text[cursor : match.start()], match.group(0)
             cursor = match.end()
         yield text[cursor:], None
 
@@ -183,8 +202,11 @@ def _tokenizer_files(path: str) -> tuple[Tokenizer, dict, dict]:
         tokenizer = Tokenizer.from_file(file)
     except Exception as exc:  # missing or not a tokenizer: the checkpoint's fault, named
         raise CheckpointError(f"{file}: cannot be read as a tokenizer ({exc})") from None
-    return (tokenizer, read_json_object(os.path.join(path, "tokenizer_config.json"), missing_ok=True),
-            read_json_object(os.path.join(path, "special_tokens_map.json"), missing_ok=True))
+    return (
+        tokenizer,
+        read_json_object(os.path.join(path, "tokenizer_config.json"), missing_ok=True),
+        read_json_object(os.path.join(path, "special_tokens_map.json"), missing_ok=True),
+    )
 
 
 def special_tokens(settings: dict, legacy_map: dict) -> dict[str, str]:

@@ -19,8 +19,14 @@ MAX_LOGIT_BIAS = 300  # tokens one request may bias (OpenAI's limit)
 MAX_REQUEST_ID = 256
 ROLES = ("system", "user", "assistant", "tool")
 MESSAGE_KEYS = ("role", "content", "name", "tool_calls", "tool_call_id", "reasoning_content")
-CHAT_OPTIONS = ("tools", "documents", "add_generation_prompt", "continue_final_message", "chat_template_kwargs",
-                "chat_template")
+CHAT_OPTIONS = (
+    "tools",
+    "documents",
+    "add_generation_prompt",
+    "continue_final_message",
+    "chat_template_kwargs",
+    "chat_template",
+)
 # template variables a request sets through its own fields (chat_template_kwargs may not)
 # transformers' SPECIAL_TOKENS_ATTRIBUTES: the named special tokens every template may use (the checkpoint's)
 SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
@@ -51,8 +57,11 @@ def validate_request_id(request_id) -> None:
 
 def check_one_prompt(prompt, prompt_token_ids, messages) -> None:
     """Exactly one of the three prompt forms, and not empty."""
-    given = [name for name, value in (("prompt", prompt), ("prompt_token_ids", prompt_token_ids),
-                                      ("messages", messages)) if value is not None]
+    given = [
+        name
+        for name, value in (("prompt", prompt), ("prompt_token_ids", prompt_token_ids), ("messages", messages))
+        if value is not None
+    ]
     if not given:
         raise RequestError("prompt", "one of prompt, prompt_token_ids or messages is required")
     if len(given) > 1:
@@ -89,8 +98,9 @@ def _check_content(field: str, message: dict) -> None:
     content = message.get("content")
     if content is None and message.get("role") == "assistant" and message.get("tool_calls"):
         return
-    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
-                                         and isinstance(p.get("text"), str) for p in content):
+    if isinstance(content, list) and all(
+        isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content
+    ):
         return
     if not isinstance(content, str):
         raise RequestError(f"{field}.content", "must be a string or a list of {type: text, text} parts")
@@ -122,16 +132,22 @@ def check_chat_options(body: RequestBody) -> None:
 def check_token_ids(token_ids: list[int], limits: ModelLimits, field: str = "prompt_token_ids") -> None:
     for i, token in enumerate(token_ids):
         if not isinstance(token, int) or isinstance(token, bool) or not 0 <= token < limits.vocab_size:
-            raise RequestError(f"{field}[{i}]", f"token id {token!r} is outside the vocabulary [0, {limits.vocab_size})")
+            raise RequestError(
+                f"{field}[{i}]", f"token id {token!r} is outside the vocabulary [0, {limits.vocab_size})"
+            )
 
 
 def check_length(num_prompt_tokens: int, params: SamplingParams, limits: ModelLimits) -> None:
     if num_prompt_tokens >= limits.max_model_len:
-        raise RequestError("prompt", f"{num_prompt_tokens} tokens leave no room to generate: "
-                                     f"max_model_len is {limits.max_model_len}")
+        raise RequestError(
+            "prompt", f"{num_prompt_tokens} tokens leave no room to generate: max_model_len is {limits.max_model_len}"
+        )
     if num_prompt_tokens + params.min_tokens > limits.max_model_len:
-        raise RequestError("min_tokens", f"prompt ({num_prompt_tokens} tokens) + min_tokens ({params.min_tokens}) "
-                                         f"exceeds max_model_len ({limits.max_model_len})")
+        raise RequestError(
+            "min_tokens",
+            f"prompt ({num_prompt_tokens} tokens) + min_tokens ({params.min_tokens}) "
+            f"exceeds max_model_len ({limits.max_model_len})",
+        )
 
 
 def check_sampling(params: SamplingParams, limits: ModelLimits) -> SamplingParams:
@@ -169,13 +185,13 @@ def _check_logit_bias(bias: dict, limits: ModelLimits) -> None:
         raise RequestError("logit_bias", f"{len(bias)} tokens, at most {MAX_LOGIT_BIAS} allowed")
     for token, value in bias.items():
         if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < limits.vocab_size:
-            raise RequestError(f"logit_bias[{token!r}]", f"token id {token!r} is outside the vocabulary "
-                                                         f"[0, {limits.vocab_size})")
+            raise RequestError(
+                f"logit_bias[{token!r}]", f"token id {token!r} is outside the vocabulary [0, {limits.vocab_size})"
+            )
         _number(f"logit_bias[{token}]", value, low=-100.0, high=100.0)
 
 
-def _number(field: str, value, low: float | None = None, high: float | None = None,
-            low_open: bool = False) -> None:
+def _number(field: str, value, low: float | None = None, high: float | None = None, low_open: bool = False) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise RequestError(field, f"must be a finite number, got {value!r}")
     if low is not None and (value < low or (low_open and value == low)):

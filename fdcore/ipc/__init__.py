@@ -5,9 +5,35 @@ from fdcore.ipc.channel import LinkReceiver, ProtocolError, Receiver, Sender
 from fdcore.ipc.doorbell import Doorbell
 from fdcore.ipc.inbox import Inbox, InboxStatistics
 from fdcore.ipc.names import new_instance_id, object_name, sweep
-from fdcore.ipc.ring import (RecordTooLarge, Ring, RingClosed, RingCorrupted, RingEmpty,
-                             RingError, RingFull, RingStatistics)
+from fdcore.ipc.ring import Ring
+from fdcore.ipc.ring_layout import (
+    RecordTooLarge,
+    RingClosed,
+    RingCorrupted,
+    RingEmpty,
+    RingError,
+    RingFull,
+    RingStatistics,
+)
 
-__all__ = ["Ring", "BroadcastRing", "RingStatistics", "RingError", "RingCorrupted", "RingClosed", "RingEmpty",
-           "RingFull", "RecordTooLarge", "Inbox", "InboxStatistics", "Doorbell", "Sender",
-           "Receiver", "LinkReceiver", "ProtocolError", "new_instance_id", "object_name", "sweep"]
+__all__ = [
+    "Ring",
+    "BroadcastRing",
+    "RingStatistics",
+    "RingError",
+    "RingCorrupted",
+    "RingClosed",
+    "RingEmpty",
+    "RingFull",
+    "RecordTooLarge",
+    "Inbox",
+    "InboxStatistics",
+    "Doorbell",
+    "Sender",
+    "Receiver",
+    "LinkReceiver",
+    "ProtocolError",
+    "new_instance_id",
+    "object_name",
+    "sweep",
+]

@@ -20,7 +20,8 @@ last user of that set. So one barrier per collective is enough, not two.
 NOTE: the data is written before the generation number, and read after it, by ordinary stores and
 loads: x86-64's total store order keeps them in that order (fdcore's kernels are x86-64 only).
 Waiting spins ``SPINS`` checks (a collective whose peers are there takes microseconds), then naps
-between checks (a peer still computing its share needs the core more than the waiter does); a rank that waits longer than ``timeout`` (a peer died or hangs) raises
+between checks (a peer still computing its share needs the core more than the waiter does); a rank that waits longer
+than ``timeout`` (a peer died or hangs) raises
 :class:`PeerGone`, so the supervisor restarts the group instead of leaving it stuck.
 """
 
@@ -34,10 +35,10 @@ import posix_ipc
 
 from fdcore.ipc.shm import map_segment, unlink_quietly
 
-LINE = 64                    # bytes of a rank's header line
-LINE_WORDS = LINE // 8       # generation, byte count (the rest: padding to the cache line)
-SPINS = 2000                 # checks (~100 us) before each nap
-NAP = 20e-6                  # a nap between checks once spinning has not paid: the core goes to others
+LINE = 64  # bytes of a rank's header line
+LINE_WORDS = LINE // 8  # generation, byte count (the rest: padding to the cache line)
+SPINS = 2000  # checks (~100 us) before each nap
+NAP = 20e-6  # a nap between checks once spinning has not paid: the core goes to others
 _NOTHING = np.zeros(0, dtype=np.uint8)
 
 
@@ -58,7 +59,7 @@ class ShmCommunicator:
         self._mm = mm
         # Control words through a memoryview (an item is one aligned 8-byte load or store, ~50 ns
         # from Python, where a numpy scalar access costs a microsecond): [set, rank, line word].
-        self._words = memoryview(mm)[:2 * world * LINE].cast("q")
+        self._words = memoryview(mm)[: 2 * world * LINE].cast("q")
         self._data = np.frombuffer(mm, dtype=np.uint8, offset=2 * world * LINE).reshape(2, world, capacity)
         self._bytes = [[self._data[part, rank] for rank in range(world)] for part in (0, 1)]  # each slot, flat
         self._floats = [[slot.view(np.float32) for slot in slots] for slots in self._bytes]
@@ -69,14 +70,14 @@ class ShmCommunicator:
         return 2 * world * (LINE + capacity)
 
     @classmethod
-    def create(cls, name: str, world: int, capacity: int, timeout: float = 30.0) -> "ShmCommunicator":
+    def create(cls, name: str, world: int, capacity: int, timeout: float = 30.0) -> ShmCommunicator:
         """Create the group's segment (mode 0600) and take rank 0's place in it."""
         capacity = -(-capacity // LINE) * LINE
         mm = map_segment(name, cls.segment_size(world, capacity))
         return cls(name, mm, 0, world, capacity, timeout)
 
     @classmethod
-    def attach(cls, name: str, rank: int, world: int, capacity: int, timeout: float = 30.0) -> "ShmCommunicator":
+    def attach(cls, name: str, rank: int, world: int, capacity: int, timeout: float = 30.0) -> ShmCommunicator:
         capacity = -(-capacity // LINE) * LINE
         mm = map_segment(name, None)
         size = len(mm)
@@ -118,7 +119,7 @@ class ShmCommunicator:
             self._exchange(np.ascontiguousarray(x, dtype=np.int64), patience, waiting)
             return x
         part = self._exchange(_NOTHING, patience, waiting)
-        return self._data[part, 0, :self._words[self._lines[part][0] + 1]].view(np.int64).copy()
+        return self._data[part, 0, : self._words[self._lines[part][0] + 1]].view(np.int64).copy()
 
     # ---------------------------------------------------------------- barrier
     def _exchange(self, x: np.ndarray, patience: float | None = None, waiting=None) -> int:
@@ -130,7 +131,7 @@ class ShmCommunicator:
         # spare attached before the group's reset reads them after it)
         generation = max(words[self._lines[0][self.rank]], words[self._lines[1][self.rank]]) + 1
         part = generation & 1
-        self._bytes[part][self.rank][:x.nbytes] = x.reshape(-1).view(np.uint8)
+        self._bytes[part][self.rank][: x.nbytes] = x.reshape(-1).view(np.uint8)
         line = self._lines[part][self.rank]
         words[line + 1] = x.nbytes
         words[line] = generation  # last: publishes the byte count and the slot

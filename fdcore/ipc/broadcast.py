@@ -36,8 +36,18 @@ import struct
 import posix_ipc
 
 from fdcore.ipc.doorbell import Doorbell
-from fdcore.ipc.ring import (DEFAULT_CAPACITY, DEFAULT_SPIN, HEADER_SIZE, NAME_FIELD, SPACE_NAME_OFF,
-                             TAIL_OFF, Ring, RingCorrupted, _encode_name, round_capacity)
+from fdcore.ipc.ring import Ring
+from fdcore.ipc.ring_layout import (
+    DEFAULT_CAPACITY,
+    DEFAULT_SPIN,
+    HEADER_SIZE,
+    NAME_FIELD,
+    SPACE_NAME_OFF,
+    TAIL_OFF,
+    RingCorrupted,
+    encode_name,
+    round_capacity,
+)
 from fdcore.ipc.shm import map_segment, open_semaphore
 
 MAGIC = b"FDCBCST1"
@@ -90,8 +100,17 @@ class BroadcastRing(Ring):
     put. At most one process may produce and one read each index at a time.
     """
 
-    def __init__(self, name: str, mm: mmap.mmap, bell, close_bell: bool, space: posix_ipc.Semaphore,
-                 owner: bool, spin: float, reader: int | None):
+    def __init__(
+        self,
+        name: str,
+        mm: mmap.mmap,
+        bell,
+        close_bell: bool,
+        space: posix_ipc.Semaphore,
+        owner: bool,
+        spin: float,
+        reader: int | None,
+    ):
         _, capacity, readers = _FIXED.unpack_from(mm, 0)
         self.reader = reader
         self.readers = readers
@@ -101,8 +120,9 @@ class BroadcastRing(Ring):
 
     # ----------------------------------------------------------------- set-up
     @classmethod
-    def create(cls, reader_bells: list[str], capacity: int = DEFAULT_CAPACITY, *, name: str,
-               spin: float = DEFAULT_SPIN) -> "BroadcastRing":
+    def create(
+        cls, reader_bells: list[str], capacity: int = DEFAULT_CAPACITY, *, name: str, spin: float = DEFAULT_SPIN
+    ) -> BroadcastRing:
         """Create a ring read by ``len(reader_bells)`` readers, reader i woken through the doorbell
         named ``reader_bells[i]`` (which must exist). This handle owns the ring and may produce."""
         if not reader_bells:
@@ -118,10 +138,10 @@ class BroadcastRing(Ring):
             raise
         try:
             _FIXED.pack_into(mm, 0, MAGIC, capacity, readers)
-            mm[SPACE_NAME_OFF:SPACE_NAME_OFF + NAME_FIELD] = _encode_name(name)
+            mm[SPACE_NAME_OFF : SPACE_NAME_OFF + NAME_FIELD] = encode_name(name)
             for i, bell in enumerate(reader_bells):
                 off = _bell_name_off(capacity, readers, i)
-                mm[off:off + NAME_FIELD] = _encode_name(bell)
+                mm[off : off + NAME_FIELD] = encode_name(bell)
             fan_out = _FanOut([Doorbell.standalone(bell, create=False) for bell in reader_bells])
         except BaseException:
             mm.close()
@@ -132,8 +152,9 @@ class BroadcastRing(Ring):
         return cls(name, mm, fan_out, True, space, owner=True, spin=spin, reader=None)
 
     @classmethod
-    def attach(cls, name: str, *, reader: int | None = None, doorbell: Doorbell | None = None,
-               spin: float = DEFAULT_SPIN) -> "BroadcastRing":
+    def attach(
+        cls, name: str, *, reader: int | None = None, doorbell: Doorbell | None = None, spin: float = DEFAULT_SPIN
+    ) -> BroadcastRing:
         """Open an existing ring as its producer (``reader=None``) or as reader ``reader``, woken
         through ``doorbell`` (default: the doorbell the ring names for that reader)."""
         mm = map_segment(name, None)
@@ -141,8 +162,10 @@ class BroadcastRing(Ring):
         try:
             bell_names = cls._validate(name, mm)
             if reader is not None and not 0 <= reader < len(bell_names):
-                raise ValueError(f"{name}: reader {reader} out of range: the ring has "
-                                 f"{len(bell_names)} readers (0..{len(bell_names) - 1})")
+                raise ValueError(
+                    f"{name}: reader {reader} out of range: the ring has "
+                    f"{len(bell_names)} readers (0..{len(bell_names) - 1})"
+                )
             space = open_semaphore(name, create=False)
             opened.append(space)
             if reader is None:
@@ -167,17 +190,24 @@ class BroadcastRing(Ring):
         magic, capacity, readers = _FIXED.unpack_from(mm, 0)
         if magic != MAGIC:
             raise RingCorrupted(f"{name}: bad magic {magic!r} (expected {MAGIC!r})")
-        if (capacity < 64 or capacity & (capacity - 1) or not 0 < readers < 1 << 16
-                or segment_size(capacity, readers) > len(mm)):
-            raise RingCorrupted(f"{name}: capacity {capacity} and {readers} readers do not fit "
-                                f"a {len(mm)}-byte segment")
+        if (
+            capacity < 64
+            or capacity & (capacity - 1)
+            or not 0 < readers < 1 << 16
+            or segment_size(capacity, readers) > len(mm)
+        ):
+            raise RingCorrupted(
+                f"{name}: capacity {capacity} and {readers} readers do not fit a {len(mm)}-byte segment"
+            )
         tail = struct.unpack_from("Q", mm, TAIL_OFF)[0]
         for i in range(readers):
             head = struct.unpack_from("Q", mm, _head_word(capacity, i) * 8)[0]
             if not 0 <= tail - head <= capacity or (tail | head) & 7:
                 raise RingCorrupted(f"{name}: reader {i}'s head {head} and tail {tail} are inconsistent")
-        fields = [bytes(mm[o:o + NAME_FIELD]).rstrip(b"\0")
-                  for o in [SPACE_NAME_OFF, *(_bell_name_off(capacity, readers, i) for i in range(readers))]]
+        fields = [
+            bytes(mm[o : o + NAME_FIELD]).rstrip(b"\0")
+            for o in [SPACE_NAME_OFF, *(_bell_name_off(capacity, readers, i) for i in range(readers))]
+        ]
         try:
             space, *bells = (field.decode("ascii") for field in fields)
         except UnicodeDecodeError:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import msgspec
 
 from fdcore.ipc.codec import ENCODER, decoder_for
-from fdcore.ipc.ring import RingCorrupted
+from fdcore.ipc.ring_layout import RingCorrupted
 
 BATCH = 0x01
 _BATCH_PREFIX = bytes([BATCH])
@@ -69,8 +69,9 @@ class Receiver:
                 return self._decode_batch(memoryview(raw)[1:])
             return [self._decode(raw)]
         except msgspec.DecodeError as exc:
-            raise ProtocolError(f"{self.source.name}: undecodable record ({exc}); "
-                                f"first bytes {bytes(raw[:16])!r}") from None
+            raise ProtocolError(
+                f"{self.source.name}: undecodable record ({exc}); first bytes {bytes(raw[:16])!r}"
+            ) from None
 
     def recv(self, timeout: float | None = None):
         """One message, waiting up to ``timeout`` seconds (None: forever)."""
@@ -115,13 +116,17 @@ class LinkReceiver:
 
     def __init__(self, inbox, unions: dict[str, object]):
         self.source = inbox
-        self._decoders = {link: (decoder_for(union).decode, decoder_for(list[union]).decode)
-                          for link, union in unions.items()}
+        self._decoders = {
+            link: (decoder_for(union).decode, decoder_for(list[union]).decode) for link, union in unions.items()
+        }
 
     def recv_many(self, timeout: float | None = None, max_records: int = 64) -> list[tuple[str, object]]:
         """Wait up to ``timeout`` for a record, then (link, message or ProtocolError) for all there is."""
-        return [item for link, raw in self.source.get_many_by_link(max_records, timeout)
-                for item in self._decoded(link, raw)]
+        return [
+            item
+            for link, raw in self.source.get_many_by_link(max_records, timeout)
+            for item in self._decoded(link, raw)
+        ]
 
     def _decoded(self, link: str, raw) -> list[tuple[str, object]]:
         if isinstance(raw, RingCorrupted):  # (the inbox has emptied the link)
@@ -132,8 +137,14 @@ class LinkReceiver:
                 return [(link, message) for message in decode_batch(memoryview(raw)[1:])]
             return [(link, decode(raw))]
         except (msgspec.DecodeError, RecursionError) as exc:  # garbage, or nested past the stack's depth
-            return [(link, ProtocolError(f"{self.source.name}.{link}: undecodable record ({exc!r}); "
-                                         f"first bytes {bytes(raw[:16])!r}"))]
+            return [
+                (
+                    link,
+                    ProtocolError(
+                        f"{self.source.name}.{link}: undecodable record ({exc!r}); first bytes {bytes(raw[:16])!r}"
+                    ),
+                )
+            ]
 
     def close(self) -> None:
         self.source.close()

@@ -6,12 +6,14 @@ Generic (any msgspec types), so the transport layer does not import the message 
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 
-_decoders: dict[object, msgspec.msgpack.Decoder] = {}
+_decoders: dict[object, msgspec.msgpack.Decoder[Any]] = {}
 
 
-def decoder_for(union) -> msgspec.msgpack.Decoder:
+def decoder_for(union: Any) -> msgspec.msgpack.Decoder[Any]:
     """The (cached) decoder for one inbox's union type."""
     decoder = _decoders.get(union)
     if decoder is None:

@@ -29,6 +29,7 @@ from __future__ import annotations
 import mmap
 import threading
 import time
+from collections.abc import Callable
 
 import posix_ipc
 
@@ -46,8 +47,14 @@ def full_barrier() -> None:
     _barrier_lock.release()
 
 
-def sleep_until(mm: mmap.mmap, offset: int, semaphore: posix_ipc.Semaphore, ready,
-                deadline: float | None, first_nap: float = SETTLE) -> bool:
+def sleep_until(
+    mm: mmap.mmap,
+    offset: int,
+    semaphore: posix_ipc.Semaphore,
+    ready: Callable[[], bool],
+    deadline: float | None,
+    first_nap: float = SETTLE,
+) -> bool:
     """Sleep on ``semaphore`` with the ``waiting`` byte at ``mm[offset]`` set.
 
     Returns True as soon as ``ready()`` holds, False once ``deadline``
@@ -81,8 +88,7 @@ class Doorbell:
 
     __slots__ = ("mm", "offset", "semaphore", "name", "owns_mapping", "rings")
 
-    def __init__(self, mm: mmap.mmap, offset: int, semaphore: posix_ipc.Semaphore,
-                 owns_mapping: bool):
+    def __init__(self, mm: mmap.mmap, offset: int, semaphore: posix_ipc.Semaphore, owns_mapping: bool):
         self.mm = mm
         self.offset = offset
         self.semaphore = semaphore
@@ -91,12 +97,12 @@ class Doorbell:
         self.rings = 0  # posts made through this handle (statistics)
 
     @classmethod
-    def embedded(cls, mm: mmap.mmap, offset: int, sem_name: str, create: bool) -> "Doorbell":
+    def embedded(cls, mm: mmap.mmap, offset: int, sem_name: str, create: bool) -> Doorbell:
         """A doorbell whose word lives in someone else's segment (a ring's)."""
         return cls(mm, offset, open_semaphore(sem_name, create), owns_mapping=False)
 
     @classmethod
-    def standalone(cls, name: str, create: bool) -> "Doorbell":
+    def standalone(cls, name: str, create: bool) -> Doorbell:
         """A doorbell with its own small segment (shared by an inbox's rings)."""
         mm = map_segment(name, SEGMENT_SIZE if create else None)
         try:
@@ -114,7 +120,7 @@ class Doorbell:
             self.rings += 1
             self.semaphore.release()
 
-    def wait(self, ready, deadline: float | None) -> bool:
+    def wait(self, ready: Callable[[], bool], deadline: float | None) -> bool:
         """Consumer side: sleep until ``ready()`` or ``deadline`` (see :func:`sleep_until`)."""
         return sleep_until(self.mm, self.offset, self.semaphore, ready, deadline, first_nap=MAX_NAP)
 
@@ -128,4 +134,3 @@ class Doorbell:
         unlink_quietly(posix_ipc.unlink_semaphore, self.name)
         if self.owns_mapping:
             unlink_quietly(posix_ipc.unlink_shared_memory, self.name)
-

@@ -27,7 +27,8 @@ from dataclasses import dataclass
 
 from fdcore.ipc.broadcast import BroadcastRing
 from fdcore.ipc.doorbell import Doorbell
-from fdcore.ipc.ring import DEFAULT_CAPACITY, DEFAULT_SPIN, Ring, RingCorrupted, RingEmpty, RingStatistics
+from fdcore.ipc.ring import Ring
+from fdcore.ipc.ring_layout import DEFAULT_CAPACITY, DEFAULT_SPIN, RingCorrupted, RingEmpty, RingStatistics
 
 BELL_WAITING_OFF = 0
 
@@ -54,8 +55,7 @@ class Inbox:
         self._sleeps = 0
 
     @classmethod
-    def create(cls, name: str, producers=(), *, capacity: int = DEFAULT_CAPACITY,
-               spin: float = DEFAULT_SPIN) -> "Inbox":
+    def create(cls, name: str, producers=(), *, capacity: int = DEFAULT_CAPACITY, spin: float = DEFAULT_SPIN) -> Inbox:
         """Create the doorbell and one ring per producer; this handle owns them all."""
         inbox = cls(name, Doorbell.standalone(name, create=True), True, capacity, spin)
         try:
@@ -68,7 +68,7 @@ class Inbox:
         return inbox
 
     @classmethod
-    def attach(cls, name: str, producers=(), *, spin: float = DEFAULT_SPIN, untrusted=()) -> "Inbox":
+    def attach(cls, name: str, producers=(), *, spin: float = DEFAULT_SPIN, untrusted=()) -> Inbox:
         """Open an existing inbox as its consumer, with the named links. The links of ``untrusted``
         producers (clients) are opened as the creator made them: nothing such a producer writes into
         its ring can stop the attach (the ring's invariant 6)."""
@@ -88,8 +88,9 @@ class Inbox:
     def add_link(self, producer: str, capacity: int | None = None) -> str:
         """Create a new link (owner side); returns its ring name."""
         self._check_new(producer)
-        ring = Ring.create(capacity or self.capacity, name=self.link_name(producer),
-                           doorbell=self._bell, spin=self.spin)
+        ring = Ring.create(
+            capacity or self.capacity, name=self.link_name(producer), doorbell=self._bell, spin=self.spin
+        )
         self._add(producer, ring)
         return ring.name
 
@@ -97,8 +98,9 @@ class Inbox:
         """Start consuming an existing link (consumer side); one whose producer is not ``trusted`` is
         opened as it was made, its header unread."""
         self._check_new(producer)
-        self._add(producer, Ring.attach(self.link_name(producer), doorbell=self._bell, spin=self.spin,
-                                        trust_header=trusted))
+        self._add(
+            producer, Ring.attach(self.link_name(producer), doorbell=self._bell, spin=self.spin, trust_header=trusted)
+        )
 
     def link(self, producer: str) -> Ring:
         """The ring of one link (its consumer's end)."""
@@ -109,8 +111,7 @@ class Inbox:
         that ``producer`` writes for several inboxes (the ring is not the inbox's: it neither
         creates nor unlinks it)."""
         self._check_new(producer)
-        self._add(producer, BroadcastRing.attach(ring_name, reader=reader, doorbell=self._bell,
-                                                 spin=self.spin))
+        self._add(producer, BroadcastRing.attach(ring_name, reader=reader, doorbell=self._bell, spin=self.spin))
 
     def _check_new(self, producer: str) -> None:
         if producer in self._links:
@@ -183,8 +184,7 @@ class Inbox:
                 out.append((producer, exc))
         return out
 
-    def get_many_by_link(self, max_records: int | None = None,
-                         timeout: float | None = None) -> list[tuple[str, bytes]]:
+    def get_many_by_link(self, max_records: int | None = None, timeout: float | None = None) -> list[tuple[str, bytes]]:
         """Like :meth:`get_many`, each record with its link."""
         return self._wait_for(self.get_many_by_link_nowait, max_records, timeout)
 
@@ -231,8 +231,7 @@ class Inbox:
 
     # --------------------------------------------------------------- lifecycle
     def statistics(self) -> InboxStatistics:
-        return InboxStatistics(self.name, {p: r.statistics() for p, r in self._links.items()},
-                               self._sleeps)
+        return InboxStatistics(self.name, {p: r.statistics() for p, r in self._links.items()}, self._sleeps)
 
     def close(self) -> None:
         for ring in self._order:
@@ -248,7 +247,7 @@ class Inbox:
                 ring.unlink()
         self._bell.unlink()
 
-    def __enter__(self) -> "Inbox":
+    def __enter__(self) -> Inbox:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -40,7 +40,7 @@ OWNER_LINK = "owner"  # the object that records who owns an instance (see claim_
 def new_instance_id(pid: int | None = None) -> str:
     """A fresh, unguessable instance id owned by ``pid`` (default: this process)."""
     tag = instance_tag()
-    return f"{tag}{secrets.token_hex(6)[len(tag):]}.{os.getpid() if pid is None else pid}"
+    return f"{tag}{secrets.token_hex(6)[len(tag) :]}.{os.getpid() if pid is None else pid}"
 
 
 def instance_tag() -> str:

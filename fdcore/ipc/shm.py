@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import mmap
 import os
+from collections.abc import Callable
 
 import posix_ipc
 
@@ -43,8 +44,9 @@ def map_segment(name: str, create_size: int | None) -> mmap.mmap:
             shm.close_fd()
             unlink_quietly(posix_ipc.unlink_shared_memory, name)
             if exc.errno in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
-                raise NoSharedMemory(errno.ENOSPC, f"{SHM_DIR} has no room for {name} ({create_size:,} bytes; "
-                                                   f"{free_bytes():,} free)") from None
+                raise NoSharedMemory(
+                    errno.ENOSPC, f"{SHM_DIR} has no room for {name} ({create_size:,} bytes; {free_bytes():,} free)"
+                ) from None
             raise
     try:
         return mmap.mmap(shm.fd, shm.size)
@@ -63,7 +65,7 @@ def free_bytes(shm_dir: str = SHM_DIR) -> int:
     return stat.f_bavail * stat.f_frsize
 
 
-def unlink_quietly(unlink, name: str) -> None:
+def unlink_quietly(unlink: Callable[[str], object], name: str) -> None:
     """``unlink(name)``, ignoring a name that is already gone."""
     try:
         unlink(name)

@@ -29,8 +29,9 @@ class EngineCore:
         scheduled = self.scheduler.schedule()
         if not scheduled:
             return []
-        batch = BatchInput([s.token_ids for s in scheduled], [s.start for s in scheduled],
-                           [s.block_table for s in scheduled])
+        batch = BatchInput(
+            [s.token_ids for s in scheduled], [s.start for s in scheduled], [s.block_table for s in scheduled]
+        )
         logits = self.model.forward(batch, self.cache)
         return self.scheduler.update(scheduled, self._sample(scheduled, logits))
 
@@ -45,6 +46,8 @@ class EngineCore:
         if not rows:
             return {}
         requests = [scheduled[i].request for i in rows]
-        picks = sample(logits[rows], [SamplerRequest(r.params, r.prompt_token_ids, r.output_token_ids,
-                                                     r.eos_token_ids) for r in requests])
+        picks = sample(
+            logits[rows],
+            [SamplerRequest(r.params, r.prompt_token_ids, r.output_token_ids, r.eos_token_ids) for r in requests],
+        )
         return {r.request_id: p.token_id for r, p in zip(requests, picks, strict=True)}

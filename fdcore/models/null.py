@@ -18,7 +18,7 @@ class NullModel:
         self.eos_token_ids = eos_token_ids
 
     @classmethod
-    def from_path(cls, path: str) -> "NullModel":
+    def from_path(cls, path: str) -> NullModel:
         config = read_config(path)
         return cls(int(config["vocab_size"]), eos_ids(path, config))
 

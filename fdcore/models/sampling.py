@@ -105,8 +105,13 @@ def _kind(request: SamplerRequest) -> int:
     draws the same token whichever rows share its batch.
     """
     p = request.params
-    if (p.repetition_penalty != 1 or p.presence_penalty or p.frequency_penalty or p.logit_bias
-            or len(request.output_token_ids) < p.min_tokens):
+    if (
+        p.repetition_penalty != 1
+        or p.presence_penalty
+        or p.frequency_penalty
+        or p.logit_bias
+        or len(request.output_token_ids) < p.min_tokens
+    ):
         return OTHER
     if p.temperature == 0:
         return GREEDY
@@ -132,11 +137,16 @@ def _sample_plain(logits: np.ndarray, requests: list[SamplerRequest], rows: list
                 if r.allowed is not None:
                     allowed[j] = r.allowed
             allowed = as_paddle(allowed)
-        picks = kernel(as_paddle(np.ascontiguousarray(logits[rows])), as_paddle(keys.view(np.int64)),
-                       as_paddle(inv_t), allowed)
+        picks = kernel(
+            as_paddle(np.ascontiguousarray(logits[rows])), as_paddle(keys.view(np.int64)), as_paddle(inv_t), allowed
+        )
         return picks.numpy()
-    return np.asarray([int(np.argmax(row * t + gumbel_noise(int(k), row.size)))
-                       for row, k, t in zip(_constrained(logits, requests, rows), keys, inv_t, strict=True)])
+    return np.asarray(
+        [
+            int(np.argmax(row * t + gumbel_noise(int(k), row.size)))
+            for row, k, t in zip(_constrained(logits, requests, rows), keys, inv_t, strict=True)
+        ]
+    )
 
 
 _kernels: list = []
@@ -261,8 +271,10 @@ def score_tokens(logits: np.ndarray, token_ids, top_n: int) -> list[PromptLogpro
         for row, (found, values) in enumerate(zip(candidates, logprobs, strict=True)):
             best = found[np.lexsort((found, -values[found]))]  # best first; a tie: the lower id first
             tops[row] = [(int(t), float(values[t])) for t in best]
-    return [PromptLogprob(int(t), float(lp), int(rank), top)
-            for t, lp, rank, top in zip(ids, chosen, ranks, tops, strict=True)]
+    return [
+        PromptLogprob(int(t), float(lp), int(rank), top)
+        for t, lp, rank, top in zip(ids, chosen, ranks, tops, strict=True)
+    ]
 
 
 def _log_softmax(logits: np.ndarray) -> np.ndarray:

@@ -89,7 +89,7 @@ class WeightFile:
         magic, state, reason_len, *_ = _HEADER.unpack_from(header)
         if magic != _MAGIC or state not in (PUBLISHED, PRIVATE):
             return EMPTY, ""
-        return state, header[_REASON_AT:_REASON_AT + reason_len].decode()
+        return state, header[_REASON_AT : _REASON_AT + reason_len].decode()
 
     def keep_private(self, reason: str) -> None:
         """Mark the file: every process of the rank keeps its own copy, for ``reason`` (a builder whose
@@ -140,8 +140,7 @@ class WeightFile:
         os.pwrite(self.fd, _HEADER.pack(_MAGIC, PUBLISHED, 0, self.used, at, len(manifest)), 0)
         libc = ctypes.CDLL(None, use_errno=True)
         length = -(-(self.used - DATA_START) // mmap.PAGESIZE) * mmap.PAGESIZE
-        if libc.mprotect(ctypes.c_void_p(self._address() + DATA_START), ctypes.c_size_t(length),
-                         mmap.PROT_READ) != 0:
+        if libc.mprotect(ctypes.c_void_p(self._address() + DATA_START), ctypes.c_size_t(length), mmap.PROT_READ) != 0:
             raise OSError(ctypes.get_errno(), "mprotect of the published weights failed")
 
     # ---------------------------------------------------------------- mapping a published file
@@ -191,14 +190,20 @@ def shared_pages_cost(stream, nbytes: int, fd: int | None = None) -> float:
         shared = np.frombuffer(region, np.float32, count=count)
         private[:] = 1.0
         shared[:] = 1.0
-        arrays = {"private": private, "shared": shared}
-        chosen = {}
-        _, medians = fastest(("private", "shared"), lambda name: chosen.update(array=arrays[name]),
-                             lambda: stream(chosen["array"]), 7)
-        del shared, arrays, chosen
+        medians = _stream_medians(stream, {"private": private, "shared": shared})
+        del shared  # (the mapping closes only once no array views it)
         region.close()
     finally:
         os.ftruncate(fd, 0)
         if own:
             os.close(fd)
     return medians["shared"] / medians["private"] - 1.0
+
+
+def _stream_medians(stream, arrays: dict[str, np.ndarray]) -> dict[str, float]:
+    """The median time of ``stream`` over each of ``arrays``, alternating (fdcore.models.tuning.fastest)."""
+    chosen: dict[str, np.ndarray] = {}
+    _, medians = fastest(
+        tuple(arrays), lambda name: chosen.update(array=arrays[name]), lambda: stream(chosen["array"]), 7
+    )
+    return medians

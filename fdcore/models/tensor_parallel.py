@@ -53,9 +53,11 @@ def head_shares(num_heads: int, num_kv_heads: int, world: int) -> list[tuple[ran
         return [(range(k.start * group, k.stop * group), k) for k in kv]
     copies = world // num_kv_heads  # ranks holding each KV head
     if world % num_kv_heads or group % copies:
-        raise CheckpointError(f"tensor_parallel_size {world}: {num_heads} query heads in {num_kv_heads} KV groups "
-                              f"cannot be split over {world} ranks (with fewer KV heads than ranks, each KV head's "
-                              f"{group} query heads must split evenly over the ranks that copy it)")
+        raise CheckpointError(
+            f"tensor_parallel_size {world}: {num_heads} query heads in {num_kv_heads} KV groups "
+            f"cannot be split over {world} ranks (with fewer KV heads than ranks, each KV head's "
+            f"{group} query heads must split evenly over the ranks that copy it)"
+        )
     per = group // copies
     shares = []
     for rank in range(world):
@@ -68,9 +70,13 @@ def head_shares(num_heads: int, num_kv_heads: int, world: int) -> list[tuple[ran
 def shard_of(checkpoint: Checkpoint, rank: int, world: int) -> Shard:
     a = checkpoint.args
     if world > a.num_heads:
-        raise CheckpointError(f"tensor_parallel_size {world}: more ranks than the model's {a.num_heads} attention heads")
+        raise CheckpointError(
+            f"tensor_parallel_size {world}: more ranks than the model's {a.num_heads} attention heads"
+        )
     heads, kv_heads = head_shares(a.num_heads, a.num_kv_heads, world)[rank]
-    return Shard(rank, world, heads, kv_heads, share(a.intermediate_size, rank, world), share(a.vocab_size, rank, world))
+    return Shard(
+        rank, world, heads, kv_heads, share(a.intermediate_size, rank, world), share(a.vocab_size, rank, world)
+    )
 
 
 def shard_checkpoint(checkpoint: Checkpoint, rank: int, world: int) -> tuple[Checkpoint, Shard]:
@@ -81,10 +87,17 @@ def shard_checkpoint(checkpoint: Checkpoint, rank: int, world: int) -> tuple[Che
     shard = shard_of(checkpoint, rank, world)
     a, t = checkpoint.args, checkpoint.tensors
     d = a.head_dim
-    rows = lambda heads: slice(heads.start * d, heads.stop * d)  # noqa: E731  a head range's rows
-    cut = {"q_proj": (0, rows(shard.heads)), "k_proj": (0, rows(shard.kv_heads)), "v_proj": (0, rows(shard.kv_heads)),
-           "o_proj": (1, rows(shard.heads)), "gate_proj": (0, _slice(shard.intermediate)),
-           "up_proj": (0, _slice(shard.intermediate)), "down_proj": (1, _slice(shard.intermediate))}
+    rows = lambda heads: slice(heads.start * d, heads.stop * d)
+    cut = {
+        "q_proj": (0, rows(shard.heads)),
+        "k_proj": (0, rows(shard.kv_heads)),
+        "v_proj": (0, rows(shard.kv_heads)),
+        "o_proj": (1, rows(shard.heads)),
+        "gate_proj": (0, _slice(shard.intermediate)),
+        "up_proj": (0, _slice(shard.intermediate)),
+        "down_proj": (1, _slice(shard.intermediate)),
+    }
+
     def part_of(name: str) -> tuple[int, slice] | None:
         """Which axis of a tensor is cut, and this rank's share of it; None: the rank holds it whole."""
         module = name.rsplit(".", 2)[-2] if name.count(".") >= 2 else ""
@@ -107,12 +120,14 @@ def shard_checkpoint(checkpoint: Checkpoint, rank: int, world: int) -> tuple[Che
     blocks = {}
     for name, whole in checkpoint.blocks.items():  # a GGUF file's levels, cut alike (where whole blocks are)
         part = part_of(name)
-        cut_blocks = whole if part is None else (whole.take_rows(part[1]) if part[0] == 0
-                                                 else whole.take_columns(part[1]))
+        cut_blocks = (
+            whole if part is None else (whole.take_rows(part[1]) if part[0] == 0 else whole.take_columns(part[1]))
+        )
         if cut_blocks is not None:
             blocks[name] = cut_blocks
-    args = dataclasses.replace(a, num_heads=len(shard.heads), num_kv_heads=len(shard.kv_heads),
-                               intermediate_size=len(shard.intermediate))
+    args = dataclasses.replace(
+        a, num_heads=len(shard.heads), num_kv_heads=len(shard.kv_heads), intermediate_size=len(shard.intermediate)
+    )
     return dataclasses.replace(checkpoint, args=args, tensors=out, blocks=blocks), shard
 
 
@@ -144,8 +159,7 @@ class TensorGroup:
             return None
         from fdcore.models.tensors import as_paddle
 
-        return (as_paddle(self.comm.segment()), self.comm.rank, self.comm.world, self.comm.capacity,
-                self.comm.timeout)
+        return (as_paddle(self.comm.segment()), self.comm.rank, self.comm.world, self.comm.capacity, self.comm.timeout)
 
     def embed(self, rows_of, token_ids: np.ndarray) -> np.ndarray:
         """The embeddings of ``token_ids`` [tokens, hidden]: each rank looks up the tokens of its
@@ -202,10 +216,16 @@ class PaddleCommunicator:
 
         host, port = self.master.rsplit(":", 1)
         endpoints = ",".join(f"{host}:{int(port) + 1 + rank}" for rank in range(self.world))
-        os.environ.update({"PADDLE_DISTRI_BACKEND": "gloo", "PADDLE_TRAINER_ID": str(self.rank),
-                           "PADDLE_TRAINERS_NUM": str(self.world), "PADDLE_MASTER": self.master,
-                           "PADDLE_TRAINER_ENDPOINTS": endpoints,
-                           "PADDLE_CURRENT_ENDPOINT": endpoints.split(",")[self.rank]})
+        os.environ.update(
+            {
+                "PADDLE_DISTRI_BACKEND": "gloo",
+                "PADDLE_TRAINER_ID": str(self.rank),
+                "PADDLE_TRAINERS_NUM": str(self.world),
+                "PADDLE_MASTER": self.master,
+                "PADDLE_TRAINER_ENDPOINTS": endpoints,
+                "PADDLE_CURRENT_ENDPOINT": endpoints.split(",")[self.rank],
+            }
+        )
         dist.init_parallel_env()
         self._dist = dist
         return dist
@@ -227,7 +247,7 @@ class PaddleCommunicator:
         dist.all_gather(widths, paddle.to_tensor([x.shape[-1]], dtype="int64"))
         widths = [int(w.numpy()[0]) for w in widths]
         padded = np.zeros(x.shape[:-1] + (max(widths),), dtype=x.dtype)
-        padded[..., :x.shape[-1]] = x
+        padded[..., : x.shape[-1]] = x
         parts = []
         dist.all_gather(parts, paddle.to_tensor(padded))
         return np.concatenate([part.numpy()[..., :width] for part, width in zip(parts, widths, strict=True)], axis=-1)
@@ -244,8 +264,9 @@ class PaddleCommunicator:
         dist = self._dist or self._join()
         count = paddle.to_tensor([0 if x is None else len(x)], dtype="int64")
         dist.broadcast(count, src=0)
-        data = paddle.to_tensor(np.asarray(x, dtype=np.int64) if self.rank == 0 else
-                                np.zeros(int(count.numpy()[0]), dtype=np.int64))
+        data = paddle.to_tensor(
+            np.asarray(x, dtype=np.int64) if self.rank == 0 else np.zeros(int(count.numpy()[0]), dtype=np.int64)
+        )
         dist.broadcast(data, src=0)
         return data.numpy()
 

@@ -16,7 +16,9 @@ from contextlib import contextmanager
 import numpy as np
 
 from fdcore.models import cpu_env  # noqa: F401  (before paddle: math-library settings)
-import paddle  # noqa: E402
+
+# isort: split
+import paddle
 
 
 def as_paddle(array: np.ndarray) -> paddle.Tensor:
@@ -118,8 +120,10 @@ def arrays_in_file(fd: int, shapes, dtype) -> list[np.ndarray]:
     if held < total:
         os.ftruncate(fd, total)  # (two processes growing it at once grow it to the same size)
     region = mmap.mmap(fd, total, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-    return [np.frombuffer(region, dtype, count=size // dtype.itemsize, offset=at).reshape(shape)
-            for shape, size, at in zip(shapes, sizes, offsets, strict=True)]
+    return [
+        np.frombuffer(region, dtype, count=size // dtype.itemsize, offset=at).reshape(shape)
+        for shape, size, at in zip(shapes, sizes, offsets, strict=True)
+    ]
 
 
 def release_pages(array: np.ndarray) -> bool:
@@ -180,7 +184,7 @@ class _Arena:
             return _huge_region(nbytes)
         if self.chunk is None or self.used + size > self.chunk.size:
             self.chunk, self.used = _huge_region(self.CHUNK), 0
-        piece = self.chunk[self.used:self.used + nbytes]
+        piece = self.chunk[self.used : self.used + nbytes]
         self.used += size
         return piece
 

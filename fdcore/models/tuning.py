@@ -9,8 +9,13 @@ import time
 from collections.abc import Callable, Sequence
 
 
-def fastest(settings: Sequence, apply: Callable, run: Callable[[], object], rounds: int = 8,
-            clock: Callable[[], float] = time.perf_counter) -> tuple[object, dict]:
+def fastest(
+    settings: Sequence,
+    apply: Callable,
+    run: Callable[[], object],
+    rounds: int = 8,
+    clock: Callable[[], float] = time.perf_counter,
+) -> tuple[object, dict]:
     """The setting under which ``run()`` takes the least time, and each setting's median seconds.
 
     Every round runs each setting once, in an order rotated round by round, so a host whose speed drifts
@@ -57,8 +62,9 @@ class SwitchTrial:
     of the steps per value tried.
     """
 
-    def __init__(self, current, other, period: int = 256, pairs: int = 8, margin: float = 0.02,
-                 first_after: int | None = 16):
+    def __init__(
+        self, current, other, period: int = 256, pairs: int = 8, margin: float = 0.02, first_after: int | None = 16
+    ):
         """``first_after``: eligible steps before the first trial (default 16: a value chosen outside real
         steps, e.g. at load, is checked against them early); None: a whole period."""
         if period < 1 or pairs < 1 or not 0 <= margin < 1:

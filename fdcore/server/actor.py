@@ -34,14 +34,24 @@ class ApiActor(Actor):
         self.llm = AsyncLLM(tree=Tree(self.instance_id))
         welcome = self.llm.welcome
         server = self.config.server
-        settings = Settings(server.model_name or os.path.basename(welcome.model.rstrip("/")),
-                            welcome.max_model_len, envs.get(envs.API_KEY) or server.api_key,
-                            server.max_request_bytes, chat_max_tokens(welcome.sampling_defaults, server),
-                            server.reasoning_parser, server.max_response_entries,
-                            welcome.sampling_defaults.get("max_tokens") or 16)
-        self.app = build_app(self.llm, settings, ModelTokenizer(welcome.model),
-                             lambda: self.llm.health(self.config.supervisor.hang_timeout),
-                             self._restarts, self._spares)
+        settings = Settings(
+            server.model_name or os.path.basename(welcome.model.rstrip("/")),
+            welcome.max_model_len,
+            envs.get(envs.API_KEY) or server.api_key,
+            server.max_request_bytes,
+            chat_max_tokens(welcome.sampling_defaults, server),
+            server.reasoning_parser,
+            server.max_response_entries,
+            welcome.sampling_defaults.get("max_tokens") or 16,
+        )
+        self.app = build_app(
+            self.llm,
+            settings,
+            ModelTokenizer(welcome.model),
+            lambda: self.llm.health(self.config.supervisor.hang_timeout),
+            self._restarts,
+            self._spares,
+        )
         # bound before we count as ready; several processes share the port (the kernel spreads connections)
         self.listener = listening_socket(server.host, server.port, reuse_port=server.processes > 1)
 
@@ -50,8 +60,11 @@ class ApiActor(Actor):
         if not self.config.workers.standby:
             return {}
         ids = topology.child_ids(self.config)
-        return {cid: health.SPARE_NAMES.get(self.board.spare(slot), "none") for slot, cid in enumerate(ids)
-                if topology.kind_of(cid) == "worker"}
+        return {
+            cid: health.SPARE_NAMES.get(self.board.spare(slot), "none")
+            for slot, cid in enumerate(ids)
+            if topology.kind_of(cid) == "worker"
+        }
 
     def _restarts(self) -> dict[str, int]:
         ids = topology.child_ids(self.config)
@@ -63,13 +76,24 @@ class ApiActor(Actor):
         from fdcore.server.http import ConnectionLimits, RequestAdmission, hardened_protocol
 
         server = self.config.server
-        limits = ConnectionLimits(server.header_timeout, server.body_timeout,
-                                  min(server.max_connections, _descriptors() - 64), server.max_connections_per_peer)
-        self.server = uvicorn.Server(uvicorn.Config(
-            RequestAdmission(self.app, server.limit_concurrency, server.max_request_bytes), host=server.host,
-            port=server.port,
-            log_level="warning", lifespan="off", access_log=False, http=hardened_protocol(limits),
-            timeout_keep_alive=server.timeout_keep_alive))
+        limits = ConnectionLimits(
+            server.header_timeout,
+            server.body_timeout,
+            min(server.max_connections, _descriptors() - 64),
+            server.max_connections_per_peer,
+        )
+        self.server = uvicorn.Server(
+            uvicorn.Config(
+                RequestAdmission(self.app, server.limit_concurrency, server.max_request_bytes),
+                host=server.host,
+                port=server.port,
+                log_level="warning",
+                lifespan="off",
+                access_log=False,
+                http=hardened_protocol(limits),
+                timeout_keep_alive=server.timeout_keep_alive,
+            )
+        )
         threading.Thread(target=self._control, args=(inbox,), name="fdcore-api-control", daemon=True).start()
         asyncio.run(self._serve())
 
@@ -103,7 +127,6 @@ class ApiActor(Actor):
                     return
                 elif isinstance(message, Ping):
                     self.send(topology.SUPERVISOR, Pong(message.nonce, self.child_id))
-
 
     def _stop(self, stop: Stop) -> None:
         """The supervisor's Stop. Stopping the tree: drain first (new requests 503, /health 503, the open

@@ -48,6 +48,8 @@ def check(asks: list[Ask], limit: int, fields: str) -> None:
     the request asked (e.g. "n, max_tokens, logprobs, echo")."""
     total = sum(ask.entries() for ask in asks)
     if total > limit:
-        raise BadRequest(f"This request's response would list {total:,} tokens and logprobs ({fields}), more than "
-                         f"the {limit:,} a response may list (server.max_response_entries): ask for fewer",
-                         fields.split(",")[0].strip())
+        raise BadRequest(
+            f"This request's response would list {total:,} tokens and logprobs ({fields}), more than "
+            f"the {limit:,} a response may list (server.max_response_entries): ask for fewer",
+            fields.split(",")[0].strip(),
+        )

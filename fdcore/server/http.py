@@ -102,6 +102,7 @@ def _oldest_waiting(entries: list[Entry]) -> Entry | None:
 
 def hardened_protocol(limits: ConnectionLimits) -> type[H11Protocol]:
     """An H11Protocol class (uvicorn.Config's ``http=``) with the deadlines and the connection table."""
+    # (long: the protocol class is defined in this closure over ``limits``, as uvicorn takes a class)
     table = ConnectionTable(limits.max_connections, limits.max_connections_per_peer)
 
     class HardenedProtocol(H11Protocol):
@@ -231,9 +232,18 @@ def _replaying(received: list[dict], receive):
 async def _refuse(send, message: str) -> None:
     import json
 
-    body = json.dumps({"error": {"message": message, "type": "service_unavailable", "param": None,
-                                 "code": None}}).encode()
-    await send({"type": "http.response.start", "status": 503,
-                "headers": [(b"content-type", b"application/json"), (b"retry-after", b"1"),
-                            (b"content-length", str(len(body)).encode())]})
+    body = json.dumps(
+        {"error": {"message": message, "type": "service_unavailable", "param": None, "code": None}}
+    ).encode()
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 503,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"retry-after", b"1"),
+                (b"content-length", str(len(body)).encode()),
+            ],
+        }
+    )
     await send({"type": "http.response.body", "body": body})

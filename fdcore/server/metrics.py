@@ -14,21 +14,27 @@ class ServerMetrics:
 
     def __init__(self):
         self.registry = r = CollectorRegistry()
-        self.requests = Counter("fdcore_requests", "Finished requests by outcome (stop, length, abort, error)",
-                                ["outcome"], registry=r)
+        self.requests = Counter(
+            "fdcore_requests", "Finished requests by outcome (stop, length, abort, error)", ["outcome"], registry=r
+        )
         self.running = Gauge("fdcore_requests_running", "Requests being computed", registry=r)
         self.waiting = Gauge("fdcore_requests_waiting", "Requests waiting to be scheduled", registry=r)
         self.kv_usage = Gauge("fdcore_kv_cache_usage_ratio", "Share of KV-cache blocks in use", registry=r)
-        self.hit_rate = Gauge("fdcore_prefix_cache_hit_rate", "Prompt tokens served from the prefix cache",
-                              registry=r)
+        self.hit_rate = Gauge("fdcore_prefix_cache_hit_rate", "Prompt tokens served from the prefix cache", registry=r)
         self.preemptions = Gauge("fdcore_preemptions", "Preemptions since start", registry=r)
         self.restarts = Gauge("fdcore_actor_restarts", "Restarts of each actor since start", ["actor"], registry=r)
-        self.ttft = Histogram("fdcore_time_to_first_token_seconds", "Time to first token", registry=r,
-                              buckets=LATENCY_BUCKETS)
-        self.tpot = Histogram("fdcore_time_per_output_token_seconds", "Time per output token after the first",
-                              registry=r, buckets=TOKEN_BUCKETS)
-        self.e2e = Histogram("fdcore_e2e_request_latency_seconds", "Arrival to last token", registry=r,
-                             buckets=LATENCY_BUCKETS)
+        self.ttft = Histogram(
+            "fdcore_time_to_first_token_seconds", "Time to first token", registry=r, buckets=LATENCY_BUCKETS
+        )
+        self.tpot = Histogram(
+            "fdcore_time_per_output_token_seconds",
+            "Time per output token after the first",
+            registry=r,
+            buckets=TOKEN_BUCKETS,
+        )
+        self.e2e = Histogram(
+            "fdcore_e2e_request_latency_seconds", "Arrival to last token", registry=r, buckets=LATENCY_BUCKETS
+        )
         self.changes = 0  # observations so far (render's cache key)
         self._rendered: tuple[int, bytes] | None = None
 
@@ -40,8 +46,9 @@ class ServerMetrics:
         self.ttft.observe(max(0.0, metrics.first_token_time - metrics.arrival_time))
         self.e2e.observe(max(0.0, metrics.finished_time - metrics.arrival_time))
         if metrics.num_generated_tokens > 1:
-            self.tpot.observe(max(0.0, (metrics.finished_time - metrics.first_token_time)
-                                  / (metrics.num_generated_tokens - 1)))
+            self.tpot.observe(
+                max(0.0, (metrics.finished_time - metrics.first_token_time) / (metrics.num_generated_tokens - 1))
+            )
 
     def observe_stats(self, stats, restarts: dict[str, int]) -> None:
         self.changes += 1

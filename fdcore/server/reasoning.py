@@ -40,7 +40,7 @@ class ReasoningStream:
         out: list[tuple[str, str]] = []
         if self.state == "start":
             if self.held.startswith(OPEN):
-                self.held, self.state = self.held[len(OPEN):], REASONING
+                self.held, self.state = self.held[len(OPEN) :], REASONING
             elif OPEN.startswith(self.held):
                 return out  # may still become the tag
             else:
@@ -49,11 +49,11 @@ class ReasoningStream:
             end = self.held.find(CLOSE)
             if end < 0:
                 keep = tag_prefix(self.held, CLOSE)
-                out += _piece(REASONING, self.held[:len(self.held) - keep])
-                self.held = self.held[len(self.held) - keep:]
+                out += _piece(REASONING, self.held[: len(self.held) - keep])
+                self.held = self.held[len(self.held) - keep :]
                 return out
             out += _piece(REASONING, self.held[:end])
-            self.held, self.state = self.held[end + len(CLOSE):], CONTENT
+            self.held, self.state = self.held[end + len(CLOSE) :], CONTENT
         return out + self._answer()
 
     def _answer(self) -> list[tuple[str, str]]:

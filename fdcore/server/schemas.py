@@ -67,21 +67,39 @@ class _Body(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 # field -> the one value fdcore serves it with (null, the field's absence, is always accepted); a request
 # that asks for another gets a 400 naming the field, never a silent difference
-NEUTRAL = {"skip_special_tokens": True, "spaces_between_special_tokens": True, "include_stop_str_in_output": False,
-           "use_beam_search": False, "length_penalty": 1.0, "priority": 0, "return_tokens_as_token_ids": False,
-           "return_token_ids": False, "return_token_offsets": False, "bad_words": [], "allowed_token_ids": None,
-           "truncate_prompt_tokens": None, "stream_interval": 1, "thinking_token_budget": None}
+NEUTRAL = {
+    "skip_special_tokens": True,
+    "spaces_between_special_tokens": True,
+    "include_stop_str_in_output": False,
+    "use_beam_search": False,
+    "length_penalty": 1.0,
+    "priority": 0,
+    "return_tokens_as_token_ids": False,
+    "return_token_ids": False,
+    "return_token_offsets": False,
+    "bad_words": [],
+    "allowed_token_ids": None,
+    "truncate_prompt_tokens": None,
+    "stream_interval": 1,
+    "thinking_token_budget": None,
+}
 COMPLETION_NEUTRAL = {**NEUTRAL, "add_special_tokens": True}
-CHAT_NEUTRAL = {**NEUTRAL, "add_special_tokens": False, "parallel_tool_calls": True, "include_reasoning": True,
-                "echo": False}
+CHAT_NEUTRAL = {
+    **NEUTRAL,
+    "add_special_tokens": False,
+    "parallel_tool_calls": True,
+    "include_reasoning": True,
+    "echo": False,
+}
 
 
 def check_neutral(body, table: dict) -> None:
     for name, neutral in table.items():
         value = getattr(body, name)
         if value is not None and value != neutral:
-            raise BadRequest(f"{name} = {json.dumps(value)} is not supported: fdcore serves {json.dumps(neutral)} only",
-                             name)
+            raise BadRequest(
+                f"{name} = {json.dumps(value)} is not supported: fdcore serves {json.dumps(neutral)} only", name
+            )
 
 
 class CompletionRequest(_Body, kw_only=True):
@@ -129,21 +147,26 @@ class DetokenizeRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True
     tokens: list[int]
 
 
-CHAT_TEMPLATE_FIELDS = ("tools", "documents", "add_generation_prompt", "continue_final_message",
-                        "chat_template_kwargs")
+CHAT_TEMPLATE_FIELDS = ("tools", "documents", "add_generation_prompt", "continue_final_message", "chat_template_kwargs")
 
 
 class BadRequest(ValueError):
     """An OpenAI-shaped 4xx: message, the offending parameter, an HTTP status."""
 
-    def __init__(self, message: str, param: str | None = None, status: int = 400,
-                 kind: str = "invalid_request_error", code: str | None = None):
+    def __init__(
+        self,
+        message: str,
+        param: str | None = None,
+        status: int = 400,
+        kind: str = "invalid_request_error",
+        code: str | None = None,
+    ):
         super().__init__(message)
         self.param, self.status, self.kind, self.code = param, status, kind, code
 
 
-MAX_DEPTH = 64                               # JSON nesting a body may have (no request needs a tenth of it)
-INT_RANGE = (-(1 << 63), (1 << 63) - 1)     # integers a field may hold (what travels on the engine's links)
+MAX_DEPTH = 64  # JSON nesting a body may have (no request needs a tenth of it)
+INT_RANGE = (-(1 << 63), (1 << 63) - 1)  # integers a field may hold (what travels on the engine's links)
 
 
 def decode(raw: bytes, schema):
@@ -213,16 +236,29 @@ def _too_deep_field(raw: bytes) -> str | None:
     return None
 
 
-def sampling_params(body: _Body, max_tokens: int | None, logprobs: int | None,
-                    prompt_logprobs: int | None = None) -> SamplingParams:
+def sampling_params(
+    body: _Body, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None
+) -> SamplingParams:
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     return SamplingParams(
-        temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p,
-        repetition_penalty=body.repetition_penalty, presence_penalty=body.presence_penalty or 0.0,
-        frequency_penalty=body.frequency_penalty or 0.0, seed=body.seed, max_tokens=max_tokens,
-        min_tokens=body.min_tokens, stop=stop, stop_token_ids=list(body.stop_token_ids or []),
-        ignore_eos=body.ignore_eos, logprobs=logprobs, logit_bias=_logit_bias(body.logit_bias),
-        structured_outputs=structured_outputs(body)[0], prompt_logprobs=prompt_logprobs)
+        temperature=body.temperature,
+        top_p=body.top_p,
+        top_k=body.top_k,
+        min_p=body.min_p,
+        repetition_penalty=body.repetition_penalty,
+        presence_penalty=body.presence_penalty or 0.0,
+        frequency_penalty=body.frequency_penalty or 0.0,
+        seed=body.seed,
+        max_tokens=max_tokens,
+        min_tokens=body.min_tokens,
+        stop=stop,
+        stop_token_ids=list(body.stop_token_ids or []),
+        ignore_eos=body.ignore_eos,
+        logprobs=logprobs,
+        logit_bias=_logit_bias(body.logit_bias),
+        structured_outputs=structured_outputs(body)[0],
+        prompt_logprobs=prompt_logprobs,
+    )
 
 
 def _check_prompt_logprobs(body: _Body) -> None:
@@ -238,8 +274,11 @@ def structured_outputs(body: _Body) -> tuple[StructuredOutputs | None, str | Non
     """The request's output constraint and the field that gave it (one of response_format,
     structured_outputs, guided_*: more than one is refused, naming the second)."""
     response = None if body.response_format is None else _response_format(body.response_format)
-    given = [name for name in ("response_format", "structured_outputs", *GUIDED_FIELDS)
-             if getattr(body, name) is not None and (name != "response_format" or response is not None)]
+    given = [
+        name
+        for name in ("response_format", "structured_outputs", *GUIDED_FIELDS)
+        if getattr(body, name) is not None and (name != "response_format" or response is not None)
+    ]
     if not given:  # ({"type": "text"} is no constraint)
         return None, None
     if len(given) > 1:
@@ -277,12 +316,14 @@ def _response_format(spec: dict) -> StructuredOutputs | None:
     if kind == "json_schema":
         inner = spec.get("json_schema")
         if not isinstance(inner, dict) or not isinstance(inner.get("schema", {}), dict):
-            raise BadRequest("response_format.json_schema must be an object with a 'schema' object",
-                             "response_format.json_schema")
+            raise BadRequest(
+                "response_format.json_schema must be an object with a 'schema' object", "response_format.json_schema"
+            )
         # no schema: any JSON object, as OpenAI's; strict or not, the output follows the schema
         return StructuredOutputs(json=inner.get("schema") or {"type": "object"})
-    raise BadRequest(f"response_format type {kind!r} is not supported (text, json_object or json_schema)",
-                     "response_format.type")
+    raise BadRequest(
+        f"response_format type {kind!r} is not supported (text, json_object or json_schema)", "response_format.type"
+    )
 
 
 def _logit_bias(raw: dict | None) -> dict[int, float] | None:
@@ -316,9 +357,11 @@ def tokenize_body(body: TokenizeRequest) -> RequestBody:
     as a completion or chat request (so the same ids and the same field-named errors)."""
     chat = body.messages is not None
     if body.add_special_tokens is not None and body.add_special_tokens != (not chat):
-        raise BadRequest(f"add_special_tokens is {str(body.add_special_tokens).lower()}: only what fdcore's "
-                         f"{'chat' if chat else 'completion'} requests do ({str(not chat).lower()}) is supported",
-                         "add_special_tokens")
+        raise BadRequest(
+            f"add_special_tokens is {str(body.add_special_tokens).lower()}: only what fdcore's "
+            f"{'chat' if chat else 'completion'} requests do ({str(not chat).lower()}) is supported",
+            "add_special_tokens",
+        )
     options = {name: getattr(body, name) for name in CHAT_TEMPLATE_FIELDS if getattr(body, name) is not None}
     return RequestBody(prompt=body.prompt, messages=body.messages, **options)
 
@@ -336,8 +379,9 @@ def completion_params(body: CompletionRequest) -> SamplingParams:
     return sampling_params(body, body.max_tokens, body.logprobs, max(scored, default=None))
 
 
-def chat_params(body: ChatCompletionRequest, default_max_tokens: int,
-                tool_constraint: StructuredOutputs | None = None) -> SamplingParams:
+def chat_params(
+    body: ChatCompletionRequest, default_max_tokens: int, tool_constraint: StructuredOutputs | None = None
+) -> SamplingParams:
     """``default_max_tokens``: the model's max_new_tokens, else max_model_len (OpenAI's chat has no
     limit: the scheduler ends the answer with "length" when the context is full). ``tool_constraint``:
     what tool_choice "required" or a named function holds the output to."""
@@ -351,8 +395,11 @@ def chat_params(body: ChatCompletionRequest, default_max_tokens: int,
     if tool_constraint is None:
         return params
     if params.structured_outputs is not None:
-        raise BadRequest(f"tool_choice {body.tool_choice!r} constrains the output already: it cannot be combined "
-                         f"with {structured_outputs(body)[1]}", "tool_choice")
+        raise BadRequest(
+            f"tool_choice {body.tool_choice!r} constrains the output already: it cannot be combined "
+            f"with {structured_outputs(body)[1]}",
+            "tool_choice",
+        )
     return msgspec.structs.replace(params, structured_outputs=tool_constraint)
 
 
@@ -369,14 +416,16 @@ def prompts_of(body: CompletionRequest) -> list:
     if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         return [prompt]
     for i, one in enumerate(prompt):
-        if not isinstance(one, (str, list)) or (isinstance(one, list) and not all(
-                isinstance(t, int) and not isinstance(t, bool) for t in one)):
+        if not isinstance(one, (str, list)) or (
+            isinstance(one, list) and not all(isinstance(t, int) and not isinstance(t, bool) for t in one)
+        ):
             raise BadRequest(f"prompt[{i}] must be a string or a list of token ids", f"prompt[{i}]")
     return list(prompt)
 
 
-def choice_params(params: SamplingParams, n: int, prompts: int = 1,
-                  share_prompt_scores: bool = True) -> list[SamplingParams]:
+def choice_params(
+    params: SamplingParams, n: int, prompts: int = 1, share_prompt_scores: bool = True
+) -> list[SamplingParams]:
     """Each of a prompt's n choices' parameters: choice i seeded ``seed + i`` when a seed is given
     (distinct and reproducible); checked against MAX_CHOICES. With ``share_prompt_scores`` only the
     first choice scores the prompt (prompt_logprobs): the others are given its scores."""
@@ -384,8 +433,11 @@ def choice_params(params: SamplingParams, n: int, prompts: int = 1,
         raise BadRequest(f"n is {n}: at least 1", "n")
     if n * prompts > MAX_CHOICES:
         field = "n" if n > 1 else "prompt"
-        raise BadRequest(f"{prompts} prompt(s) x n = {n} is {n * prompts} choices, more than the {MAX_CHOICES} "
-                         "one request may ask for", field)
+        raise BadRequest(
+            f"{prompts} prompt(s) x n = {n} is {n * prompts} choices, more than the {MAX_CHOICES} "
+            "one request may ask for",
+            field,
+        )
     others = params
     if share_prompt_scores and params.prompt_logprobs is not None:
         others = msgspec.structs.replace(params, prompt_logprobs=None)

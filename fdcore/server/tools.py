@@ -45,9 +45,15 @@ class ToolPlan:
         if self.mode == "named":
             return StructuredOutputs(json=self.tools[self.named])
         if self.mode == "required":
-            calls = [{"type": "object", "properties": {"name": {"const": name}, "parameters": parameters},
-                      "required": ["name", "parameters"], "additionalProperties": False}
-                     for name, parameters in self.tools.items()]
+            calls = [
+                {
+                    "type": "object",
+                    "properties": {"name": {"const": name}, "parameters": parameters},
+                    "required": ["name", "parameters"],
+                    "additionalProperties": False,
+                }
+                for name, parameters in self.tools.items()
+            ]
             return StructuredOutputs(json={"type": "array", "minItems": 1, "items": {"anyOf": calls}})
         return None
 
@@ -57,8 +63,9 @@ class ToolPlan:
             return None, [tool_call(self.named, text)]
         if self.mode == "required":
             try:
-                return None, [tool_call(c["name"], json.dumps(c["parameters"], ensure_ascii=False))
-                              for c in json.loads(text)]
+                return None, [
+                    tool_call(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in json.loads(text)
+                ]
             except (ValueError, TypeError, KeyError):  # cut short by max_tokens: what it wrote is content
                 return text, []
         if self.mode == "auto":
@@ -74,7 +81,7 @@ class ToolPlan:
             return text, []
         stripped = text.strip()
         if stripped.startswith(PYTHON_TAG):
-            stripped = stripped[len(PYTHON_TAG):].strip()
+            stripped = stripped[len(PYTHON_TAG) :].strip()
         if stripped.startswith("{"):
             calls = [self._call(part) for part in stripped.split(";")]
             if all(calls):
@@ -96,8 +103,11 @@ class ToolPlan:
 
 
 def tool_call(name: str, arguments: str) -> dict:
-    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-            "function": {"name": name, "arguments": arguments}}
+    return {
+        "id": f"call_{uuid.uuid4().hex[:24]}",
+        "type": "function",
+        "function": {"name": name, "arguments": arguments},
+    }
 
 
 def plan_of(tools: list[dict] | None, tool_choice) -> ToolPlan:
@@ -113,8 +123,9 @@ def plan_of(tools: list[dict] | None, tool_choice) -> ToolPlan:
             raise BadRequest(f"tools[{i}] must be {{type: function, function: {{name, parameters}}}}", f"tools[{i}]")
         parameters = function.get("parameters", {"type": "object", "properties": {}})
         if not isinstance(parameters, dict):
-            raise BadRequest(f"tools[{i}].function.parameters must be a JSON schema object",
-                             f"tools[{i}].function.parameters")
+            raise BadRequest(
+                f"tools[{i}].function.parameters must be a JSON schema object", f"tools[{i}].function.parameters"
+            )
         schemas[function["name"]] = parameters
     if tool_choice in (None, "auto"):
         return ToolPlan("auto", schemas)
@@ -123,8 +134,10 @@ def plan_of(tools: list[dict] | None, tool_choice) -> ToolPlan:
     function = tool_choice.get("function") if isinstance(tool_choice, dict) else None
     name = function.get("name") if isinstance(function, dict) and tool_choice.get("type") == "function" else None
     if not isinstance(name, str):
-        raise BadRequest(f"tool_choice {tool_choice!r} is not none, auto, required or "
-                         "{type: function, function: {name}}", "tool_choice")
+        raise BadRequest(
+            f"tool_choice {tool_choice!r} is not none, auto, required or {{type: function, function: {{name}}}}",
+            "tool_choice",
+        )
     if name not in schemas:
         raise BadRequest(f"tool_choice names {name!r}, which is not one of the tools", "tool_choice.function.name")
     return ToolPlan("named", schemas, name)
@@ -135,10 +148,10 @@ class ToolStream:
 
     def __init__(self, plan: ToolPlan):
         self.plan = plan
-        self.held = ""        # text not sent yet (a possible call, or all of a required answer)
+        self.held = ""  # text not sent yet (a possible call, or all of a required answer)
         self.in_call = False  # auto: a call has begun; everything from there waits for the end
-        self.sent = False     # auto: content went out (a Llama 3 call can only be the whole answer)
-        self.opened = False   # named: the call's header went out
+        self.sent = False  # auto: content went out (a Llama 3 call can only be the whole answer)
+        self.opened = False  # named: the call's header went out
 
     def feed(self, text: str) -> list[dict]:
         if self.plan.mode == "named":
@@ -184,4 +197,4 @@ class ToolStream:
 
 def _may_open(text: str) -> bool:
     """Could an answer that starts so be a Llama 3 call (``{"name"...`` or ``<|python_tag|>``)?"""
-    return bool(text) and (text.startswith("{") or text.startswith(PYTHON_TAG[:len(text)]))
+    return bool(text) and (text.startswith("{") or text.startswith(PYTHON_TAG[: len(text)]))

@@ -21,22 +21,74 @@ from typing import Any
 
 from fdcore import envs
 from fdcore.models.kernels.build import HERE, KernelBuildError, build, kernel_dir, read_sources
-from fdcore.models.kernels.cpu import (ISA_VARIABLE, KERNEL_PATHS, capped_at_avx2, cpu_flags, int8_group_rows,
-                                       kernel_flags, kernel_path, missing_cpu_feature, needed_cpu_feature)
+from fdcore.models.kernels.cpu import (
+    ISA_VARIABLE,
+    KERNEL_PATHS,
+    capped_at_avx2,
+    cpu_flags,
+    int8_group_rows,
+    kernel_flags,
+    kernel_path,
+    missing_cpu_feature,
+    needed_cpu_feature,
+)
 
-__all__ = ["DECODER_KINDS", "DECODER_META", "DECODER_SLOTS", "HERE", "ISA_VARIABLE", "KERNEL_PATHS", "KernelBuildError", "Operators", "attention_rounds_rows",
-           "bf16_tiles", "build", "capped_at_avx2", "cpu_flags", "decoder_layers", "gumbel_sample",
-           "int8_group_rows", "kernel_dir", "kernel_flags", "kernel_path", "linear_bf16", "linear_bf16_swiglu",
-           "linear_f32", "linear_int4", "linear_int8", "missing_cpu_feature", "needed_cpu_feature", "operators",
-           "read_sources", "set_bf16_tiles", "set_weight_prefetch", "weight_prefetch"]
+__all__ = [
+    "DECODER_KINDS",
+    "DECODER_META",
+    "DECODER_SLOTS",
+    "HERE",
+    "ISA_VARIABLE",
+    "KERNEL_PATHS",
+    "KernelBuildError",
+    "Operators",
+    "attention_rounds_rows",
+    "bf16_tiles",
+    "build",
+    "capped_at_avx2",
+    "cpu_flags",
+    "decoder_layers",
+    "gumbel_sample",
+    "int8_group_rows",
+    "kernel_dir",
+    "kernel_flags",
+    "kernel_path",
+    "linear_bf16",
+    "linear_bf16_swiglu",
+    "linear_f32",
+    "linear_int4",
+    "linear_int8",
+    "missing_cpu_feature",
+    "needed_cpu_feature",
+    "operators",
+    "read_sources",
+    "set_bf16_tiles",
+    "set_weight_prefetch",
+    "weight_prefetch",
+]
 
 _loaded: dict[str, Any] = {}
 
 # The one-call decoder's contract, mirrored from kernels.h (a test reads the header and compares):
 DECODER_KINDS = ("float32", "bfloat16", "int8", "int4")  # enum Kind: how every layer's projections are packed
-DECODER_SLOTS = ("in_norm", "qkv", "qkv_scales", "qkv_bias", "o", "o_scales", "o_bias", "post_norm",
-                 "gate_up", "gate_up_scales", "gate_up_bias", "down", "down_scales", "down_bias", "q_norm",
-                 "k_norm")  # enum Slot: a layer's tensors in `weights`, in this order
+DECODER_SLOTS = (
+    "in_norm",
+    "qkv",
+    "qkv_scales",
+    "qkv_bias",
+    "o",
+    "o_scales",
+    "o_bias",
+    "post_norm",
+    "gate_up",
+    "gate_up_scales",
+    "gate_up_bias",
+    "down",
+    "down_scales",
+    "down_bias",
+    "q_norm",
+    "k_norm",
+)  # enum Slot: a layer's tensors in `weights`, in this order
 DECODER_META = ("qkv", "o", "gate_up", "down", "window")  # kMeta: a layer's `meta` (its products' rows, window)
 
 
@@ -56,7 +108,7 @@ class Operators:
     norm_eps)``: rotary, the cache write and paged attention of one layer."""
     linear_bf16: Callable
     """``(x, packed, rows)``: x [M, K] float32 (rounded to bfloat16 here) or bfloat16 (rows already rounded)
-    times a bfloat16 weight packed by fdcore.models.llama.Bf16Matrix, float32 [M, rows]; AVX512-BF16 only."""
+    times a bfloat16 weight packed by fdcore.models.matrices.Bf16Matrix, float32 [M, rows]; AVX512-BF16 only."""
     linear_bf16_swiglu: Callable
     """``(x, packed, bias, rows)``: silu(x gate^T + gate bias) * (x up^T + up bias), [M, rows / 2] in x's dtype,
     for a gated bfloat16 weight (Bf16Matrix.pack_gated); bias [rows] or an empty tensor. AVX512-BF16 only."""
@@ -162,8 +214,11 @@ def attention_rounds_rows(groups: int, head_dim: int, block_size: int, window: i
     import ctypes
 
     library = _library()
-    return library is not None and bool(library.fdcore_attention_rounds_rows(
-        ctypes.c_int64(groups), ctypes.c_int64(head_dim), ctypes.c_int64(block_size), ctypes.c_int64(window)))
+    return library is not None and bool(
+        library.fdcore_attention_rounds_rows(
+            ctypes.c_int64(groups), ctypes.c_int64(head_dim), ctypes.c_int64(block_size), ctypes.c_int64(window)
+        )
+    )
 
 
 def _library():
@@ -192,6 +247,7 @@ def _load() -> Operators | None:
 
 
 def _bind() -> Operators:
+    # (long: one binding per operator, beside its signature: apart, a name and its arguments would drift)
     import paddle
     from paddle import _C_ops
 
@@ -201,33 +257,89 @@ def _bind() -> Operators:
     no_head = [paddle.empty([0], dtype="float32")] * 3
 
     def gumbel(logits, keys, inv_temperature, allowed=None):
-        return run("fdcore_gumbel_sample", logits, keys, inv_temperature,
-                   every_token if allowed is None else allowed)[0]
+        return run("fdcore_gumbel_sample", logits, keys, inv_temperature, every_token if allowed is None else allowed)[
+            0
+        ]
 
-    def attention_block(qkv, cos, sin, slots, k_cache, v_cache, tables, lengths, q_norm, k_norm, num_heads, scale,
-                        window, norm_eps):
-        return run("fdcore_attention_block", qkv, cos, sin, slots, k_cache, v_cache, tables, lengths, q_norm,
-                   k_norm, int(num_heads), float(scale), int(window), float(norm_eps))[0]
+    def attention_block(
+        qkv, cos, sin, slots, k_cache, v_cache, tables, lengths, q_norm, k_norm, num_heads, scale, window, norm_eps
+    ):
+        return run(
+            "fdcore_attention_block",
+            qkv,
+            cos,
+            sin,
+            slots,
+            k_cache,
+            v_cache,
+            tables,
+            lengths,
+            q_norm,
+            k_norm,
+            int(num_heads),
+            float(scale),
+            int(window),
+            float(norm_eps),
+        )[0]
 
-    def decoder(hidden, cos, sin, slots, tables, lengths, last_rows, k_caches, v_caches, weights, final_norm, meta,
-                kind, num_heads, scale, eps, group=None, head=None):
+    def decoder(
+        hidden,
+        cos,
+        sin,
+        slots,
+        tables,
+        lengths,
+        last_rows,
+        k_caches,
+        v_caches,
+        weights,
+        final_norm,
+        meta,
+        kind,
+        num_heads,
+        scale,
+        eps,
+        group=None,
+        head=None,
+    ):
         segment, rank, world, capacity, timeout = group or (no_group, 0, 1, 0, 0.0)
         head_tensors, head_kind, head_rows = head or (no_head, -1, 0)
         normed, logits = run(
-            "fdcore_decoder_layers", hidden, cos, sin, slots, tables, lengths, last_rows, k_caches, v_caches,
-            weights, final_norm, head_tensors, segment, list(meta), int(kind), int(num_heads), float(scale),
-            float(eps), [int(rank), int(world), int(capacity)], float(timeout), int(head_kind), int(head_rows))
+            "fdcore_decoder_layers",
+            hidden,
+            cos,
+            sin,
+            slots,
+            tables,
+            lengths,
+            last_rows,
+            k_caches,
+            v_caches,
+            weights,
+            final_norm,
+            head_tensors,
+            segment,
+            list(meta),
+            int(kind),
+            int(num_heads),
+            float(scale),
+            float(eps),
+            [int(rank), int(world), int(capacity)],
+            float(timeout),
+            int(head_kind),
+            int(head_rows),
+        )
         return normed, (logits if head else None)
 
     return Operators(
         gumbel_sample=gumbel,
-        add_rms_norm=lambda hidden, delta, weight, eps: run("fdcore_add_rms_norm", hidden, delta, weight,
-                                                            float(eps)),
+        add_rms_norm=lambda hidden, delta, weight, eps: run("fdcore_add_rms_norm", hidden, delta, weight, float(eps)),
         silu_mul=lambda gate_up: run("fdcore_silu_mul", gate_up)[0],
         attention_block=attention_block,
         linear_bf16=lambda x, packed, rows: run("fdcore_linear_bf16", x, packed, int(rows))[0],
-        linear_bf16_swiglu=lambda x, packed, bias, rows: run("fdcore_linear_bf16_swiglu", x, packed, bias,
-                                                             int(rows))[0],
+        linear_bf16_swiglu=lambda x, packed, bias, rows: run("fdcore_linear_bf16_swiglu", x, packed, bias, int(rows))[
+            0
+        ],
         linear_int8=lambda x, packed, scales, rows: run("fdcore_linear_int8", x, packed, scales, int(rows))[0],
         linear_int4=lambda x, packed, rows: run("fdcore_linear_int4", x, packed, int(rows))[0],
         linear_f32=lambda x, packed, rows: run("fdcore_linear_f32", x, packed, int(rows))[0],

@@ -11,7 +11,7 @@
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #include "exp2_bf16.h"
 #define FDCORE_ATTENTION_BF16 1
-// A bfloat16 cache (the default of a bfloat16 model: fdcore.models.llama.PagedKVCache): half the bytes a key
+// A bfloat16 cache (the default of a bfloat16 model: fdcore.models.kv_cache.PagedKVCache): half the bytes a key
 // or value, and the products in `vdpbf16ps`, two to a float32 lane. HB heads against a row's keys as
 // AttendHeads does, C2 = D / 32: q rounded to bfloat16 (nearest even) and multiplied by each key's 32-value
 // vectors, summed 16 keys at once (Sum16); softmax in float32; then the weights rounded to bfloat16 and

@@ -20,8 +20,8 @@ import glob
 import hashlib
 import os
 import re
-import shutil
 import select
+import shutil
 import subprocess
 import sys
 import warnings
@@ -34,9 +34,21 @@ NAME = "fdcore_kernels"
 # What decides the generated code besides the sources: part of the build directory's name. The code-generation
 # flags are those Paddle's extension builder uses (with Python's -fwrapv and -DNDEBUG), so the library is the
 # same code it built.
-CXXFLAGS = ["-std=c++17", "-O3", "-fPIC", "-fwrapv", "-DNDEBUG", "-fopenmp", "-fno-math-errno",
-            "-fno-trapping-math", "-Wall", "-Werror", "-DPADDLE_WITH_CUSTOM_KERNEL",
-            f"-DPADDLE_EXTENSION_NAME={NAME}", "-D_GLIBCXX_USE_CXX11_ABI=1"]
+CXXFLAGS = [
+    "-std=c++17",
+    "-O3",
+    "-fPIC",
+    "-fwrapv",
+    "-DNDEBUG",
+    "-fopenmp",
+    "-fno-math-errno",
+    "-fno-trapping-math",
+    "-Wall",
+    "-Werror",
+    "-DPADDLE_WITH_CUSTOM_KERNEL",
+    f"-DPADDLE_EXTENSION_NAME={NAME}",
+    "-D_GLIBCXX_USE_CXX11_ABI=1",
+]
 
 
 class KernelBuildError(RuntimeError):
@@ -105,8 +117,7 @@ def _build_into(sources: dict[str, bytes], directory: str, progress) -> None:
         units = _snapshot(sources, building)
         with open(log, "wb") as output:
             objects = _compile_all(units, output, progress)
-            _run([compiler(), "-shared", *objects, "-o", library_path(building), *_link_flags()], "linking",
-                 output)
+            _run([compiler(), "-shared", *objects, "-o", library_path(building), *_link_flags()], "linking", output)
         _check_symbols(library_path(building))
     except BaseException:
         shutil.rmtree(building, ignore_errors=True)
@@ -145,8 +156,9 @@ def _compile_all(units: list[str], output, progress) -> list[str]:
             out = _output_of(source)
             output.write(out)
             if proc.returncode != 0:
-                raise KernelBuildError(_complaint(out, f"compiling {os.path.basename(source)}", proc.returncode,
-                                                  output.name))
+                raise KernelBuildError(
+                    _complaint(out, f"compiling {os.path.basename(source)}", proc.returncode, output.name)
+                )
             done += 1
             if progress:
                 progress(done, len(units))
@@ -163,8 +175,9 @@ def _start(command: list[str], what: str) -> subprocess.Popen:
         with open(what + ".out", "wb") as out:
             return subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)
     except OSError as exc:
-        raise KernelBuildError(f"cannot run the compiler {command[0]!r} ({os.path.basename(what)}): "
-                               f"{exc.strerror}") from None
+        raise KernelBuildError(
+            f"cannot run the compiler {command[0]!r} ({os.path.basename(what)}): {exc.strerror}"
+        ) from None
 
 
 def _output_of(what: str) -> bytes:
@@ -210,8 +223,9 @@ def _gcc_workarounds() -> list[str]:
     around the include does not reach inlined code. There those two warnings are off (they change no code);
     every other compiler keeps them."""
     try:
-        macros = subprocess.run([compiler(), "-E", "-dM", "-x", "c++", os.devnull], capture_output=True, text=True,
-                                timeout=60).stdout
+        macros = subprocess.run(
+            [compiler(), "-E", "-dM", "-x", "c++", os.devnull], capture_output=True, text=True, timeout=60
+        ).stdout
     except (OSError, subprocess.TimeoutExpired):
         return []  # (the compile fails next, naming the compiler)
     version = re.search(r"#define __GNUC__ (\d+)", macros)
@@ -246,6 +260,11 @@ def _link_flags() -> list[str]:
     from paddle.utils.cpp_extension.extension_utils import _get_core_name, find_paddle_libraries
 
     libraries = find_paddle_libraries(False)
-    return ["-fopenmp", *[f"-L{path}" for path in libraries],
-            *[f"-Wl,--enable-new-dtags,-R{path}" for path in libraries],
-            "-Wl,--no-as-needed", f"-l:{_get_core_name()}", "-Wl,--as-needed"]
+    return [
+        "-fopenmp",
+        *[f"-L{path}" for path in libraries],
+        *[f"-Wl,--enable-new-dtags,-R{path}" for path in libraries],
+        "-Wl,--no-as-needed",
+        f"-l:{_get_core_name()}",
+        "-Wl,--as-needed",
+    ]

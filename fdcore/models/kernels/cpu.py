@@ -16,8 +16,10 @@ AVX2_MARCH = "x86-64-v3"  # AVX2, FMA, F16C, BMI1/2: what every kernel's AVX2 pa
 # The /proc/cpuinfo flags each kernel needs, by path (the first the CPU has is built), with their usual name.
 KERNEL_PATHS = {
     "float32": ((("avx512f",), "AVX-512F"), (("avx2", "fma"), "AVX2")),
-    "bfloat16": ((("avx512f", "avx512bw", "avx512_bf16", "amx_tile", "amx_bf16"), "AMX-BF16"),
-                 (("avx512f", "avx512bw", "avx512_bf16"), "AVX512-BF16")),
+    "bfloat16": (
+        (("avx512f", "avx512bw", "avx512_bf16", "amx_tile", "amx_bf16"), "AMX-BF16"),
+        (("avx512f", "avx512bw", "avx512_bf16"), "AVX512-BF16"),
+    ),
     "wint8": ((("avx512f", "avx512bw", "avx512_vnni"), "AVX512-VNNI"), (("avx2", "fma", "f16c"), "AVX2")),
     "wint4": ((("avx512f", "avx512bw", "avx512_vnni"), "AVX512-VNNI"), (("avx2", "fma", "f16c"), "AVX2")),
 }

@@ -97,7 +97,7 @@ bool FoldsResidual(int64_t kind, const std::vector<paddle::Tensor>& weights, boo
 }
 
 // The MLP's activations, into `to` [M, rows / 2]: silu(gate) up of `from`'s gate and up products (rows: both
-// together, with their bias): a bfloat16 model's gate_up is gated (fdcore.models.llama.Bf16Matrix.pack_gated: SwiGLU
+// together, with their bias): a bfloat16 model's gate_up is gated (fdcore.models.matrices.Bf16Matrix.pack_gated: SwiGLU
 // in the product's epilogue, never the [M, rows] product in memory), its rows rounded both ways (Rows), the
 // activations rounded there for the down product; every other kind's product goes through SiluMul. `product`
 // [M, rows]: room for that product.

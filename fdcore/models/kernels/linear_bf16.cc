@@ -5,7 +5,7 @@
 // are half the bytes of float32; in batches, `vdpbf16ps` does two products per float32 lane and
 // instruction. Paddle's CPU build has no bfloat16 matmul.
 //
-// NOTE: the weight is packed once, at load (fdcore.models.llama.Bf16Matrix), in groups of 32 output
+// NOTE: the weight is packed once, at load (fdcore.models.matrices.Bf16Matrix), in groups of 32 output
 // rows: packed[g][kp][b][lane][e] = W[32 g + 16 b + lane][2 kp + e] (rows padded to a multiple of 32,
 // the inner dimension to an even count, with zeros). One 64-byte load then holds 16 output rows x 2
 // inputs, exactly what `vdpbf16ps` multiplies against a broadcast pair of X values: the accumulators
@@ -21,7 +21,7 @@
 // is faster: SmolLM2's bf16 forward at batch 1, steps alternating in one process, 1 chain 0.85-0.95x
 // the time of 4, 2 chains 0.91x, 8 chains 1.07x (session 9 chose 4 on an Intel Xeon, unmeasured since).
 //
-// An MLP's gate and up projections are packed gated (fdcore.models.llama.Bf16Matrix.pack_gated: a group's two
+// An MLP's gate and up projections are packed gated (fdcore.models.matrices.Bf16Matrix.pack_gated: a group's two
 // 16-row blocks are the gate's and the up projection's same 16 rows) and multiplied with their SwiGLU as the
 // product's epilogue (SwiGluOut): a 512-token SmolLM2 bfloat16 prefill, step / GEMM floor 1.26-1.39x -> 1.22-1.28x
 // (1 thread, alternating processes, 3 rounds each), where the [M, 2 I] product went through L3 and a pass of its own.
@@ -173,7 +173,7 @@ struct PlainOut {
 };
 
 // SwiGLU: a gated matrix's group g holds the gate's rows 16 g .. 16 g + 15, then the up projection's same rows
-// (fdcore.models.llama.Bf16Matrix.pack_gated); one block silu(gate + its bias) (up + its bias) is stored, row m of Y
+// (fdcore.models.matrices.Bf16Matrix.pack_gated); one block silu(gate + its bias) (up + its bias) is stored, row m of Y
 // at Y + m stride: float32 [M, I] (stride I), or bfloat16 bits (Bf16Bits) for the down projection to take as they
 // are, rows of `stride` >= I values (its rounded rows: a zero past I). bias: [2 I] (the gate's, then the up
 // projection's), or null. The SwiGLU's own pass over a [M, 2 I] product (its ~6 MB a layer of a 512-token SmolLM2

@@ -6,9 +6,9 @@
 // ~14.5 GB/s at batch 1, on 1 thread or 2; this kernel streams them at the memory's speed (28 GB/s on
 // one core of this EPYC, 33 GB/s on two), and in batches it keeps the FMA unit busy (~100 GFLOP/s on
 // one core from 32 rows of X up; MKL 68 at 32 rows, as fast only from ~1000 rows). It is used at every
-// batch size: the figures are in fdcore.models.llama.F32Matrix.
+// batch size: the figures are in fdcore.models.matrices.F32Matrix.
 //
-// NOTE: the weight is packed once, at load (fdcore.models.llama.F32Matrix), in panels of 32 output
+// NOTE: the weight is packed once, at load (fdcore.models.matrices.F32Matrix), in panels of 32 output
 // rows: packed[p][k][lane] = W[32 p + lane][k] (rows zero-padded to a multiple of 32). A panel is one
 // contiguous stream (what the hardware prefetcher follows best), and one k step of it is two 64-byte
 // loads of 16 outputs each, multiplied against a broadcast x[m][k]: the accumulators are the outputs

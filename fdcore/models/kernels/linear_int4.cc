@@ -14,7 +14,7 @@
 // output) with x' the quantized x, as llama.cpp's Q8_1 does: then the result is exactly x' . W', the
 // activations' rounding error meets the weights themselves (centred on 0). With the exact float sum of x
 // instead, it meets W - minimum (all of one sign) and measured twice the logit error on SmolLM2.
-// Packing (fdcore.models.llama.Int4Matrix), in groups of 32 output rows, each block of 32 inputs one
+// Packing (fdcore.models.matrices.Int4Matrix), in groups of 32 output rows, each block of 32 inputs one
 // contiguous 640-byte record: 512 bytes of nibbles, [v][b][lane][j] = q[32 g + 16 b + lane][8 v + j] |
 // q[32 g + 16 b + lane][8 v + 4 + j] << 4 (v < 4, b < 2, lane < 16, j < 4), then the 32 rows' scales
 // and their 32 minimums (float16). One 64-byte load is 16 rows x 8 inputs: its low nibbles (a mask) and
