@@ -17,6 +17,8 @@ from fdcore.ipc import names
 from fdcore.ipc.allreduce import PeerGone, ShmCommunicator
 from fdcore.ipc.shm import unlink_quietly
 
+pytestmark = pytest.mark.tree
+
 RANK = textwrap.dedent("""
     import sys
     import numpy as np

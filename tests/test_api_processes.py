@@ -22,6 +22,8 @@ from fdcore.checkpoint import tiny
 from fdcore.supervisor import actor_pid
 from tests.supervised import Tree
 
+pytestmark = pytest.mark.tree
+
 
 def _free_port() -> int:
     with socket.socket() as s:

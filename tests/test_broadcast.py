@@ -17,6 +17,8 @@ from hypothesis import strategies as st
 from fdcore.ipc import BroadcastRing, Doorbell, Inbox, Ring, RingCorrupted, RingFull, names
 from fdcore.ipc import broadcast as broadcast_mod
 
+pytestmark = pytest.mark.tree
+
 
 class Group:
     """N readers' doorbells (as their inboxes would own them) and a ring over them."""

@@ -23,6 +23,8 @@ from fdcore.core.tokenizer import ModelTokenizer
 from fdcore.core.validation import ModelLimits, RequestError
 from tests.supervised import ROOT, Tree
 
+pytestmark = pytest.mark.tree
+
 REFERENCE = json.load(open(os.path.join(ROOT, "tests", "data", "chat_templates.json"), encoding="utf-8"))
 TOKENIZER_FILES = ["config.json", "generation_config.json", "tokenizer.json"]
 OPTIONS = ("tools", "documents", "add_generation_prompt", "continue_final_message", "chat_template")

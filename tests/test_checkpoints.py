@@ -21,6 +21,8 @@ from fdcore.models.llama import LlamaModel
 from tests.checkpoints import VARIANTS, make_checkpoint
 from tests.test_model import run_greedy
 
+pytestmark = [pytest.mark.tree, pytest.mark.kernels]
+
 REFERENCE = json.load(open(os.path.join(os.path.dirname(__file__), "data", "checkpoint_reference.json")))
 
 

@@ -16,6 +16,8 @@ from fdcore import LLM
 from fdcore.client import EngineError
 from tests.supervised import Tree, make_model_dir
 
+pytestmark = pytest.mark.tree
+
 
 @pytest.fixture
 def start_tree(tmp_path):

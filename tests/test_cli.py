@@ -14,6 +14,8 @@ import pytest
 from tests.supervised import ROOT, Tree
 from tests.test_server import free_port
 
+pytestmark = pytest.mark.tree
+
 FDCORE = os.path.join(os.path.dirname(sys.executable), "fdcore")  # the console script pip installed
 
 

@@ -21,6 +21,8 @@ from fdcore.config import parse_config
 from fdcore.supervisor import actor_pid
 from tests.supervised import tree_config
 
+pytestmark = pytest.mark.tree
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
 

@@ -12,6 +12,8 @@ import pytest
 
 from fdcore.models import kernels
 
+pytestmark = pytest.mark.kernels
+
 _PATHS = """
 import sys
 import numpy as np

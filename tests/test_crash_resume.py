@@ -19,6 +19,8 @@ from fdcore.supervisor import actor_census
 from fdcore.supervisor import actor_pid as find_actor
 from tests.supervised import tree_config
 
+pytestmark = pytest.mark.tree
+
 CHILDREN = {"worker": "worker0", "scheduler": "scheduler", "cache": "cache", "engine": "engine"}  # kind: child
 
 

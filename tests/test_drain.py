@@ -15,6 +15,8 @@ import pytest
 from fdcore.checkpoint import tiny
 from tests.supervised import Tree
 
+pytestmark = pytest.mark.tree
+
 
 def _free_port() -> int:
     with socket.socket() as s:

@@ -19,6 +19,8 @@ from fdcore import AsyncLLM, SamplingParams
 from fdcore.actors import faults
 from tests.supervised import Tree, make_model_dir
 
+pytestmark = pytest.mark.tree
+
 SHUTDOWN_TIMEOUT = 1.0
 
 

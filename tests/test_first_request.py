@@ -13,6 +13,8 @@ from fdcore.config import parse_config
 from fdcore.core import detokenizer
 from fdcore.protocol import CacheReset
 
+pytestmark = pytest.mark.kernels
+
 
 @pytest.fixture(scope="module")
 def config(tmp_path_factory):

@@ -28,6 +28,8 @@ from fdcore.checkpoint.gguf_file import GgufFile
 from fdcore.checkpoint.gguf_tokenizer import gguf_tokenizer
 from fdcore.models.kernels import kernel_path
 
+pytestmark = pytest.mark.kernels
+
 with open(os.path.join(os.path.dirname(__file__), "data", "gguf_reference.json"), encoding="utf-8") as _f:
     REFERENCE = json.load(_f)
 

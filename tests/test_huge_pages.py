@@ -10,6 +10,8 @@ import pytest
 
 from fdcore.models.tensors import HUGE_PAGE, on_huge_pages, packing_weights, zeros_on_huge_pages
 
+pytestmark = pytest.mark.kernels
+
 
 def _thp_mode() -> str:
     try:

@@ -12,6 +12,8 @@ from fdcore.ipc import Inbox, Receiver, Ring, RingEmpty, Sender, names
 from fdcore.ipc.channel import ProtocolError
 from fdcore.protocol import ClientMessage, Ping, Stop, Update
 
+pytestmark = pytest.mark.tree
+
 
 def _record(producer: int, seq: int) -> bytes:
     body = os.urandom(8 + (seq * 7 + producer) % 300)

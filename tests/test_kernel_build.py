@@ -15,6 +15,8 @@ import pytest
 from fdcore.checkpoint import tiny
 from tests.supervised import ROOT, Tree
 
+pytestmark = pytest.mark.tree
+
 FDCORE = os.path.join(os.path.dirname(sys.executable), "fdcore")
 
 

@@ -13,6 +13,8 @@ from fdcore.models import kernels
 from fdcore.models.kernels import kernel_path, operators
 from tests.attention import attend, reference
 
+pytestmark = pytest.mark.kernels
+
 
 def _bf16(array: np.ndarray) -> np.ndarray:
     """float32 rounded to bfloat16 (nearest even), widened to float64."""

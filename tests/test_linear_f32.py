@@ -8,6 +8,8 @@ import pytest
 
 from fdcore.models.kernels import kernel_path
 
+pytestmark = pytest.mark.kernels
+
 needs_f32_kernel = pytest.mark.skipif(
     kernel_path("float32") is None, reason="float32 stays with MKL on CPUs without AVX-512F or AVX2"
 )

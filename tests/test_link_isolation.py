@@ -32,6 +32,8 @@ from fdcore.protocol import (
 from fdcore.supervisor import actor_pid
 from tests.test_crash_resume import config, requests, stream_all
 
+pytestmark = pytest.mark.tree
+
 HOSTILE = ["bytes", "wrong_type", "wrong_type_batch", "forged_abort", "forged_add", "forged_hello"]
 DISCONNECTING = {"bytes", "wrong_type", "wrong_type_batch"}
 

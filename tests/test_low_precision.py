@@ -12,6 +12,8 @@ import pytest
 from fdcore.models.kernels import kernel_flags, kernel_path, linear_bf16, missing_cpu_feature
 from fdcore.models.matrices import Int4Matrix, Int8Matrix
 
+pytestmark = [pytest.mark.tree, pytest.mark.kernels]
+
 HAS_BF16 = kernel_path("bfloat16") is not None
 needs_bf16 = pytest.mark.skipif(not HAS_BF16, reason="bfloat16 compute is refused on CPUs without AVX512-BF16")
 

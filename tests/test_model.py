@@ -15,6 +15,8 @@ from fdcore.models.llama import LlamaModel
 from fdcore.models.sampling import SamplerRequest, sample
 from fdcore.protocol import SamplingParams
 
+pytestmark = pytest.mark.kernels
+
 REFERENCE = json.load(open(os.path.join(os.path.dirname(__file__), "data", "reference.json")))
 BLOCK = 16
 

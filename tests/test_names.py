@@ -9,6 +9,8 @@ import pytest
 from fdcore.actors import topology
 from fdcore.ipc import Inbox, Ring, names
 
+pytestmark = pytest.mark.tree
+
 
 def test_instance_ids_are_unguessable_and_carry_the_owner_pid():
     ids = {names.new_instance_id() for _ in range(1000)}

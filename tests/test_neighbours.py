@@ -13,9 +13,13 @@ import signal
 import subprocess
 import sys
 
+import pytest
+
 from fdcore import LLM, SamplingParams
 from fdcore.ipc import names
 from tests.supervised import ROOT, Tree, make_model_dir
+
+pytestmark = pytest.mark.tree
 
 INNER_TEST = """
 from fdcore import LLM, SamplingParams

@@ -9,6 +9,8 @@ import pytest
 
 from fdcore.models.kernels import operators
 
+pytestmark = pytest.mark.kernels
+
 needs_ops = pytest.mark.skipif(operators() is None, reason="fdcore's C++ operators do not build here")
 
 _ON_THREADS = """

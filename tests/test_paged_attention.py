@@ -14,6 +14,8 @@ from fdcore.models import kernels
 from fdcore.models.kernels import operators
 from tests.attention import attend, reference
 
+pytestmark = pytest.mark.kernels
+
 needs_ops = pytest.mark.skipif(operators() is None, reason="fdcore's C++ operators do not build here")
 
 CASES = [

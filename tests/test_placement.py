@@ -13,6 +13,8 @@ from fdcore.core.placement import Placement, plan
 from fdcore.supervisor import actor_processes
 from tests.supervised import tree_config
 
+pytestmark = pytest.mark.tree
+
 
 @pytest.mark.parametrize(
     "cpus, ranks, threads, expected",

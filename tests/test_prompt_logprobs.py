@@ -19,6 +19,8 @@ from fdcore.models.sampling import score_tokens
 from fdcore.supervisor import actor_pid
 from tests.supervised import tree_config
 
+pytestmark = [pytest.mark.tree, pytest.mark.kernels]
+
 TOP = 3
 
 

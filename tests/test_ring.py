@@ -16,6 +16,8 @@ from hypothesis import strategies as st
 from fdcore.ipc import RecordTooLarge, Ring, RingClosed, RingCorrupted, RingEmpty, RingError, RingFull
 from fdcore.ipc import ring as ring_mod
 
+pytestmark = pytest.mark.tree
+
 
 @pytest.fixture
 def ring():

@@ -8,6 +8,8 @@ import pytest
 from fdcore.models.sampling import SamplerRequest, sample
 from fdcore.protocol import SamplingParams
 
+pytestmark = pytest.mark.kernels
+
 V = 16
 
 

@@ -19,6 +19,8 @@ import pytest
 
 from tests.supervised import Tree
 
+pytestmark = pytest.mark.tree
+
 MODEL = "tiny"
 TREES: list = []  # the module's tree, for tests that kill its actors
 KEY = "sk-test-fdcore"

@@ -13,6 +13,8 @@ from fdcore.core.batch import BatchInput
 from fdcore.models.kv_cache import PagedKVCache
 from fdcore.models.llama import LlamaModel
 
+pytestmark = pytest.mark.kernels
+
 BLOCK = 16
 
 

@@ -19,6 +19,8 @@ from fdcore.actors import topology
 from fdcore.checkpoint import tiny
 from tests.supervised import ROOT, tree_config
 
+pytestmark = pytest.mark.tree
+
 
 def _can_mount() -> bool:
     try:

@@ -18,6 +18,8 @@ from fdcore import LLM, SamplingParams
 from fdcore.checkpoint import tiny
 from fdcore.config import parse_config
 
+pytestmark = pytest.mark.tree
+
 REFERENCE = json.load(open(os.path.join(os.path.dirname(__file__), "data", "reference.json")))
 CASE = REFERENCE["checkpoints"]["llama-gqa"]["cases"]["short"]  # the bundled tiny model's greedy tokens
 PROMPT, GREEDY_TOKENS = CASE["prompt"], CASE["output"]

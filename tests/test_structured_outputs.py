@@ -25,6 +25,8 @@ from fdcore.core.validation import RequestError
 from fdcore.models.sampling import SamplerRequest, sample
 from tests.test_crash_resume import actor_pid, config, stream_all
 
+pytestmark = [pytest.mark.tree, pytest.mark.kernels]
+
 SCHEMAS = 200
 
 

@@ -16,6 +16,8 @@ from fdcore.checkpoint import tiny
 from fdcore.ipc import names
 from tests.supervised import ROOT, Tree, make_model_dir
 
+pytestmark = pytest.mark.tree
+
 CHILDREN = ["cache", "worker0", "scheduler", "engine"]
 
 

@@ -11,6 +11,8 @@ from fdcore import AsyncLLM, SamplingParams
 from fdcore.checkpoint import tiny
 from tests.supervised import tree_config
 
+pytestmark = pytest.mark.tree
+
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):

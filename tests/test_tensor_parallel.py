@@ -18,6 +18,8 @@ from fdcore.ipc.allreduce import ShmCommunicator
 from fdcore.ipc.shm import unlink_quietly
 from fdcore.models.tensor_parallel import head_shares, shard_checkpoint, share
 
+pytestmark = [pytest.mark.tree, pytest.mark.kernels]
+
 CAPACITY = 8 << 20
 STEPS = 12
 

@@ -9,6 +9,8 @@ import pytest
 from fdcore.models.kernels import kernel_path
 from fdcore.models.tuning import SwitchTrial, fastest, rounds_for
 
+pytestmark = pytest.mark.kernels
+
 
 class FakeHost:
     """A clock that a run advances by the current setting's cost, plus a drift per run."""
