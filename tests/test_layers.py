@@ -14,7 +14,12 @@ PACKAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 # Bottom first. A group may import itself and any group of a lower layer; groups of one layer are independent.
 LAYERS = [
-    ["fdcore.envs", "fdcore.protocol", "fdcore.supervision"],  # leaves: the environment, messages, OTP policy
+    [
+        "fdcore.envs",
+        "fdcore.logs",
+        "fdcore.protocol",
+        "fdcore.supervision",
+    ],  # leaves: environment, logging, messages, OTP policy
     ["fdcore.ipc"],  # shared-memory transport
     ["fdcore.checkpoint"],  # what is on disk (no Paddle)
     ["fdcore.core"],  # pure serving policy (no Paddle)

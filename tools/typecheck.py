@@ -16,6 +16,8 @@ import sys
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 STRICT = [
     "fdcore/envs.py",
+    "fdcore/logs.py",
+    "fdcore/supervisor/events.py",
     "fdcore/supervision.py",
     "fdcore/ipc/codec.py",
     "fdcore/ipc/doorbell.py",

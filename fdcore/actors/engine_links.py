@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import fcntl
 import os
-import sys
 import time
 from dataclasses import dataclass, field
 
 import msgspec
 
+from fdcore import logs
 from fdcore.actors import topology
 from fdcore.config import model_path
 from fdcore.ipc import RecordTooLarge, Ring, RingCorrupted, RingFull, Sender, names
@@ -25,6 +25,8 @@ from fdcore.protocol import (
     Update,
     Welcome,
 )
+
+_log = logs.logger(__name__)
 
 
 @dataclass(eq=False)
@@ -183,7 +185,7 @@ class ClientLinks:
         now = time.monotonic()
         if now - slot.logged_at >= 1.0:
             slot.logged_at = now
-            sys.stderr.write(f"fdcore: engine disconnected {topology.client_id(client)}: {reason}\n")
+            _log.warning(f"fdcore: engine disconnected {topology.client_id(client)}: {reason}")
         self.receiver.source.drain(topology.client_id(client))  # first: what it sends after our answer counts
         slot.outbox.clear()
         slot.stalled_since = None

@@ -25,6 +25,7 @@ import sys
 import time
 import traceback
 
+from fdcore import logs
 from fdcore.actors import faults, health, topology
 from fdcore.actors.health import HealthBoard, State
 from fdcore.checkpoint import CheckpointError
@@ -32,6 +33,8 @@ from fdcore.config import Config, load_config, worker_ranks, worker_threads
 from fdcore.core import placement
 from fdcore.ipc import BroadcastRing, Inbox, Receiver, Ring, RingEmpty, Sender
 from fdcore.protocol import ControlMessage, Ping, Pong, Stop, Suspects
+
+_log = logs.logger(__name__)
 
 PR_SET_PDEATHSIG = 1
 
@@ -126,7 +129,7 @@ class Actor:
         try:
             self.send(self.suspects_to, Suspects(self.child_id, getattr(self, "epoch", None) or 0, list(self.handling)))
         except Exception as exc:
-            sys.stderr.write(f"fdcore: {self.child_id} could not report its suspects: {exc!r}\n")
+            _log.warning(f"fdcore: {self.child_id} could not report its suspects: {exc!r}")
 
     # --------------------------------------------------------------- plumbing
     def _sender(self, to: str) -> Sender:
@@ -275,7 +278,7 @@ def main(actor_cls, argv=None) -> int:
             board.write(args.slot, health.STATE, State.STOPPING)
             actor.on_stop()
     except CheckpointError as exc:  # the user's files: one line naming file and field, no traceback
-        sys.stderr.write(f"fdcore: {args.id} cannot start: {exc}\n")
+        _log.error(f"fdcore: {args.id} cannot start: {exc}")
         return 1
     except Exception:
         if _stop_signals and actor.standby:
@@ -365,7 +368,7 @@ def _take_place(child_id: str, config: Config) -> placement.Placement | None:
     try:
         placement.pin_process_threads(None, mine)
     except OSError as exc:  # (CPUs taken away since the supervisor started, e.g. by a cgroup): run unpinned
-        sys.stderr.write(f"{child_id}: CPU placement given up: {exc}\n")
+        _log.warning(f"{child_id}: CPU placement given up: {exc}")
         return None
     return plan
 
@@ -385,5 +388,5 @@ def _raise_stop(signum, frame):
 
 
 def _crash_report(child_id: str) -> None:
-    sys.stderr.write(f"fdcore: CRASH actor={child_id} pid={os.getpid()}\n{traceback.format_exc()}")
+    _log.error(f"fdcore: CRASH actor={child_id} pid={os.getpid()}\n{traceback.format_exc().rstrip()}")
     sys.stderr.flush()

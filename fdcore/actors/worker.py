@@ -19,13 +19,13 @@ the forward runs, applied before sampling, and each drawn token advances it.
 from __future__ import annotations
 
 import os
-import sys
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from fdcore import logs
 from fdcore.actors import faults, health, topology
 from fdcore.actors.runtime import Actor, StopRequested
 from fdcore.config import model_path
@@ -34,6 +34,8 @@ from fdcore.core.batch import BatchInput
 from fdcore.core.step_cost import StepCost, parameter_count
 from fdcore.models.tuning import SwitchTrial
 from fdcore.protocol import PromptScores, SamplingParams, Step, StepResult, WorkerMessage, WorkerSync
+
+_log = logs.logger(__name__)
 
 # The worker's threads are counted (a stat of /proc/self/task: ~45 us a step after a batch-1 forward, half
 # the actor loop's time between two steps) after each of its first steps, when OpenMP starts its threads,
@@ -105,9 +107,9 @@ class WorkerActor(Actor):
         self._load_model()
         cache = self.config.cache
         self.cache = self.model.new_cache(cache.num_blocks, cache.block_size, cache.dtype, self.kv_fd)
-        sys.stderr.write(
+        _log.info(
             f"{self.child_id}: KV cache in {self.cache.dtype}: {cache.num_blocks} blocks of "
-            f"{cache.block_size} tokens{' in the rank shared memory' if self.kv_fd is not None else ''}\n"
+            f"{cache.block_size} tokens{' in the rank shared memory' if self.kv_fd is not None else ''}"
         )
         if self.world == 1:  # a shared cache holds the serving worker's blocks: the warm-up writes one of its own
             self._warm_up(self.model.new_cache(1, cache.block_size, cache.dtype) if self.cache.shared else self.cache)
@@ -155,9 +157,9 @@ class WorkerActor(Actor):
 
             chosen = weight_prefetch()  # (the load's choice, as the kernels hold it)
             self.prefetch_trial = SwitchTrial(chosen, not chosen)
-            sys.stderr.write(
+            _log.info(
                 f"{self.child_id}: weight prefetch {'on' if chosen else 'off'} (a pass over the "
-                f"weights: on {timing[True] * 1e3:.2f} ms, off {timing[False] * 1e3:.2f} ms)\n"
+                f"weights: on {timing[True] * 1e3:.2f} ms, off {timing[False] * 1e3:.2f} ms)"
             )
 
     def _shared_weights(self, args):
@@ -188,9 +190,9 @@ class WorkerActor(Actor):
                 shared.keep_private(f"shared pages streamed {slowdown:.0%} slower than private huge pages here")
                 state, reason = shared.state()
             elif slowdown is not None:
-                sys.stderr.write(f"{self.child_id}: shared pages stream {slowdown:+.0%} against private huge pages\n")
+                _log.info(f"{self.child_id}: shared pages stream {slowdown:+.0%} against private huge pages")
         if state != EMPTY:
-            sys.stderr.write(f"{self.child_id}: weights kept private: {reason}\n")
+            _log.warning(f"{self.child_id}: weights kept private: {reason}")
             shared.unlock()
             shared.close()
             return None
@@ -207,8 +209,8 @@ class WorkerActor(Actor):
             if shared.full is None
             else f"kept private ({shared.full}), partly in"
         )
-        sys.stderr.write(
-            f"{self.child_id}: weights {how} the rank's shared memory ({shared.used >> 20} MiB) in {seconds:.2f} s\n"
+        _log.info(
+            f"{self.child_id}: weights {how} the rank's shared memory ({shared.used >> 20} MiB) in {seconds:.2f} s"
         )
 
     def _warm_up(self, cache) -> None:
@@ -237,7 +239,7 @@ class WorkerActor(Actor):
         try:
             placement.pin_process_threads(self.placement.mains[self.rank], self.placement.helpers[self.rank])
         except OSError as exc:  # (CPUs taken away since the start, e.g. by a cgroup): run unpinned
-            sys.stderr.write(f"{self.child_id}: CPU placement given up: {exc}\n")
+            _log.warning(f"{self.child_id}: CPU placement given up: {exc}")
             self.placement = None
         self.placed_threads = placement.thread_count()
 
@@ -286,7 +288,7 @@ class WorkerActor(Actor):
     def _loading(self, done: int, total: int) -> None:
         if not self.standby:  # a spare's slot belongs to the worker it may replace
             self.board.write(self.slot, health.LOADING, 1000 * done // total)
-        sys.stderr.write(f"{self.child_id}: loading weights {done}/{total}\n")
+        _log.info(f"{self.child_id}: loading weights {done}/{total}")
 
     def handle(self, message) -> None:
         if isinstance(message, Step):
@@ -405,10 +407,10 @@ class WorkerActor(Actor):
 
     def _prefetch_tried(self, trial: SwitchTrial, seconds: float) -> None:
         if trial.record(seconds):
-            sys.stderr.write(
+            _log.info(
                 f"{self.child_id}: weight prefetch now {'on' if trial.current else 'off'} (batch-1 "
                 f"steps alternating: {'off' if trial.current else 'on'} took {1 / trial.last_ratio:.3f}x "
-                f"the time)\n"
+                f"the time)"
             )
 
     def _follow(self, sampling: list) -> None:

@@ -15,14 +15,15 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
-import sys
 import threading
 
-from fdcore import envs
+from fdcore import envs, logs
 from fdcore.actors import health, topology
 from fdcore.actors.runtime import Actor
 from fdcore.ipc import Receiver, RingEmpty
 from fdcore.protocol import ControlMessage, Ping, Pong, Stop
+
+_log = logs.logger(__name__)
 
 
 class ApiActor(Actor):
@@ -138,7 +139,7 @@ class ApiActor(Actor):
             try:
                 drained.result(timeout + 10.0)
             except Exception as exc:  # (the loop is stopping or wedged: close anyway)
-                sys.stderr.write(f"fdcore: {self.child_id} could not drain: {exc!r}\n")
+                _log.warning(f"fdcore: {self.child_id} could not drain: {exc!r}")
         self.server.should_exit = True
 
 
