@@ -433,7 +433,7 @@ def read_gguf(
 ) -> tuple[dict, dict[str, np.ndarray], tuple[int, ...], dict[str, Blocks]]:
     """Read a Llama / Mistral / Qwen2 / Qwen3 GGUF file completely, as fdcore's loader reads a directory.
 
-    Returns ``(config, tensors, eos_ids)``:
+    Returns ``(config, tensors, eos_ids, blocks)``:
 
     - ``config``: a ``config.json``-style dict synthesized from the metadata (``architectures``,
       ``model_type``, ``hidden_size``, ``intermediate_size``, ``num_hidden_layers``,

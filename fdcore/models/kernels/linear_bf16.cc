@@ -16,10 +16,8 @@
 //
 // Every output is one chain of `vdpbf16ps` over the pairs of K in order, whatever the pass (8 rows, 4 or
 // 1): a row's bits are the same alone as in any batch, as float32's and wint8's are, which is what a
-// crash's recompute in other batches wants. One row alone used to run 4 chains per output (summed at
-// the end), for more instructions in flight; on a Zen 4 EPYC (AVX512-BF16, 2 threads) the single chain
-// is faster: SmolLM2's bf16 forward at batch 1, steps alternating in one process, 1 chain 0.85-0.95x
-// the time of 4, 2 chains 0.91x, 8 chains 1.07x (session 9 chose 4 on an Intel Xeon, unmeasured since).
+// crash's recompute in other batches wants. One chain per output, not several summed at the end: it was
+// the fastest of 1, 2, 4 and 8 on a Zen 4 EPYC (DESIGN.md, "bfloat16 weights").
 //
 // An MLP's gate and up projections are packed gated (fdcore.models.matrices.Bf16Matrix.pack_gated: a group's two
 // 16-row blocks are the gate's and the up projection's same 16 rows) and multiplied with their SwiGLU as the
