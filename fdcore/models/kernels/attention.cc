@@ -95,6 +95,7 @@ static void AttendTask(const float* qg, int64_t G, int64_t D, const float* K, co
 static void AttendRowsInTiles(const uint16_t* Qr, int64_t B, int64_t H, int64_t D, const uint16_t* K, const uint16_t* V,
                               int64_t KVH, int64_t NB, int64_t BS, const int64_t* T, int64_t W, const int64_t* LEN,
                               int64_t window, bool parallel, float* O, uint16_t* Or) {
+  // (long: the tile units' loop over one sequence's rows, its runs and their output rows share every local)
   const int64_t G = H / KVH;
   std::vector<int64_t> units, unit_run;  // each unit's first row (then B), and its run's place in laid_out (or -1)
   struct Run {
@@ -210,6 +211,7 @@ extern "C" int fdcore_attention_rounds_rows(int64_t G, int64_t D, int64_t BS, in
 static bool AttendRows(const float* Q, const uint16_t* Qr, int64_t B, int64_t H, int64_t D, const void* K,
                        const void* V, bool bf16, int64_t KVH, int64_t NB, int64_t BS, const int64_t* T, int64_t W,
                        const int64_t* LEN, int64_t window, float* O, uint16_t* Or) {
+  // (long: the dispatch of every (row, KV head) task to the widest path that takes it, in one pass)
   const int64_t G = H / KVH;
   int64_t work = 0;
   for (int64_t b = 0; b < B; ++b) {
@@ -300,6 +302,7 @@ bool AttentionBlockInto(const float* X, int64_t Tn, int64_t width, const paddle:
                         const paddle::Tensor& tables, const paddle::Tensor& lengths, const paddle::Tensor& q_norm,
                         const paddle::Tensor& k_norm, int64_t num_heads, float scale, int64_t window, float norm_eps,
                         float* Qo, float* O, uint16_t* Or) {
+  // (long: rotary, the cache write and attention of a layer, over one set of row pointers)
   const auto vs = v_cache.shape();
   const int64_t KVH = vs[0], NB = vs[1], BS = vs[2], D = vs[3], H = num_heads, half = D / 2;
   PD_CHECK(width == (H + 2 * KVH) * D, "attention_block: qkv width does not match the heads");

@@ -69,6 +69,7 @@ static inline void ScoreFewerRuns8(int count, const float* qg, int64_t D, int64_
 template <int CC, int HB>
 static void AttendHeads8(const float* qg, int64_t D, const float* K, const float* V, int64_t kv_base, int64_t BS,
                          const int64_t* table, int64_t first, int64_t L, float* scores, float* out) {
+  // (long: the scores, softmax and weighted sums of a pass keep their vectors in registers across it)
   const int64_t C = CC > 0 ? CC : D / 8;
   auto each_key = [&](const float* base, auto&& visit) { ForEachKey(base, kv_base, BS, D, table, first, L, visit); };
   constexpr int NV = std::max(1, std::min(4, 10 / HB));  // runs a pass: NV HB chains and NV keys in 16 registers

@@ -119,6 +119,7 @@ template <int C, int HB, int R>
 static void AttendHeadsRows(const float* const (&qg)[R], int64_t D, const float* K, const float* V, int64_t kv_base,
                             int64_t BS, const int64_t* table, int64_t first, int64_t L, float* const (&scores)[R],
                             float* const (&out)[R]) {
+  // (long: the scores, softmax and weighted sums of a pass keep their vectors in registers across it)
   static_assert(R == 1 || (R == 2 && HB * C <= 12), "AttendHeadsRows: o would not stay in registers");
   __mmask16 masks[C];
   for (int c = 0; c < C; ++c) masks[c] = Tail(D - 16 * c);

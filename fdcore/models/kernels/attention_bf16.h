@@ -77,6 +77,7 @@ template <int C2, int HB>
 static void AttendHeadsBf16(const float* qg, int64_t D, const uint16_t* K, const uint16_t* V, int64_t kv_base,
                             int64_t BS, const int64_t* table, int64_t first, int64_t L, float* scores,
                             uint16_t* weights, float* out) {
+  // (long: the scores, softmax and weighted sums of a pass keep their vectors in registers across it)
   auto each_key = [&](const uint16_t* base, auto&& visit) { ForEachKey(base, kv_base, BS, D, table, first, L, visit); };
   __m512bh q[HB][C2];
   for (int h = 0; h < HB; ++h)

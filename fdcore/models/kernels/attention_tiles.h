@@ -183,6 +183,7 @@ template <int DC>
 __attribute__((target("amx-tile,amx-bf16"))) static void AttendRowsTiles(
     const uint16_t* Qr, int64_t G, int64_t R, int64_t per_tile, const uint16_t* K, const uint16_t* V, int64_t kv_base,
     int64_t BS, const int64_t* table, int64_t L0, float* O, uint16_t* Or, int64_t row_stride, RunLayout run) {
+  // (long: a unit's tiles stay configured and loaded across its scores, softmax and products)
   constexpr int64_t D = DC * 16;
   const int tiles = R > per_tile ? 2 : 1;
   const int64_t last = L0 + R - 1, padded = (last + 31) / 32 * 32;

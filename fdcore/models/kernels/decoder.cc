@@ -209,6 +209,7 @@ std::vector<paddle::Tensor> DecoderLayers(const paddle::Tensor& hidden, const pa
                                           int64_t kind, int64_t num_heads, float scale, float eps,
                                           const std::vector<int64_t>& group, float group_timeout, int64_t head_kind,
                                           int64_t head_rows) {
+  // (long: every layer of a step over one workspace; its phases are the functions above)
   const size_t layers = k_caches.size();
   PD_CHECK(v_caches.size() == layers, "decoder_layers: one V cache per layer");
   PD_CHECK(weights.size() == layers * kSlots, "decoder_layers: weights are not kSlots per layer");

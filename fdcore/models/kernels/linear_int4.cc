@@ -61,6 +61,7 @@ constexpr int kRowsPerPass = 4;  // rows of X per pass over a group's weights
 template <int MB>
 void GroupRows(const int8_t* Xq, const float* xs, const float* xsum, int64_t Kp, const uint8_t* Wg, int64_t outputs,
                int64_t N, float* Y, bool stream = false) {
+  // (long: the row block's accumulators live in registers across the whole group)
   const int64_t blocks = Kp / kQuant;
   const __m512i low = _mm512_set1_epi8(0x0f);
   __m512 acc[MB][kLanes];

@@ -258,6 +258,7 @@ constexpr int kPrefetchAhead = 4096;
 template <int MB, int NB = kBlocks, int B0 = 0>
 void GroupRows(const XRows& x, const uint8_t* Wg, const uint16_t* ws, int64_t N, int64_t g, int64_t m0, float* Y,
                bool stream = false) {
+  // (long: the row block's accumulators live in registers across the whole group)
   __m512 acc[MB][NB];
   for (int j = 0; j < MB; ++j)
     for (int b = 0; b < NB; ++b) acc[j][b] = _mm512_setzero_ps();
@@ -343,6 +344,7 @@ constexpr int kPrefetchAhead = 4096;
 // arithmetic, so the same bits. A group is 32 rows: 4 integer accumulators a row of x.
 template <int MB>
 void GroupRows(const XRows& x, const uint8_t* Wg, const uint16_t* ws, int64_t N, int64_t g, int64_t m0, float* Y) {
+  // (long: the row block's accumulators live in registers across the whole group)
   constexpr int R = kGroup / 8;  // 8-row vectors
   const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80)), ones = _mm256_set1_epi16(1),
                 by254 = _mm256_set1_epi16(254);
