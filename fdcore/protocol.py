@@ -20,7 +20,7 @@ class Message(msgspec.Struct, array_like=True, frozen=True, gc=False, tag=True):
 
 
 # --------------------------------------------------------------- actor control
-class Stop(Message):
+class Stop(Message):  # type: ignore[misc]  # (msgspec: a frozen Struct's subclasses are frozen too)
     """Finish what can be finished and exit cleanly. ``restart``: the supervisor stops this actor
     only to start it again (a sibling died under one_for_all / rest_for_one), so open requests are
     not failed: the successor takes them over (the clients re-submit to a new engine)."""
@@ -29,13 +29,13 @@ class Stop(Message):
     restart: bool = False
 
 
-class Ping(Message):
+class Ping(Message):  # type: ignore[misc]  # (msgspec: a frozen Struct's subclasses are frozen too)
     """Liveness probe; answered with a Pong carrying the same nonce."""
 
     nonce: int
 
 
-class Pong(Message):
+class Pong(Message):  # type: ignore[misc]  # (msgspec: a frozen Struct's subclasses are frozen too)
     nonce: int
     sender: str
 
@@ -97,7 +97,7 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, om
     structured_outputs: StructuredOutputs | None = None  # the output must match this (JSON schema, regex...)
     prompt_logprobs: int | None = None  # each prompt token's logprob (after the first), and the top-N there
 
-    def with_defaults(self, defaults: dict | None = None) -> SamplingParams:
+    def with_defaults(self, defaults: dict[str, Any] | None = None) -> SamplingParams:
         """Every unset field filled: from ``defaults`` (the model's) where it has one, else neutral."""
         if None not in (self.temperature, self.top_p, self.top_k, self.min_p, self.repetition_penalty, self.max_tokens):
             return self  # the common case on the hot path: already filled
@@ -125,7 +125,7 @@ SAMPLING_DEFAULTS = {
 
 
 # ------------------------------------------------------------ client <-> engine
-class Hello(Message):
+class Hello(Message):  # type: ignore[misc]  # (msgspec: a frozen Struct's subclasses are frozen too)
     """A client took slot ``client``: forget the slot's previous session (its
     requests are aborted) and answer ``Welcome`` with the same session number, so
     the client can drop whatever the slot's previous owner left in its ring."""
@@ -134,7 +134,7 @@ class Hello(Message):
     session: int
 
 
-class Welcome(Message):
+class Welcome(Message):  # type: ignore[misc]  # (msgspec: a frozen Struct's subclasses are frozen too)
     session: int
     vocab_size: int
     max_model_len: int
@@ -143,7 +143,7 @@ class Welcome(Message):
     sampling_defaults: dict[str, int | float] = {}  # what the engine fills unset sampling fields with
 
 
-class AddRequest(Message):
+class AddRequest(Message):  # type: ignore[misc]  # (msgspec: a frozen Struct's subclasses are frozen too)
     """One request. ``body`` is a msgpack map decoded by the engine into
     :class:`RequestBody`, so a malformed field is the sender's error (400 naming
     the field), never an undecodable record on the engine's inbox."""
@@ -157,7 +157,7 @@ class AddRequest(Message):
     tenant: str = ""  # whom it is for, within the client (the HTTP server: the peer)
 
 
-class AbortRequest(Message):
+class AbortRequest(Message):  # type: ignore[misc]  # (msgspec: a frozen Struct's subclasses are frozen too)
     client: int
     request_id: str
 
@@ -172,10 +172,10 @@ class RequestBody(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True
 
     prompt: str | None = None
     prompt_token_ids: list[int] | None = None
-    messages: list | None = None  # [{role, content, ...}], checked by the engine (field-named errors)
+    messages: list[Any] | None = None  # [{role, content, ...}], checked by the engine (field-named errors)
     sampling_params: SamplingParams = SamplingParams()
-    tools: list[dict] | None = None
-    documents: list[dict] | None = None
+    tools: list[dict[Any, Any]] | None = None
+    documents: list[dict[Any, Any]] | None = None
     add_generation_prompt: bool | None = None
     continue_final_message: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
@@ -209,7 +209,7 @@ class Metrics(msgspec.Struct, array_like=True, omit_defaults=True):
     num_cached_tokens: int = 0
 
 
-class Update(Message):
+class Update(Message):  # type: ignore[misc]  # (msgspec: a frozen Struct's subclasses are frozen too)
     """New output of one request (engine -> client): a delta of tokens and text."""
 
     request_id: str
@@ -225,7 +225,7 @@ class Update(Message):
 
 
 # -------------------------------------------------------- engine <-> scheduler
-class AddSeq(Message):
+class AddSeq(Message):  # type: ignore[misc]  # (msgspec: a frozen Struct's subclasses are frozen too)
     """A validated, tokenized request (engine -> scheduler). ``seq`` is the
     engine's handle for it; ``output_token_ids`` are tokens already produced
     (a resumed request catches up by recomputing them)."""
@@ -238,14 +238,14 @@ class AddSeq(Message):
     tenant: str = ""  # the client slot and its tenant: the scheduler shares KV blocks fairly between tenants
 
 
-class FinishSeq(Message):
+class FinishSeq(Message):  # type: ignore[misc]  # (msgspec: a frozen Struct's subclasses are frozen too)
     """The engine ended a request (abort, stop string, client gone): free it now."""
 
     seq: int
     reason: str
 
 
-class SeqTokens(Message):
+class SeqTokens(Message):  # type: ignore[misc]  # (msgspec: a frozen Struct's subclasses are frozen too)
     """One step's sampled tokens (scheduler -> engine), one entry per sampling sequence."""
 
     epoch: int
@@ -256,7 +256,7 @@ class SeqTokens(Message):
     prompt_scores: list[PromptScores] | None = None  # of requests that asked for prompt_logprobs
 
 
-class Resync(Message):
+class Resync(Message):  # type: ignore[misc]  # (msgspec: a frozen Struct's subclasses are frozen too)
     """Engine -> scheduler: a new epoch. Drop every request, step and block of the old one
     (reset the cache manager and the worker too); the engine re-sends what is unfinished,
     each with the tokens its client already has."""
@@ -264,14 +264,14 @@ class Resync(Message):
     epoch: int
 
 
-class Restarted(Message):
+class Restarted(Message):  # type: ignore[misc]  # (msgspec: a frozen Struct's subclasses are frozen too)
     """Supervisor -> engine: an actor was restarted and is ready (its state is gone)."""
 
     child: str
     generation: int
 
 
-class Suspects(Message):
+class Suspects(Message):  # type: ignore[misc]  # (msgspec: a frozen Struct's subclasses are frozen too)
     """A crashing actor's last word (scheduler -> engine; a worker's or cache manager's through the
     scheduler): the requests it was handling when it raised. Two consecutive reports of one actor
     kind naming a request get it quarantined (:mod:`fdcore.core.quarantine`)."""
@@ -286,30 +286,30 @@ class Suspects(Message):
 # manager. Only calls whose answer the scheduler needs wait for one (allocate,
 # grow beyond the blocks held, statistics); frees and prefix registrations are
 # fire-and-forget (the link keeps them in order).
-class Allocate(Message):
+class Allocate(Message):  # type: ignore[misc]  # (msgspec: a frozen Struct's subclasses are frozen too)
     seq: int
     token_ids: list[int]
     max_new_tokens: int
     reuse_prefix: bool = True  # False: compute every token (a request scoring its prompt)
 
 
-class Grow(Message):
+class Grow(Message):  # type: ignore[misc]  # (msgspec: a frozen Struct's subclasses are frozen too)
     seq: int
     num_tokens: int
 
 
-class GrowMany(Message):
+class GrowMany(Message):  # type: ignore[misc]  # (msgspec: a frozen Struct's subclasses are frozen too)
     """Several grows in order, stopping at the first that does not fit (answered by GrowReply)."""
 
     seqs: list[int]
     num_tokens: list[int]
 
 
-class Free(Message):
+class Free(Message):  # type: ignore[misc]  # (msgspec: a frozen Struct's subclasses are frozen too)
     seq: int
 
 
-class Computed(Message):
+class Computed(Message):  # type: ignore[misc]  # (msgspec: a frozen Struct's subclasses are frozen too)
     """Blocks of ``seq`` computed up to ``num_computed`` tokens; ``token_ids`` start at
     block ``first_block`` (the blocks registered before need not be sent again)."""
 
@@ -319,11 +319,11 @@ class Computed(Message):
     num_computed: int
 
 
-class CacheStatsQuery(Message):
+class CacheStatsQuery(Message):  # type: ignore[misc]  # (msgspec: a frozen Struct's subclasses are frozen too)
     nonce: int
 
 
-class CacheReset(Message):
+class CacheReset(Message):  # type: ignore[misc]  # (msgspec: a frozen Struct's subclasses are frozen too)
     """Forget every allocation (a new epoch), and every cached prefix unless ``keep_prefixes``: the
     KV cache lives in shared memory that outlived whatever restarted, so each computed block registered
     in the prefix cache still holds what its hash says, and each of ``tails`` (a sequence whose computed
@@ -346,7 +346,7 @@ class CacheStats(msgspec.Struct, array_like=True, frozen=True):
     hit_tokens: int = 0
 
 
-class CacheReply(Message):
+class CacheReply(Message):  # type: ignore[misc]  # (msgspec: a frozen Struct's subclasses are frozen too)
     """Answer to Allocate / Grow / CacheStatsQuery. ``cached`` is the prefix-cached token
     count of an allocation (-1: no room, nothing held); ``ok`` whether a grow fit."""
 
@@ -358,7 +358,7 @@ class CacheReply(Message):
     epoch: int = 0
 
 
-class GrowReply(Message):
+class GrowReply(Message):  # type: ignore[misc]  # (msgspec: a frozen Struct's subclasses are frozen too)
     """The tables of the first ``granted`` sequences of a GrowMany (the rest were not grown)."""
 
     granted: int
@@ -367,14 +367,14 @@ class GrowReply(Message):
     epoch: int = 0
 
 
-class StatsQuery(Message):
+class StatsQuery(Message):  # type: ignore[misc]  # (msgspec: a frozen Struct's subclasses are frozen too)
     """Client -> engine -> scheduler: ask for the serving statistics."""
 
     nonce: int
     client: int = -1
 
 
-class ServingStats(Message):
+class ServingStats(Message):  # type: ignore[misc]  # (msgspec: a frozen Struct's subclasses are frozen too)
     nonce: int
     running: int = 0
     waiting: int = 0
@@ -402,14 +402,14 @@ class StepItem(msgspec.Struct, array_like=True, gc=False):
     blocks: list[int] | None = None  # the full block table when it changed, else None
 
 
-class WorkerSync(Message):
+class WorkerSync(Message):  # type: ignore[misc]  # (msgspec: a frozen Struct's subclasses are frozen too)
     """Scheduler -> worker: a new epoch; forget every sequence. A worker ignores steps of
     any other epoch (a restarted worker finds its predecessor's steps in its inbox)."""
 
     epoch: int
 
 
-class Step(Message):
+class Step(Message):  # type: ignore[misc]  # (msgspec: a frozen Struct's subclasses are frozen too)
     step: int
     epoch: int
     new: list[NewSeq]
@@ -417,7 +417,7 @@ class Step(Message):
     finished: list[int] = []  # sequences the worker may forget
 
 
-class StepResult(Message):
+class StepResult(Message):  # type: ignore[misc]  # (msgspec: a frozen Struct's subclasses are frozen too)
     step: int
     epoch: int
     seqs: list[int]

@@ -18,6 +18,7 @@ float16 (see :func:`_from_q4_k`). Other types (Q5_*, Q6_K, and every type under 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 
@@ -41,12 +42,12 @@ class Blocks:
     def dequantized(self) -> np.ndarray:
         """The weight as float32 (what the levels stand for)."""
         rows, cols = self.levels.shape
-        weight = self.levels.reshape(rows, -1, BLOCK).astype(np.float32) * self.scale[:, :, None]
+        weight: np.ndarray = self.levels.reshape(rows, -1, BLOCK).astype(np.float32) * self.scale[:, :, None]
         if self.minimum is not None:
             weight += self.minimum[:, :, None]
         return weight.reshape(rows, cols)
 
-    def take_rows(self, part) -> Blocks:
+    def take_rows(self, part: slice | np.ndarray) -> Blocks:
         return Blocks(
             self.kind, self.levels[part], self.scale[part], None if self.minimum is None else self.minimum[part]
         )
@@ -67,13 +68,18 @@ class Blocks:
 
 def concatenate_rows(pieces: list[Blocks | None]) -> Blocks | None:
     """Several weights stacked by rows (q, k and v as one product); None unless all are of one kind."""
-    if any(piece is None for piece in pieces) or len({piece.kind for piece in pieces}) != 1:
+    if any(piece is None for piece in pieces) or len({cast(Blocks, piece).kind for piece in pieces}) != 1:
         return None
     if len(pieces) == 1:
         return pieces[0]
-    minimum = None if pieces[0].minimum is None else np.concatenate([p.minimum for p in pieces])
+    minimum = (
+        None if cast(Blocks, pieces[0]).minimum is None else np.concatenate([cast(Blocks, p).minimum for p in pieces])
+    )
     return Blocks(
-        pieces[0].kind, np.concatenate([p.levels for p in pieces]), np.concatenate([p.scale for p in pieces]), minimum
+        cast(Blocks, pieces[0]).kind,
+        np.concatenate([cast(Blocks, p).levels for p in pieces]),
+        np.concatenate([cast(Blocks, p).scale for p in pieces]),
+        minimum,
     )
 
 

@@ -68,15 +68,18 @@ that formula, and is refused otherwise.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
 from fdcore.checkpoint.ggml_blocks import Blocks, from_ggml
 from fdcore.checkpoint.gguf_metadata import Metadata, float32_value, open_gguf
 from fdcore.checkpoint.model_args import CheckpointError
+
+if TYPE_CHECKING:
+    from fdcore.checkpoint.gguf_file import GgufFile, GgufTensor
 
 # general.architecture -> the HF class (Mistral files say "llama": see _hf_architecture)
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
@@ -143,7 +146,7 @@ def _head_dim(meta: Metadata, arch: str, hidden: int, heads: int) -> int:
     return head_dim
 
 
-def _rope_scaling(meta: Metadata, arch: str) -> dict | None:
+def _rope_scaling(meta: Metadata, arch: str) -> dict[str, Any] | None:
     """HF ``rope_scaling`` from the rope.scaling.* keys: linear and YaRN; others are refused."""
     prefix = f"{arch}.rope.scaling."
     kind = meta.get(prefix + "type")
@@ -167,7 +170,7 @@ def _rope_scaling(meta: Metadata, arch: str) -> dict | None:
     return scaling
 
 
-def _llama3_rope_scaling(factors: np.ndarray, head_dim: int, theta: float, file: str) -> dict | None:
+def _llama3_rope_scaling(factors: np.ndarray, head_dim: int, theta: float, file: str) -> dict[str, Any] | None:
     """HF's llama3 ``rope_scaling`` that reproduces llama.cpp's ``rope_freqs`` divisors.
 
     llama.cpp stores, per rotary frequency, the divisor f_i that Llama 3.1's scaling applies: 1 for
@@ -207,16 +210,16 @@ def _llama3_rope_scaling(factors: np.ndarray, head_dim: int, theta: float, file:
     return scaling
 
 
-def _llama3_divisors(scaling: dict, inv_freq: np.ndarray) -> np.ndarray:
+def _llama3_divisors(scaling: dict[str, Any], inv_freq: np.ndarray) -> np.ndarray:
     """The per-frequency divisors llama3 rope scaling applies (HF's _compute_llama3_parameters)."""
     factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
     old = scaling["original_max_position_embeddings"]
     wavelength = 2 * np.pi / inv_freq
     smooth = np.clip((old / wavelength - low) / (high - low), 0.0, 1.0)
-    return 1.0 / ((1 - smooth) / factor + smooth)
+    return cast(np.ndarray, 1.0 / ((1 - smooth) / factor + smooth))
 
 
-def _config(meta: Metadata, tensors_by_name: dict) -> dict:
+def _config(meta: Metadata, tensors_by_name: dict[str, GgufTensor]) -> dict[str, Any]:
     """The config.json dict that the metadata and the tensors (by llama.cpp name) describe."""
     tensor_names = tensors_by_name.keys()
     arch, hf_arch = _hf_architecture(meta)
@@ -287,7 +290,7 @@ class _Expected:
     shape: tuple[int, ...]
 
 
-def _expected_tensors(config: dict) -> list[_Expected]:
+def _expected_tensors(config: dict[str, Any]) -> list[_Expected]:
     """Every tensor the config implies, with llama.cpp's name and HF's name and shape."""
     c = config
     h, inter, hd = c["hidden_size"], c["intermediate_size"], c["head_dim"]
@@ -337,7 +340,7 @@ def _unpermute_rows(weight: np.ndarray, heads: int) -> np.ndarray:
     return np.ascontiguousarray(weight.reshape(heads, half, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape))
 
 
-def _dequantize(tensor, file: str) -> np.ndarray:
+def _dequantize(tensor: GgufTensor, file: str) -> np.ndarray:
     """One tensor as a fresh float32 array in numpy (HF) order: ggml lists dims innermost first."""
     from gguf.quants import dequantize
 
@@ -362,7 +365,7 @@ def _hf_name(gguf_name: str, file: str) -> str:
     raise CheckpointError(f"{file}: tensor {gguf_name!r} is not part of the architectures fdcore implements")
 
 
-def _convert(tensor, config: dict, file: str) -> tuple[np.ndarray, Blocks | None]:
+def _convert(tensor: GgufTensor, config: dict[str, Any], file: str) -> tuple[np.ndarray, Blocks | None]:
     """Dequantize (and keep the blocks of a kind fdcore's matrices take as they are: see
     fdcore.checkpoint.ggml_blocks), then undo the q/k row permutation that llama.cpp applies to llama files
     only (rows are whole blocks, so the blocks are permuted alike)."""
@@ -374,27 +377,30 @@ def _convert(tensor, config: dict, file: str) -> tuple[np.ndarray, Blocks | None
         if blocks is not None:
             blocks = Blocks(
                 blocks.kind,
-                *(
-                    None if a is None else _unpermute_rows(a, heads)
-                    for a in (blocks.levels, blocks.scale, blocks.minimum)
+                *cast(
+                    Iterator[Any],
+                    (
+                        None if a is None else _unpermute_rows(a, heads)
+                        for a in (blocks.levels, blocks.scale, blocks.minimum)
+                    ),
                 ),
             )
     return weight, blocks
 
 
-def _permuted_heads(name: str, config: dict) -> int:
+def _permuted_heads(name: str, config: dict[str, Any]) -> int:
     """The heads whose rows llama.cpp permuted in this tensor (llama files' q and k); 0: none."""
     if config["model_type"] not in ("llama", "mistral"):
         return 0
     if ".attn_q." in name:
-        return config["num_attention_heads"]
+        return cast(int, config["num_attention_heads"])
     if ".attn_k." in name:
-        return config["num_key_value_heads"]
+        return cast(int, config["num_key_value_heads"])
     return 0
 
 
 def _read_tensors(
-    reader, config: dict, file: str, progress: Callable[[int, int], None] | None
+    reader: GgufFile, config: dict[str, Any], file: str, progress: Callable[[int, int], None] | None
 ) -> tuple[dict[str, np.ndarray], dict[str, Blocks]]:
     """Every tensor, dequantized one at a time (peak memory: the float32 result + one tensor), and
     the blocks of those a packed matrix takes as they are."""
@@ -430,7 +436,7 @@ def _read_tensors(
 
 def read_gguf(
     file: str, progress: Callable[[int, int], None] | None = None
-) -> tuple[dict, dict[str, np.ndarray], tuple[int, ...], dict[str, Blocks]]:
+) -> tuple[dict[str, Any], dict[str, np.ndarray], tuple[int, ...], dict[str, Blocks]]:
     """Read a Llama / Mistral / Qwen2 / Qwen3 GGUF file completely, as fdcore's loader reads a directory.
 
     Returns ``(config, tensors, eos_ids, blocks)``:
@@ -472,7 +478,7 @@ def read_gguf(
     return config, tensors, _eos_ids(meta), blocks
 
 
-def read_gguf_config(file: str) -> tuple[dict, tuple[int, ...]]:
+def read_gguf_config(file: str) -> tuple[dict[str, Any], tuple[int, ...]]:
     """``(config, eos_ids)`` as :func:`read_gguf` gives them, without reading any tensor data
     (for the engine, which needs the limits and eos ids but not the weights)."""
     reader = open_gguf(file)

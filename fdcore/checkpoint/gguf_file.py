@@ -14,8 +14,13 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 from functools import cached_property
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    import numpy.typing as npt
+    from gguf import GGMLQuantizationType
 
 GGUF_MAGIC = 0x46554747  # "GGUF", little-endian
 VERSIONS = (2, 3)
@@ -45,7 +50,7 @@ class GgufTensor:
     """One tensor's directory entry; ``data`` as gguf.GGUFReader gives it (shape in numpy order)."""
 
     name: str
-    tensor_type: object  # gguf.GGMLQuantizationType
+    tensor_type: GGMLQuantizationType
     shape: np.ndarray  # ggml order (innermost first), as the reference reader's
     offset: int  # of its data in the file
     _file: GgufFile
@@ -71,13 +76,13 @@ class GgufFile:
 
     def __init__(self, path: str):
         self.map = np.memmap(path, mode="r")
-        self.buffer = memoryview(self.map)
+        self.buffer = memoryview(self.map)  # type: ignore[arg-type]  # (numpy stubs: __buffer__ on Python 3.12+ only)
         try:
             self._read()
         except (struct.error, IndexError, UnicodeDecodeError, ValueError) as exc:
             raise GgufFormatError(str(exc) or type(exc).__name__) from None
 
-    def array(self, offset: int, dtype, count: int) -> np.ndarray:
+    def array(self, offset: int, dtype: npt.DTypeLike, count: int) -> np.ndarray:
         return np.frombuffer(self.buffer, dtype=dtype, count=count, offset=offset)
 
     def _read(self) -> None:
@@ -88,7 +93,7 @@ class GgufFile:
             raise GgufFormatError(f"GGUF version {version} (big-endian, or not {VERSIONS})")
         tensor_count, kv_count = struct.unpack_from("<QQ", self.buffer, 8)
         self.at = 24
-        self.fields = {}
+        self.fields: dict[str, Any] = {}
         for _ in range(kv_count):
             key = self._string()
             self.fields[key] = self._value(self._scalar("<I"))
@@ -102,7 +107,7 @@ class GgufFile:
             raise GgufFormatError("a tensor name appears twice")
         self.tensors = [GgufTensor(name, kind, shape, start + offset, self) for name, kind, shape, offset in directory]
 
-    def _scalar(self, fmt: str):
+    def _scalar(self, fmt: str) -> Any:
         value = struct.unpack_from(fmt, self.buffer, self.at)[0]
         self.at += struct.calcsize(fmt)
         return value
@@ -115,7 +120,7 @@ class GgufFile:
         self.at += length
         return text
 
-    def _value(self, kind: int):
+    def _value(self, kind: int) -> Any:
         if kind == STRING:
             return self._string()
         if kind == ARRAY:
@@ -131,7 +136,7 @@ class GgufFile:
             raise GgufFormatError(f"value type {kind}")
         return self._scalar(_SCALARS[kind])
 
-    def _tensor_entry(self):
+    def _tensor_entry(self) -> tuple[str, GGMLQuantizationType, np.ndarray, int]:
         from gguf import GGMLQuantizationType
 
         name = self._string()

@@ -4,12 +4,13 @@ BPE, its pre-tokenizer named by the file), and its tokenizer_config.json-like se
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from fdcore.checkpoint.gguf_metadata import Metadata, open_gguf
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
+    from tokenizers.processors import PostProcessor
 
 _CONTROL, _UNKNOWN, _USER_DEFINED = 3, 2, 4
 
@@ -80,7 +81,7 @@ def _split_merges(meta: Metadata, merges: list[str]) -> list[tuple[str, str]]:
     return pairs
 
 
-def _byte_level_bpe(meta: Metadata, tokens: list[str]):
+def _byte_level_bpe(meta: Metadata, tokens: list[str]) -> tuple[Tokenizer, set[str] | None]:
     """GPT-2-style byte-level BPE: tokens spelled in the byte alphabet, merges from the file."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
@@ -133,7 +134,7 @@ def _merges_from_scores(tokens: list[str], scores: list[float]) -> list[tuple[st
     return [(left, right) for left, right, _ in candidates]
 
 
-def _sentencepiece_bpe(meta: Metadata, tokens: list[str]):
+def _sentencepiece_bpe(meta: Metadata, tokens: list[str]) -> tuple[Tokenizer, set[str] | None]:
     """SentencePiece-style BPE ("llama"): ▁ for spaces, byte fallback through <0xNN> tokens.
 
     The prefix ▁ comes from Metaspace(prepend_scheme="first"), as transformers builds these
@@ -163,7 +164,7 @@ def _sentencepiece_bpe(meta: Metadata, tokens: list[str]):
 
 
 def _add_special_tokens(
-    tokenizer, tokens: list[str], types: list[int], letters: set[str] | None, named: set[int]
+    tokenizer: Tokenizer, tokens: list[str], types: list[int], letters: set[str] | None, named: set[int]
 ) -> None:
     """Control / unknown tokens (and the named bos/eos) become special, user-defined ones plain
     added tokens: either way matched whole in the text, never cut by BPE.
@@ -185,7 +186,7 @@ def _add_special_tokens(
     tokenizer.add_tokens(plain)
 
 
-def _post_processor(meta: Metadata, tokens: list[str], default_bos: bool):
+def _post_processor(meta: Metadata, tokens: list[str], default_bos: bool) -> PostProcessor | None:
     """BOS (and EOS) added on encode when the file says so (add_special_tokens=True)."""
     from tokenizers import processors
 
@@ -205,7 +206,7 @@ def _post_processor(meta: Metadata, tokens: list[str], default_bos: bool):
     return processors.TemplateProcessing(single=" ".join(single), pair=" ".join(pair), special_tokens=specials)
 
 
-def gguf_tokenizer(file: str) -> tuple[Tokenizer, dict]:
+def gguf_tokenizer(file: str) -> tuple[Tokenizer, dict[str, Any]]:
     """The tokenizer a GGUF file describes, and its tokenizer_config.json-like settings.
 
     Returns ``(tokenizer, settings)``:

@@ -13,7 +13,9 @@ import contextlib
 import json
 import os
 import sys
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -37,7 +39,7 @@ def is_gguf(path: str) -> bool:
     return path.endswith(".gguf") and os.path.isfile(path)
 
 
-def read_config(path: str) -> dict:
+def read_config(path: str) -> dict[str, Any]:
     if is_gguf(path):
         from fdcore.checkpoint.gguf import read_gguf_config
 
@@ -45,7 +47,7 @@ def read_config(path: str) -> dict:
     return read_json_object(os.path.join(path, "config.json"))
 
 
-def load_checkpoint(path: str, progress=None) -> Checkpoint:
+def load_checkpoint(path: str, progress: Callable[[int, int], None] | None = None) -> Checkpoint:
     """Read and check everything; ``progress(done, total)`` is called per file (per tenth of the
     tensors for a GGUF file)."""
     if is_gguf(path):
@@ -81,7 +83,7 @@ def inspect_checkpoint(path: str) -> ModelArgs:
     return args
 
 
-def _load_gguf(path: str, progress) -> Checkpoint:
+def _load_gguf(path: str, progress: Callable[[int, int], None]) -> Checkpoint:
     from fdcore.checkpoint.gguf import read_gguf
 
     def tenths(done: int, total: int) -> None:
@@ -94,7 +96,7 @@ def _load_gguf(path: str, progress) -> Checkpoint:
     return Checkpoint(path, args, eos, tensors, blocks)
 
 
-def eos_ids(path: str, config: dict) -> tuple[int, ...]:
+def eos_ids(path: str, config: dict[str, Any]) -> tuple[int, ...]:
     """EOS ids from generation_config.json (else config.json): an int or a list (a GGUF file's
     from its metadata)."""
     if is_gguf(path):
@@ -109,7 +111,7 @@ def eos_ids(path: str, config: dict) -> tuple[int, ...]:
     return tuple(eos) if isinstance(eos, list) else (int(eos),)
 
 
-def read_json_object(file: str, missing_ok: bool = False) -> dict:
+def read_json_object(file: str, missing_ok: bool = False) -> dict[str, Any]:
     """One of a checkpoint's JSON files as a dict; a CheckpointError naming the file when it is
     missing (``missing_ok``: an empty dict instead), unreadable, not JSON or not an object."""
     try:
@@ -147,7 +149,7 @@ def _weight_files(path: str) -> list[str]:
 UNUSED_TENSOR_SUFFIXES = (".rotary_emb.inv_freq",)
 
 
-def _read_weights(path: str, args: ModelArgs, progress) -> dict[str, np.ndarray]:
+def _read_weights(path: str, args: ModelArgs, progress: Callable[[int, int], None] | None) -> dict[str, np.ndarray]:
     """Every wanted tensor as float32, converted one tensor at a time; any other tensor is an
     error (weights fdcore would not use mean a model it does not run), except known leftovers."""
     files = _weight_files(path)
@@ -159,7 +161,7 @@ def _read_weights(path: str, args: ModelArgs, progress) -> dict[str, np.ndarray]
 
 
 @contextlib.contextmanager
-def _safetensors(file: str):
+def _safetensors(file: str) -> Iterator[Any]:
     """The file opened with safetensors' numpy reader; a file it cannot read is a CheckpointError."""
     from safetensors import SafetensorError, safe_open
 
@@ -170,7 +172,7 @@ def _safetensors(file: str):
         raise CheckpointError(f"{file}: unreadable safetensors ({exc})") from None
 
 
-def _checked_headers(f, file: str, args: ModelArgs) -> dict[str, tuple[str, tuple[int, ...]]]:
+def _checked_headers(f: Any, file: str, args: ModelArgs) -> dict[str, tuple[str, tuple[int, ...]]]:
     """The tensors of one open safetensors file the model reads, ``name -> (dtype, shape)`` from its
     header, each checked to be one the architecture uses and of a float dtype. A tied model's saved
     copy of the embedding as lm_head is the same matrix: left out (not read)."""

@@ -44,6 +44,7 @@ plus one tensor and the shard being read).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from fdcore.checkpoint.rope import ROPE_TYPES, RopeSpec
 
@@ -217,7 +218,7 @@ class ModelArgs:
         return self.sliding_windows[layer] if self.sliding_windows else 0
 
     @classmethod
-    def from_config(cls, config: dict, source: str) -> ModelArgs:
+    def from_config(cls, config: dict[str, Any], source: str) -> ModelArgs:
         archs = config.get("architectures") or []
         arch = next((a for a in archs if a in SUPPORTED), None)
         if arch is None:
@@ -307,7 +308,7 @@ class ModelArgs:
         return shapes
 
 
-def _refuse_unknown_keys(config: dict, family: str, source: str) -> None:
+def _refuse_unknown_keys(config: dict[str, Any], family: str, source: str) -> None:
     common = READ - set().union(*FAMILY_KEYS.values())
     allowed = IGNORED | common | FAMILY_KEYS[family]
     for key, value in config.items():
@@ -320,7 +321,7 @@ def _refuse_unknown_keys(config: dict, family: str, source: str) -> None:
     # ignores the key); true asks for another rotary layout, refused by the rule above.
 
 
-def rope_spec(config: dict, head_dim: int, max_positions: int, source: str) -> RopeSpec:
+def rope_spec(config: dict[str, Any], head_dim: int, max_positions: int, source: str) -> RopeSpec:
     """The rotary settings from ``rope_parameters`` (transformers 5) or ``rope_theta`` +
     ``rope_scaling`` (older), merged as transformers' ``standardize_rope_params`` does."""
     params = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
@@ -359,7 +360,7 @@ def rope_spec(config: dict, head_dim: int, max_positions: int, source: str) -> R
     )
 
 
-def sliding_windows(config: dict, family: str, layers: int, source: str) -> tuple[int, ...]:
+def sliding_windows(config: dict[str, Any], family: str, layers: int, source: str) -> tuple[int, ...]:
     """Per layer, how many keys a query sees (0 = all), as transformers decides it."""
     window = config.get("sliding_window")
     if family == "mistral":
@@ -387,24 +388,24 @@ def sliding_windows(config: dict, family: str, layers: int, source: str) -> tupl
     return tuple(size if kind == "sliding_attention" else 0 for kind in types)
 
 
-def _window(value, source: str) -> int:
+def _window(value: Any, source: str) -> int:
     if not isinstance(value, int) or value <= 0:
         raise CheckpointError(f"{source}: key 'sliding_window' = {value!r} must be a positive integer")
     return value
 
 
-def _field(config: dict, key: str, source: str) -> int:
+def _field(config: dict[str, Any], key: str, source: str) -> int:
     value = config.get(key)
     if not isinstance(value, int) or value <= 0:
         raise CheckpointError(f"{source}: field {key!r} must be a positive integer, got {value!r}")
     return value
 
 
-def _optional_int(config: dict, key: str, default: int, source: str) -> int:
+def _optional_int(config: dict[str, Any], key: str, default: int, source: str) -> int:
     return default if config.get(key) is None else _field(config, key, source)
 
 
-def _flag(config: dict, key: str, source: str) -> bool:
+def _flag(config: dict[str, Any], key: str, source: str) -> bool:
     value = config.get(key, False)
     if value is None:
         return False

@@ -29,6 +29,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from functools import cached_property
+from typing import cast
 
 import numpy as np
 
@@ -116,7 +117,7 @@ def _dynamic(spec: RopeSpec, seq_len: int | None) -> tuple[np.ndarray, float]:
 
 def _yarn(spec: RopeSpec, seq_len: int | None) -> tuple[np.ndarray, float]:
     dim, base = spec.head_dim, spec.theta
-    original = spec.original_max_position_embeddings
+    original = cast(int, spec.original_max_position_embeddings)
     factor = spec.factor if spec.factor is not None else spec.max_position_embeddings / original
     attention_factor = spec.attention_factor
     if attention_factor is None:
@@ -141,8 +142,10 @@ def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
-def _correction_range(low_rot, high_rot, dim, base, max_positions, truncate) -> tuple[float, float]:
-    def dimension(rotations):
+def _correction_range(
+    low_rot: float, high_rot: float, dim: int, base: float, max_positions: int, truncate: bool
+) -> tuple[float, float]:
+    def dimension(rotations: float) -> float:
         return (dim * math.log(max_positions / (rotations * 2 * math.pi))) / (2 * math.log(base))
 
     low, high = dimension(low_rot), dimension(high_rot)
@@ -154,14 +157,14 @@ def _correction_range(low_rot, high_rot, dim, base, max_positions, truncate) -> 
 def _llama3(spec: RopeSpec, seq_len: int | None) -> tuple[np.ndarray, float]:
     inv_freq, _ = _default(spec, seq_len)
     factor = np.float32(spec.factor)
-    old_context = spec.original_max_position_embeddings
-    low_wavelen = old_context / spec.low_freq_factor
-    high_wavelen = old_context / spec.high_freq_factor
+    old_context = cast(int, spec.original_max_position_embeddings)
+    low_wavelen = old_context / cast(float, spec.low_freq_factor)
+    high_wavelen = old_context / cast(float, spec.high_freq_factor)
     wavelen = np.float32(2 * math.pi) / inv_freq
     scaled = np.where(wavelen > low_wavelen, inv_freq / factor, inv_freq).astype(np.float32)
     smooth = (
         (np.float32(old_context) / wavelen - np.float32(spec.low_freq_factor))
-        / np.float32(spec.high_freq_factor - spec.low_freq_factor)
+        / np.float32(cast(float, spec.high_freq_factor) - cast(float, spec.low_freq_factor))
     ).astype(np.float32)
     smoothed = (np.float32(1) - smooth) * scaled / factor + smooth * scaled
     medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)

@@ -23,6 +23,8 @@ import os
 import shutil
 import sys
 import tempfile
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import numpy as np
 
@@ -81,14 +83,14 @@ QWEN2_CONFIG = {
 }
 
 
-def weights(seed: int = SEED, config: dict = CONFIG) -> dict[str, np.ndarray]:
+def weights(seed: int = SEED, config: dict[str, Any] = CONFIG) -> dict[str, np.ndarray]:
     """Every tensor, in HF names and shapes ([out, in] for projections)."""
     rng = np.random.default_rng(seed)
     c = config
     hidden, inter, head_dim = c["hidden_size"], c["intermediate_size"], c["head_dim"]
     q_out, kv_out = c["num_attention_heads"] * head_dim, c["num_key_value_heads"] * head_dim
 
-    def normal(*shape, std=0.02):
+    def normal(*shape: int, std: float = 0.02) -> np.ndarray:
         return (rng.standard_normal(shape, dtype=np.float32) * std).astype(np.float32)
 
     # Tied embeddings double as the output head: a small scale keeps the model from
@@ -135,7 +137,7 @@ def make_tiny_model(path: str, seed: int = SEED, *, arch: str = "llama", shards:
 
 
 @contextlib.contextmanager
-def atomic_directory(path: str, prefix: str = ".partial-"):
+def atomic_directory(path: str, prefix: str = ".partial-") -> Iterator[str]:
     """Yield a fresh sibling directory of ``path`` to write a checkpoint into; when the block ends
     it becomes ``path`` (replacing any directory there; files 0644), or on an error is removed: a
     reader sees a complete directory or none."""
@@ -178,7 +180,7 @@ def save_weights(directory: str, tensors: dict[str, np.ndarray], shards: int, dt
     )
 
 
-def _writer(tensors: dict[str, np.ndarray], dtype: str):
+def _writer(tensors: dict[str, np.ndarray], dtype: str) -> tuple[Callable[..., None], dict[str, np.ndarray]]:
     """(save, tensors to save): numpy arrays for float32; for bfloat16 / float16 the values rounded to nearest
     even, handed to safetensors as its framework writers hand theirs (a TensorSpec over the array's bytes)."""
     if dtype == "float32":
@@ -187,7 +189,7 @@ def _writer(tensors: dict[str, np.ndarray], dtype: str):
         return save_file, tensors
     from safetensors import TensorSpec, serialize_file
 
-    def save(arrays: dict[str, np.ndarray], file: str, metadata: dict) -> None:
+    def save(arrays: dict[str, np.ndarray], file: str, metadata: dict[str, str]) -> None:
         serialize_file(
             {
                 name: TensorSpec(
@@ -235,13 +237,13 @@ def digest(path: str) -> str:
     return h.hexdigest()
 
 
-def _write_json(path: str, data) -> None:
+def _write_json(path: str, data: Any) -> None:
     with open(path, "w") as f:
         json.dump(data, f, indent=2, sort_keys=True)
         f.write("\n")
 
 
-def main(argv=None) -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m fdcore.checkpoint.tiny", description=__doc__.splitlines()[0])
     parser.add_argument("dir", help="where to write the checkpoint")
     args = parser.parse_args(argv)

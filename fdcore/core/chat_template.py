@@ -26,12 +26,21 @@ from __future__ import annotations
 import glob
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
 from functools import lru_cache
+from typing import TYPE_CHECKING, Any, NoReturn, cast
 
 from fdcore.checkpoint import CheckpointError, read_json_object
 from fdcore.core.validation import RequestError
+
+if TYPE_CHECKING:
+    from jinja2 import Template, nodes
+    from jinja2.ext import Extension
+    from jinja2.parser import Parser
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+    from jinja2.utils import Namespace
 
 CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "  # transformers' marker for the end of the continued message
 REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
@@ -42,7 +51,7 @@ class ChatTemplate:
     name: str
     source: str  # the file it came from (named in errors)
     text: str
-    compiled: object  # a jinja2 Template
+    compiled: Template  # a jinja2 Template
 
 
 class ChatTemplates:
@@ -53,7 +62,7 @@ class ChatTemplates:
         self.templates = templates
 
     @classmethod
-    def load(cls, path: str, tokenizer_config: dict) -> ChatTemplates:
+    def load(cls, path: str, tokenizer_config: dict[str, Any]) -> ChatTemplates:
         found = find_templates(path, tokenizer_config)
         return cls(
             path,
@@ -63,7 +72,7 @@ class ChatTemplates:
             },
         )
 
-    def select(self, name: str | None = None, tools: list | None = None) -> ChatTemplate:
+    def select(self, name: str | None = None, tools: list[Any] | None = None) -> ChatTemplate:
         """transformers' choice: the named one; else tool_use when tools are given; else default."""
         if not self.templates:
             raise RequestError(
@@ -89,7 +98,7 @@ class ChatTemplates:
 
 
 # ----------------------------------------------------------------- discovery
-def find_templates(path: str, tokenizer_config: dict) -> dict[str, tuple[str, str]]:
+def find_templates(path: str, tokenizer_config: dict[str, Any]) -> dict[str, tuple[str, str]]:
     """{name: (template text, source file)} as transformers would load them from ``path`` (a GGUF
     file: its ``tokenizer.chat_template`` metadata, passed here as the setting)."""
     if os.path.isfile(path):
@@ -114,7 +123,7 @@ def _template_files(path: str) -> dict[str, tuple[str, str]]:
     return found
 
 
-def _from_setting(value, source: str) -> dict[str, tuple[str, str]]:
+def _from_setting(value: Any, source: str) -> dict[str, tuple[str, str]]:
     """A ``chat_template`` entry: None, a string, or a list of {name, template}."""
     if value is None:
         return {}
@@ -136,7 +145,7 @@ def _read_text(file: str) -> str:
 
 
 # --------------------------------------------------------------- compilation
-def compile_template(text: str, source: str):
+def compile_template(text: str, source: str) -> Template:
     try:
         return _environment().from_string(text)
     except Exception as exc:  # TemplateSyntaxError mostly; any failure means this model cannot chat
@@ -144,7 +153,7 @@ def compile_template(text: str, source: str):
 
 
 @lru_cache(maxsize=1)
-def _environment():
+def _environment() -> ImmutableSandboxedEnvironment:
     """One sandbox for every template, set up as transformers' ``_compile_jinja_template``."""
     from jinja2.ext import loopcontrols
     from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -159,7 +168,7 @@ def _environment():
     return env
 
 
-def _generation_tag():
+def _generation_tag() -> type[Extension]:
     """transformers' ``{% generation %}...{% endgeneration %}`` marks the assistant's text for training
     masks; serving has no use for the mark, so the tag renders its body unchanged."""
     from jinja2 import nodes
@@ -168,12 +177,12 @@ def _generation_tag():
     class GenerationTag(Extension):
         tags = {"generation"}
 
-        def parse(self, parser):
+        def parse(self, parser: Parser) -> nodes.Node:
             lineno = next(parser.stream).lineno
             body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
             return nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
 
-        def _body(self, caller) -> str:
+        def _body(self, caller: Callable[[], str]) -> str:
             return caller()
 
     return GenerationTag
@@ -183,11 +192,17 @@ class TemplateRaised(Exception):
     """What ``raise_exception(message)`` raises inside a template."""
 
 
-def _raise_exception(message: str):
+def _raise_exception(message: str) -> NoReturn:
     raise TemplateRaised(message)
 
 
-def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | str | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
     """transformers' tojson: plain json.dumps (jinja's own escapes HTML and has fewer options)."""
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
@@ -199,30 +214,30 @@ def _strftime_now(format: str) -> str:
 class _TemplateDict:
     """``dict(...)`` and ``dict.fromkeys`` for templates, without the type object itself."""
 
-    def __call__(self, *args, **kwargs) -> dict:
+    def __call__(self, *args: Any, **kwargs: Any) -> dict[Any, Any]:
         return dict(*args, **kwargs)
 
-    def fromkeys(self, *args, **kwargs) -> dict:
+    def fromkeys(self, *args: Any, **kwargs: Any) -> dict[Any, Any]:
         return dict.fromkeys(*args, **kwargs)
 
 
-def _namespace_class():
+def _namespace_class() -> type[Namespace]:
     """jinja's namespace, refusing underscore names (they would reach CPython internals)."""
     from jinja2.exceptions import SecurityError
     from jinja2.utils import Namespace
 
-    def check(name) -> None:
+    def check(name: Any) -> None:
         if isinstance(name, str) and name.startswith("_"):
             raise SecurityError(f"a chat template cannot store {name!r} on a namespace (no leading underscores)")
 
     class TemplateNamespace(Namespace):
-        def __init__(*args, **kwargs):
+        def __init__(*args: Any, **kwargs: Any) -> None:
             self, args = args[0], args[1:]
             for name in dict(*args, **kwargs):
                 check(name)
             Namespace.__init__(self, *args, **kwargs)
 
-        def __setitem__(self, name, value) -> None:
+        def __setitem__(self, name: str, value: Any) -> None:
             check(name)
             Namespace.__setitem__(self, name, value)
 
@@ -234,15 +249,17 @@ def _namespace_class():
 class ChatOptions:
     """How to render one request's messages (apply_chat_template's arguments, vLLM's field names)."""
 
-    tools: list | None = None
-    documents: list | None = None
+    tools: list[Any] | None = None
+    documents: list[Any] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
-    variables: dict | None = None  # chat_template_kwargs: extra template variables
+    variables: dict[str, Any] | None = None  # chat_template_kwargs: extra template variables
     template: str | None = None  # a template's name (see ChatTemplates.select)
 
 
-def render(template: ChatTemplate, messages: list[dict], options: ChatOptions, special_tokens: dict) -> str:
+def render(
+    template: ChatTemplate, messages: list[dict[str, Any]], options: ChatOptions, special_tokens: dict[str, str]
+) -> str:
     """The prompt text; any failure of the template is a RequestError naming ``messages``."""
     continuing = options.continue_final_message
     if continuing and options.add_generation_prompt:
@@ -266,10 +283,10 @@ def render(template: ChatTemplate, messages: list[dict], options: ChatOptions, s
         raise RequestError(
             "messages", f"the chat template ({template.source}) failed on them ({type(exc).__name__}: {exc})"
         ) from None
-    return _cut_after_final_message(text, final) if continuing else text
+    return _cut_after_final_message(text, cast(str, final)) if continuing else text
 
 
-def _alias_reasoning(message: dict) -> dict:
+def _alias_reasoning(message: dict[str, Any]) -> dict[str, Any]:
     """As transformers: a message's reasoning also goes by ``thinking`` (gpt-oss templates read that)."""
     reasoning = next((message[k] for k in REASONING_FIELDS if message.get(k) is not None), None)
     if reasoning is None:
@@ -277,7 +294,7 @@ def _alias_reasoning(message: dict) -> dict:
     return {"thinking": reasoning, **message, "reasoning_content": reasoning}
 
 
-def _mark_final_message(messages: list[dict], template: ChatTemplate) -> str:
+def _mark_final_message(messages: list[dict[str, Any]], template: ChatTemplate) -> str:
     """Append transformers' marker to the final message's content (so the text after it can be cut
     off); returns that content."""
     final = messages[-1].get("content")
@@ -305,14 +322,14 @@ def _cut_after_final_message(text: str, final: str) -> str:
     return text[:at].rstrip()  # the template trimmed the message's trailing space
 
 
-def prepare_messages(messages: list[dict]) -> list[dict]:
+def prepare_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Checked messages as templates expect them: keys whose value is null dropped (transformers: many
     templates print "None" otherwise), text parts joined into one string and tool-call arguments sent
     as JSON text parsed into objects (vLLM: templates write them with tojson)."""
     return [_prepare(i, message) for i, message in enumerate(messages)]
 
 
-def _prepare(i: int, message: dict) -> dict:
+def _prepare(i: int, message: dict[str, Any]) -> dict[str, Any]:
     out = {key: value for key, value in message.items() if value is not None}
     if isinstance(out.get("content"), list):
         out["content"] = "\n".join(part["text"] for part in out["content"])
@@ -323,7 +340,7 @@ def _prepare(i: int, message: dict) -> dict:
     return out
 
 
-def _parse_arguments(field: str, call: dict) -> dict:
+def _parse_arguments(field: str, call: dict[str, Any]) -> dict[str, Any]:
     function = call.get("function")
     if not isinstance(function, dict):
         return call

@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import codecs
 import json
+from collections.abc import Callable
 from functools import lru_cache
+from typing import Any
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer, prompt_token_ids: list[int], stop: list[str] | None = None):
+    def __init__(self, tokenizer: Any, prompt_token_ids: list[int], stop: list[str] | None = None):
         self.tokenizer = getattr(tokenizer, "tokenizer", tokenizer)  # a ModelTokenizer or a Tokenizer
         self.table = byte_table(self.tokenizer)
         if self.table is not None:
@@ -38,6 +40,7 @@ class IncrementalDetokenizer:
         """Feed one generated token; returns the new text that may be shown now."""
         if self.stopped:
             return ""
+        piece: str | None
         if self.table is not None:
             data = self.pending + (self.table[token_id] if 0 <= token_id < len(self.table) else b"")
             piece, used = codecs.utf_8_decode(data, "replace", False)
@@ -85,7 +88,7 @@ class IncrementalDetokenizer:
 _tables: dict[int, tuple[object, list[bytes] | None]] = {}
 
 
-def byte_table(tokenizer) -> list[bytes] | None:
+def byte_table(tokenizer: Any) -> list[bytes] | None:
     """Each token id's bytes, when the tokenizer's decoder is one that just concatenates them.
 
     NOTE: that holds for byte-level BPE (GPT-2, Llama 3, Qwen2, the bundled tiny
@@ -102,7 +105,7 @@ def byte_table(tokenizer) -> list[bytes] | None:
     return entry[1]
 
 
-def _build_byte_table(tokenizer) -> list[bytes] | None:
+def _build_byte_table(tokenizer: Any) -> list[bytes] | None:
     spec = json.loads(tokenizer.to_str())
     to_bytes = _token_bytes_function(spec.get("decoder"))
     if to_bytes is None:
@@ -122,7 +125,7 @@ def _build_byte_table(tokenizer) -> list[bytes] | None:
     return table
 
 
-def _token_bytes_function(decoder):
+def _token_bytes_function(decoder: dict[str, Any] | None) -> Callable[[str], bytes] | None:
     if not decoder:
         return None
     if decoder.get("type") == "ByteLevel":
@@ -139,7 +142,7 @@ def _token_bytes_function(decoder):
     return None
 
 
-def _is_metaspace_byte_fallback(steps: list) -> bool:
+def _is_metaspace_byte_fallback(steps: list[dict[str, Any]]) -> bool:
     kinds = [step.get("type") for step in steps]
     replace_ok = all(
         step.get("pattern", {}).get("String") == "\u2581" and step.get("content") == " "

@@ -21,7 +21,9 @@ Pure bookkeeping: block ids only, no tensors (those live in the workers).
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any, cast
 
 from fdcore.protocol import CacheStats
 
@@ -31,7 +33,7 @@ class Block:
     block_id: int
     ref_count: int = 0
     block_hash: int | None = None
-    tail_key: tuple | None = None  # (parent hash, the tokens it holds): a resumable partial block (free_all)
+    tail_key: tuple[Any, ...] | None = None  # (parent hash, the tokens it holds): a resumable partial block (free_all)
 
 
 @dataclass
@@ -50,8 +52,8 @@ class KVCacheManager:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self._free: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self.blocks)
         self._cached: dict[int, Block] = {}
-        self._tails: dict[tuple, Block] = {}  # tail_key -> a free, partly filled block (free_all)
-        self._requests: dict[str, _Allocation] = {}
+        self._tails: dict[tuple[Any, ...], Block] = {}  # tail_key -> a free, partly filled block (free_all)
+        self._requests: dict[str | int, _Allocation] = {}
         self._queried = self._hits = 0
 
     # ----------------------------------------------------------------- queries
@@ -59,10 +61,10 @@ class KVCacheManager:
     def num_free_blocks(self) -> int:
         return len(self._free)
 
-    def num_hashed_blocks(self, request_id: str) -> int:
+    def num_hashed_blocks(self, request_id: str | int) -> int:
         return self._requests[request_id].num_hashed
 
-    def block_table(self, request_id: str) -> list[int]:
+    def block_table(self, request_id: str | int) -> list[int]:
         return [b.block_id for b in self._requests[request_id].blocks]
 
     def statistics(self) -> CacheStats:
@@ -80,7 +82,7 @@ class KVCacheManager:
 
     # ------------------------------------------------------------- allocation
     def allocate(
-        self, request_id: str, token_ids: list[int], max_new_tokens: int, reuse_prefix: bool = True
+        self, request_id: str | int, token_ids: list[int], max_new_tokens: int, reuse_prefix: bool = True
     ) -> int | None:
         """Start a request: reuse cached prefix blocks (unless ``reuse_prefix`` is False: a request
         that scores its prompt computes all of it), then room for up to ``max_new_tokens`` more.
@@ -107,7 +109,7 @@ class KVCacheManager:
             self._take(block)
             allocation.blocks.append(block)
         if tail is not None:  # ours alone from now: its next positions are written
-            del self._tails[tail.tail_key]
+            del self._tails[cast(tuple[Any, ...], tail.tail_key)]
             tail.tail_key = None
             self._take(tail)
             allocation.blocks.append(tail)
@@ -118,7 +120,7 @@ class KVCacheManager:
         self._hits += cached
         return cached
 
-    def append_slots(self, request_id: str, num_tokens: int) -> bool:
+    def append_slots(self, request_id: str | int, num_tokens: int) -> bool:
         """Make room for ``num_tokens`` in total; False (nothing changed) when blocks run out."""
         allocation = self._requests[request_id]
         needed = self._blocks_for(num_tokens) - len(allocation.blocks)
@@ -127,7 +129,9 @@ class KVCacheManager:
         allocation.blocks += [self._fresh() for _ in range(max(0, needed))]
         return True
 
-    def cache_computed(self, request_id: str, token_ids: list[int], num_computed: int, first_block: int = 0) -> None:
+    def cache_computed(
+        self, request_id: str | int, token_ids: list[int], num_computed: int, first_block: int = 0
+    ) -> None:
         """Register the request's newly full, computed blocks in the prefix cache.
 
         ``token_ids`` may start at block ``first_block`` (at most the number of
@@ -153,7 +157,7 @@ class KVCacheManager:
             allocation.last_hash = block_hash
         allocation.num_hashed = max(allocation.num_hashed, full)
 
-    def free(self, request_id: str) -> None:
+    def free(self, request_id: str | int) -> None:
         """Release a request's blocks at once (tail first into the LRU queue)."""
         allocation = self._requests.pop(request_id, None)
         if allocation is None:
@@ -163,7 +167,7 @@ class KVCacheManager:
             if block.ref_count == 0:
                 self._free[block.block_id] = block
 
-    def free_all(self, tails=()) -> None:
+    def free_all(self, tails: Iterable[tuple[str | int, int, Iterable[int]]] = ()) -> None:
         """Release every request's blocks, as :meth:`free` would one by one: what each computed block
         cached stays in the prefix cache (a new epoch whose KV memory outlived the old one's actors).
         ``tails``: (request id, tokens computed, the tokens of its last, partly filled block) for requests
@@ -174,7 +178,7 @@ class KVCacheManager:
         for request_id in list(self._requests):
             self.free(request_id)
 
-    def _keep_tail(self, request_id, computed: int, tokens: tuple) -> None:
+    def _keep_tail(self, request_id: str | int, computed: int, tokens: tuple[int, ...]) -> None:
         allocation = self._requests.get(request_id)
         index, held = divmod(computed, self.block_size)
         if (

@@ -14,6 +14,7 @@ never refuses a grammar that has one.
 from __future__ import annotations
 
 import re
+from typing import cast
 
 _TOKEN = re.compile(
     r"""
@@ -64,7 +65,7 @@ def _rules(lark: str) -> dict[str, list[tuple[str, str]]] | None:
             body = line
         else:
             return None
-        tokens = [(m.lastgroup, m.group()) for m in _TOKEN.finditer(body) if m.lastgroup != "space"]
+        tokens = [(cast(str, m.lastgroup), m.group()) for m in _TOKEN.finditer(body) if m.lastgroup != "space"]
         if any(kind == "other" for kind, _ in tokens):
             return None
         if current in rules and head:
@@ -73,7 +74,7 @@ def _rules(lark: str) -> dict[str, list[tuple[str, str]]] | None:
     return rules
 
 
-def _derives(body: list[tuple[str, str]], rules: dict, productive: set[str]) -> bool:
+def _derives(body: list[tuple[str, str]], rules: dict[str, list[tuple[str, str]]], productive: set[str]) -> bool:
     """Some alternative of ``body`` has every required item productive."""
     try:
         value, rest = _alternatives(body, 0, rules, productive)
@@ -86,7 +87,9 @@ class _Unreadable(Exception):
     pass
 
 
-def _alternatives(body, i, rules, productive) -> tuple[bool, int]:
+def _alternatives(
+    body: list[tuple[str, str]], i: int, rules: dict[str, list[tuple[str, str]]], productive: set[str]
+) -> tuple[bool, int]:
     any_ok, i = _sequence(body, i, rules, productive)
     while i < len(body) and body[i] == ("op", "|"):
         ok, i = _sequence(body, i + 1, rules, productive)
@@ -94,7 +97,9 @@ def _alternatives(body, i, rules, productive) -> tuple[bool, int]:
     return any_ok, i
 
 
-def _sequence(body, i, rules, productive) -> tuple[bool, int]:
+def _sequence(
+    body: list[tuple[str, str]], i: int, rules: dict[str, list[tuple[str, str]]], productive: set[str]
+) -> tuple[bool, int]:
     all_ok = True
     while i < len(body) and body[i] not in (("op", "|"), ("op", ")"), ("op", "]")):
         kind, text = body[i]
@@ -114,7 +119,9 @@ def _sequence(body, i, rules, productive) -> tuple[bool, int]:
     return all_ok, i
 
 
-def _atom(body, i, rules, productive) -> tuple[bool, int]:
+def _atom(
+    body: list[tuple[str, str]], i: int, rules: dict[str, list[tuple[str, str]]], productive: set[str]
+) -> tuple[bool, int]:
     kind, text = body[i]
     if kind in ("string", "regex"):
         return True, i + 1

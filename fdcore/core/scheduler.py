@@ -28,6 +28,7 @@ from __future__ import annotations
 import enum
 from collections import Counter, deque
 from dataclasses import dataclass, field
+from typing import Any, cast
 
 from fdcore.core.kv_cache_manager import KVCacheManager
 from fdcore.protocol import SamplingParams
@@ -109,7 +110,7 @@ class Scheduler:
         self.kv = kv
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self.requests: dict[str, Request] = {}
+        self.requests: dict[str | int, Request] = {}
         self.num_preemptions = 0  # since start
         self.tenants: Counter[str] = Counter()  # unfinished requests by tenant
         self._shares: dict[str, float] | None = None
@@ -245,14 +246,14 @@ class Scheduler:
         largest = self._most_over()
         if (
             largest == request.tenant
-            or held[largest] <= self._share(largest)
+            or held[largest] <= cast(float, self._share(largest))
             or held.get(request.tenant, 0) + self._need(request) > share
         ):
             return False
         self._preempt(next(r for r in reversed(self.running) if r.tenant == largest), scheduled)
         return True
 
-    def growth_plan(self) -> list[tuple[object, int]]:
+    def growth_plan(self) -> list[tuple[str | int, int]]:
         """(request id, tokens to hold) for each running request, as the next schedule() will
         ask for them if blocks do not run out: lets a remote block manager grow them all at once."""
         budget, plan = self.config.max_num_batched_tokens, []
@@ -269,7 +270,9 @@ class Scheduler:
                 prefill -= count if behind > 1 else 0
         return plan
 
-    def _schedule_running(self, request: Request, budget: int, scheduled) -> ScheduledRequest | None:
+    def _schedule_running(
+        self, request: Request, budget: int, scheduled: list[ScheduledRequest]
+    ) -> ScheduledRequest | None:
         if request.final_pending:
             return None
         start = request.num_computed_tokens
@@ -327,10 +330,10 @@ class Scheduler:
                 output.append(PLACEHOLDER)
                 request.num_pending += 1
                 produced = len(output)
-                if produced >= request.params.max_tokens or request.num_tokens >= max_model_len:
+                if produced >= cast(int, request.params.max_tokens) or request.num_tokens >= max_model_len:
                     request.final_pending = True
 
-    def update(self, scheduled: list[ScheduledRequest], sampled: dict) -> list[Request]:
+    def update(self, scheduled: list[ScheduledRequest], sampled: dict[Any, int]) -> list[Request]:
         """Account for a finished step; returns the requests that finished."""
         finished = []
         block_size, running, finished_status = self.kv.block_size, Status.RUNNING, Status.FINISHED
@@ -380,7 +383,7 @@ class Scheduler:
         worker may have left half done) end inside a block: (request id, tokens computed, the tokens of
         that last block). The cache manager keeps those blocks for the requests re-sent
         (KVCacheManager.free_all)."""
-        pending = Counter()
+        pending: Counter[str | int] = Counter()
         for scheduled in in_flight:
             for item in scheduled:
                 if item.launched and item.preemptions == item.request.num_preemptions:
@@ -425,6 +428,6 @@ class Scheduler:
                 return "stop"
             if last in p.stop_token_ids:
                 return "stop"
-        if produced >= p.max_tokens or len(request.prompt_token_ids) + produced >= self.config.max_model_len:
+        if produced >= cast(int, p.max_tokens) or len(request.prompt_token_ids) + produced >= self.config.max_model_len:
             return "length"
         return None

@@ -25,6 +25,8 @@ from __future__ import annotations
 import json
 import os
 from collections import OrderedDict
+from collections.abc import Iterable, Sized
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
@@ -33,9 +35,14 @@ from fdcore.core.token_mask import mask_words
 from fdcore.core.validation import RequestError
 from fdcore.protocol import StructuredOutputs
 
+if TYPE_CHECKING:
+    from llguidance import LLExecutor, LLMatcher, LLTokenizer
+    from llguidance._lib import JsonCompileOptions
+    from tokenizers import Tokenizer
+
 FIELD = "structured_outputs"
 FORMS = ("json", "regex", "choice", "grammar", "json_object", "llguidance")
-JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+JSON_OPTIONS: JsonCompileOptions = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 MAX_GRAMMAR_CHARS = 256 * 1024  # a compiled grammar travels with its request through two rings
 MAX_CHOICES = 1024
 CACHED_GRAMMARS = 256  # compiled grammars (and verdicts) one process keeps, least recently used dropped
@@ -73,7 +80,7 @@ def grammar_of(spec: StructuredOutputs) -> tuple[str, str]:
     return field, grammar
 
 
-def _schema(field: str, schema) -> dict:
+def _schema(field: str, schema: Any) -> dict[str, Any]:
     if isinstance(schema, str):
         try:
             schema = json.loads(schema)
@@ -84,12 +91,12 @@ def _schema(field: str, schema) -> dict:
     return schema
 
 
-def _text(field: str, text) -> str:
+def _text(field: str, text: Any) -> str:
     _non_empty(field, text, str, "a non-empty string", MAX_GRAMMAR_CHARS, "characters")
-    return text
+    return cast(str, text)
 
 
-def _choice_grammar(field: str, choices) -> str:
+def _choice_grammar(field: str, choices: Any) -> str:
     _non_empty(field, choices, list, "a non-empty list of strings", MAX_CHOICES, "choices")
     for i, choice in enumerate(choices):
         if not isinstance(choice, str) or not choice:
@@ -97,7 +104,7 @@ def _choice_grammar(field: str, choices) -> str:
     return "start: " + " | ".join(json.dumps(choice) for choice in choices)
 
 
-def _non_empty(field: str, value, kind: type, what: str, limit: int, unit: str) -> None:
+def _non_empty(field: str, value: Any, kind: type[Sized], what: str, limit: int, unit: str) -> None:
     if not isinstance(value, kind) or not value:
         raise RequestError(field, f"must be {what}")
     if len(value) > limit:
@@ -113,17 +120,17 @@ class Grammars:
     vocabulary), so a server that never sees a constrained request never pays for it.
     """
 
-    def __init__(self, tokenizer, vocab_size: int, eos_token_ids):
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, eos_token_ids: Iterable[int]):
         self._source = tokenizer
         self.vocab_size = vocab_size
         self.eos_token_ids = list(eos_token_ids)
-        self._tokenizer = None
-        self._executor = None
+        self._tokenizer: LLTokenizer | None = None
+        self._executor: LLExecutor | None = None
         self._verdicts: OrderedDict[str, str] = OrderedDict()  # grammar -> "" or its error
-        self._pristine: OrderedDict[str, object] = OrderedDict()  # grammar -> a matcher before any token
+        self._pristine: OrderedDict[str, LLMatcher] = OrderedDict()  # grammar -> a matcher before any token
 
     @property
-    def tokenizer(self):
+    def tokenizer(self) -> LLTokenizer:
         if self._tokenizer is None:
             import llguidance
 
@@ -169,7 +176,7 @@ class Grammars:
         return ""
 
     # ------------------------------------------------------------------ worker
-    def matcher(self, grammar: str, replay: list[int]):
+    def matcher(self, grammar: str, replay: list[int]) -> LLMatcher:
         """A matcher for a sequence that already has ``replay`` (its output tokens so far). A grammar
         that fails here (the engine checked it, so: a resource limit) leaves the matcher in its error
         state, which allows only EOS: the request ends instead of the worker."""
@@ -186,7 +193,7 @@ class Grammars:
             matcher.consume_tokens(list(replay))
         return matcher
 
-    def allowed(self, matchers: list) -> np.ndarray:
+    def allowed(self, matchers: list[LLMatcher]) -> np.ndarray:
         """[len(matchers), (vocab_size + 31) // 32] int32: the tokens each matcher allows next, bit
         t % 32 of word t // 32 (filled in parallel, without the GIL; :func:`fdcore.core.token_mask.allowed_tokens`
         unpacks a row)."""
@@ -200,7 +207,7 @@ class Grammars:
         return bits
 
 
-def _remember(cache: OrderedDict, key: str, value) -> None:
+def _remember(cache: OrderedDict[str, Any], key: str, value: Any) -> None:
     cache[key] = value
     if len(cache) > CACHED_GRAMMARS:
         cache.popitem(last=False)

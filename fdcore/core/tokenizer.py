@@ -25,6 +25,8 @@ from __future__ import annotations
 import os
 import re
 import secrets
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any, cast
 
 from tokenizers import Tokenizer
 
@@ -38,6 +40,9 @@ from fdcore.core.validation import (
     check_one_prompt,
     check_token_ids,
 )
+
+if TYPE_CHECKING:
+    from fdcore.protocol import RequestBody
 
 NO_OPTIONS = ChatOptions()  # a chat request's options when it sets none
 
@@ -65,12 +70,12 @@ class ModelTokenizer:
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids)
 
-    def render_chat(self, messages: list[dict], options: ChatOptions = NO_OPTIONS) -> str:
+    def render_chat(self, messages: list[dict[str, Any]], options: ChatOptions = NO_OPTIONS) -> str:
         """The prompt text of checked messages (RequestError naming the field when it cannot be made)."""
         template = self.chat_templates.select(options.template, options.tools)
         return render(template, prepare_messages(messages), options, self.special_tokens)
 
-    def encode_chat(self, messages: list[dict], options: ChatOptions = NO_OPTIONS) -> list[int]:
+    def encode_chat(self, messages: list[dict[str, Any]], options: ChatOptions = NO_OPTIONS) -> list[int]:
         """The prompt's ids; control-token text from the request (anywhere in it) is encoded as text."""
         supplied = (messages, options.tools, options.documents, options.variables)
         if not any(self._controls(text) for text in _strings(supplied)):
@@ -97,10 +102,10 @@ class ModelTokenizer:
                     else (self.tokenizer.encode(piece, add_special_tokens=False).ids)
                 )
             if control is not None:
-                ids.append(self.tokenizer.token_to_id(control))
+                ids.append(cast(int, self.tokenizer.token_to_id(control)))
         return ids
 
-    def prompt_ids(self, body, limits: ModelLimits) -> list[int]:
+    def prompt_ids(self, body: RequestBody, limits: ModelLimits) -> list[int]:
         """A request body's prompt (fdcore.protocol.RequestBody: text, token ids or chat messages) as
         token ids, checked: one prompt form, chat options only with messages, ids inside the
         vocabulary, not empty. What the engine runs and what /tokenize counts."""
@@ -112,7 +117,7 @@ class ModelTokenizer:
         elif body.messages is not None:
             ids = self.encode_chat(body.messages, chat_options(body))
         else:
-            ids = self.encode(body.prompt)
+            ids = self.encode(cast(str, body.prompt))
         if not ids:
             raise RequestError("prompt", "tokenizes to no tokens")
         return ids
@@ -128,14 +133,14 @@ class ModelTokenizer:
             self.tokenizer.encode_special_tokens = False
 
 
-def chat_options(body) -> ChatOptions:
+def chat_options(body: RequestBody) -> ChatOptions:
     """How to render a chat request; a continued final message gets no generation prompt unless asked."""
     continuing = bool(body.continue_final_message)
     prompt = not continuing if body.add_generation_prompt is None else body.add_generation_prompt
     return ChatOptions(body.tools, body.documents, prompt, continuing, body.chat_template_kwargs, body.chat_template)
 
 
-def _strings(value):
+def _strings(value: Any) -> Iterator[str]:
     """Every string in a request's nested lists and dicts (keys too)."""
     if isinstance(value, str):
         yield value
@@ -159,7 +164,7 @@ class _Shield:
         self._find_placeholder = re.compile(f"\ue000{nonce}[0-9a-f]+\ue001")
         self._by_text = {text: placeholder for placeholder, text in self.placeholders.items()}
 
-    def hide(self, value):
+    def hide(self, value: Any) -> Any:
         """``value`` (strings, lists, tuples, dicts) with every control text in its strings replaced."""
         if isinstance(value, str):
             return self._find_control.sub(lambda m: self._by_text[m.group(0)], value)
@@ -169,7 +174,7 @@ class _Shield:
             return type(value)(self.hide(item) for item in value)
         return value
 
-    def split(self, text: str):
+    def split(self, text: str) -> Iterator[tuple[str, str | None]]:
         """(text, the template's control text after it or None) pieces of a rendered prompt."""
         cursor = 0
         for match in self._find_control.finditer(text):
@@ -189,7 +194,7 @@ def load_tokenizer(path: str) -> Tokenizer:
     return _tokenizer_files(path)[0]
 
 
-def _tokenizer_files(path: str) -> tuple[Tokenizer, dict, dict]:
+def _tokenizer_files(path: str) -> tuple[Tokenizer, dict[str, Any], dict[str, Any]]:
     """(tokenizer, tokenizer_config.json settings, special_tokens_map.json) of a checkpoint
     directory, or the same built from a GGUF file's metadata."""
     if is_gguf(path):
@@ -209,7 +214,7 @@ def _tokenizer_files(path: str) -> tuple[Tokenizer, dict, dict]:
     )
 
 
-def special_tokens(settings: dict, legacy_map: dict) -> dict[str, str]:
+def special_tokens(settings: dict[str, Any], legacy_map: dict[str, Any]) -> dict[str, str]:
     """The named special tokens as template variables (transformers' ``special_tokens_map``): from
     tokenizer_config.json, else special_tokens_map.json; unset ones are left undefined."""
     tokens = {}
@@ -220,7 +225,7 @@ def special_tokens(settings: dict, legacy_map: dict) -> dict[str, str]:
     return tokens
 
 
-def _token_text(value) -> str | None:
+def _token_text(value: Any) -> str | None:
     """tokenizer_config.json gives special tokens as a string or as {"content": ...}."""
     if isinstance(value, dict):
         return value.get("content")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any, cast
 
 from fdcore.protocol import RequestBody, SamplingParams
 
@@ -48,14 +49,14 @@ class ModelLimits:
     max_model_len: int
 
 
-def validate_request_id(request_id) -> None:
+def validate_request_id(request_id: Any) -> None:
     if not isinstance(request_id, str) or not request_id:
         raise RequestError("request_id", "must be a non-empty string")
     if len(request_id) > MAX_REQUEST_ID:
         raise RequestError("request_id", f"is {len(request_id)} characters long, at most {MAX_REQUEST_ID} allowed")
 
 
-def check_one_prompt(prompt, prompt_token_ids, messages) -> None:
+def check_one_prompt(prompt: Any, prompt_token_ids: Any, messages: Any) -> None:
     """Exactly one of the three prompt forms, and not empty."""
     given = [
         name
@@ -74,7 +75,7 @@ def check_one_prompt(prompt, prompt_token_ids, messages) -> None:
         check_messages(messages)
 
 
-def check_messages(messages) -> None:
+def check_messages(messages: Any) -> None:
     if not isinstance(messages, list) or not messages:
         raise RequestError("messages", "must be a non-empty list of {role, content} objects")
     for i, message in enumerate(messages):
@@ -93,7 +94,7 @@ def check_messages(messages) -> None:
             _check_tool_calls(f"messages[{i}].tool_calls", message["tool_calls"])
 
 
-def _check_content(field: str, message: dict) -> None:
+def _check_content(field: str, message: dict[str, Any]) -> None:
     """A string, or OpenAI's list of text parts; none at all only beside an assistant's tool calls."""
     content = message.get("content")
     if content is None and message.get("role") == "assistant" and message.get("tool_calls"):
@@ -106,7 +107,7 @@ def _check_content(field: str, message: dict) -> None:
         raise RequestError(f"{field}.content", "must be a string or a list of {type: text, text} parts")
 
 
-def _check_tool_calls(field: str, calls) -> None:
+def _check_tool_calls(field: str, calls: Any) -> None:
     if not isinstance(calls, list):
         raise RequestError(field, "must be a list of {id, type, function: {name, arguments}} objects")
     for j, call in enumerate(calls):
@@ -163,7 +164,9 @@ def check_sampling(params: SamplingParams, limits: ModelLimits) -> SamplingParam
     _integer("n", params.n, 1, 1, "only n = 1 is supported")
     _integer("top_k", params.top_k, -1, limits.vocab_size)
     _integer("max_tokens", params.max_tokens, 1, limits.max_model_len)
-    _integer("min_tokens", params.min_tokens, 0, params.max_tokens, f"at most max_tokens ({params.max_tokens})")
+    _integer(
+        "min_tokens", params.min_tokens, 0, cast(int, params.max_tokens), f"at most max_tokens ({params.max_tokens})"
+    )
     if params.seed is not None:
         _integer("seed", params.seed, 0, 2**63 - 1)
     if params.logprobs is not None:
@@ -180,7 +183,7 @@ def check_sampling(params: SamplingParams, limits: ModelLimits) -> SamplingParam
     return checked
 
 
-def _check_logit_bias(bias: dict, limits: ModelLimits) -> None:
+def _check_logit_bias(bias: dict[Any, Any], limits: ModelLimits) -> None:
     if len(bias) > MAX_LOGIT_BIAS:
         raise RequestError("logit_bias", f"{len(bias)} tokens, at most {MAX_LOGIT_BIAS} allowed")
     for token, value in bias.items():
@@ -191,7 +194,9 @@ def _check_logit_bias(bias: dict, limits: ModelLimits) -> None:
         _number(f"logit_bias[{token}]", value, low=-100.0, high=100.0)
 
 
-def _number(field: str, value, low: float | None = None, high: float | None = None, low_open: bool = False) -> None:
+def _number(
+    field: str, value: Any, low: float | None = None, high: float | None = None, low_open: bool = False
+) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise RequestError(field, f"must be a finite number, got {value!r}")
     if low is not None and (value < low or (low_open and value == low)):
@@ -201,7 +206,7 @@ def _number(field: str, value, low: float | None = None, high: float | None = No
         raise RequestError(field, f"is {value}, must be <= {high}")
 
 
-def _integer(field: str, value, low: int, high: int, why: str = "") -> None:
+def _integer(field: str, value: Any, low: int, high: int, why: str = "") -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise RequestError(field, f"must be an integer, got {value!r}")
     if not low <= value <= high:

@@ -29,11 +29,15 @@ from __future__ import annotations
 
 import mmap
 import time
+from typing import TYPE_CHECKING
 
 import numpy as np
 import posix_ipc
 
 from fdcore.ipc.shm import map_segment, unlink_quietly
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
 LINE = 64  # bytes of a rank's header line
 LINE_WORDS = LINE // 8  # generation, byte count (the rest: padding to the cache line)
@@ -93,7 +97,7 @@ class ShmCommunicator:
         if x.dtype != np.float32 or not x.flags.c_contiguous:
             x = np.ascontiguousarray(x, dtype=np.float32)
         floats, count = self._floats[self._exchange(x)], x.size
-        total = np.add(floats[0][:count], floats[1][:count]) if self.world > 1 else floats[0][:count].copy()
+        total: np.ndarray = np.add(floats[0][:count], floats[1][:count]) if self.world > 1 else floats[0][:count].copy()
         for rank in range(2, self.world):
             total += floats[rank][:count]
         return total.reshape(x.shape)
@@ -104,25 +108,29 @@ class ShmCommunicator:
         x = np.ascontiguousarray(x)
         part = self._exchange(x)
         rows = x.size // x.shape[-1] if x.shape[-1] else 0
-        pieces = []
+        pieces: list[np.ndarray] = []
         for rank in range(self.world):
             count = self._words[self._lines[part][rank] + 1]
             piece = self._data[part, rank, :count].view(x.dtype)
             pieces.append(piece.reshape(x.shape[:-1] + (piece.size // rows if rows else 0,)))
         return np.concatenate(pieces, axis=-1)
 
-    def broadcast(self, x: np.ndarray | None, patience: float | None = None, waiting=None) -> np.ndarray:
+    def broadcast(
+        self, x: np.ndarray | None, patience: float | None = None, waiting: Callable[[], object] | None = None
+    ) -> np.ndarray:
         """Rank 0's int64 ``x`` on every rank (the others pass None). ``patience``: how long to wait for
         a peer this time, instead of the communicator's timeout (rank 0 may be building a grammar while
         the others wait for its tokens); ``waiting()`` is called at each nap meanwhile (a heartbeat)."""
         if self.rank == 0:
             self._exchange(np.ascontiguousarray(x, dtype=np.int64), patience, waiting)
-            return x
+            return x  # type: ignore[return-value]  # (rank 0 passes x; the others get it filled)
         part = self._exchange(_NOTHING, patience, waiting)
         return self._data[part, 0, : self._words[self._lines[part][0] + 1]].view(np.int64).copy()
 
     # ---------------------------------------------------------------- barrier
-    def _exchange(self, x: np.ndarray, patience: float | None = None, waiting=None) -> int:
+    def _exchange(
+        self, x: np.ndarray, patience: float | None = None, waiting: Callable[[], object] | None = None
+    ) -> int:
         """Publish ``x`` for the next generation and wait for every rank's; the set it used."""
         if x.nbytes > self.capacity:
             raise ValueError(f"{x.nbytes} bytes do not fit the communicator's {self.capacity}-byte slots")
@@ -140,7 +148,7 @@ class ShmCommunicator:
                 self._wait(other, generation, self.timeout if patience is None else patience, waiting)
         return part
 
-    def _wait(self, word: int, generation: int, timeout: float, waiting=None) -> None:
+    def _wait(self, word: int, generation: int, timeout: float, waiting: Callable[[], object] | None = None) -> None:
         words, deadline, spins = self._words, None, 0
         while words[word] < generation:
             spins += 1
@@ -175,7 +183,7 @@ class ShmCommunicator:
 
     def close(self) -> None:
         self._words.release()
-        self._data = self._bytes = self._floats = None
+        self._data = self._bytes = self._floats = None  # type: ignore[assignment]  # (closed: None)
         self._mm.close()
 
     def unlink(self) -> None:

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import mmap
 import struct
+from typing import Any
 
 import posix_ipc
 
@@ -104,7 +105,7 @@ class BroadcastRing(Ring):
         self,
         name: str,
         mm: mmap.mmap,
-        bell,
+        bell: Doorbell | _FanOut,
         close_bell: bool,
         space: posix_ipc.Semaphore,
         owner: bool,
@@ -116,11 +117,11 @@ class BroadcastRing(Ring):
         self.readers = readers
         self._head_words = [_head_word(capacity, i) for i in range(readers)]
         self._head_word = self._head_words[reader or 0]
-        super().__init__(name, mm, bell, close_bell, space, owner, spin)
+        super().__init__(name, mm, bell, close_bell, space, owner, spin)  # type: ignore[arg-type]  # (a producer's bell fans out)
 
     # ----------------------------------------------------------------- set-up
     @classmethod
-    def create(
+    def create(  # type: ignore[override]  # (a broadcast ring takes its readers)
         cls, reader_bells: list[str], capacity: int = DEFAULT_CAPACITY, *, name: str, spin: float = DEFAULT_SPIN
     ) -> BroadcastRing:
         """Create a ring read by ``len(reader_bells)`` readers, reader i woken through the doorbell
@@ -152,13 +153,13 @@ class BroadcastRing(Ring):
         return cls(name, mm, fan_out, True, space, owner=True, spin=spin, reader=None)
 
     @classmethod
-    def attach(
+    def attach(  # type: ignore[override]  # (a broadcast ring takes its readers)
         cls, name: str, *, reader: int | None = None, doorbell: Doorbell | None = None, spin: float = DEFAULT_SPIN
     ) -> BroadcastRing:
         """Open an existing ring as its producer (``reader=None``) or as reader ``reader``, woken
         through ``doorbell`` (default: the doorbell the ring names for that reader)."""
         mm = map_segment(name, None)
-        opened: list = [mm]  # closed again if the handle cannot be made
+        opened: list[Any] = [mm]  # closed again if the handle cannot be made
         try:
             bell_names = cls._validate(name, mm)
             if reader is not None and not 0 <= reader < len(bell_names):
@@ -168,6 +169,7 @@ class BroadcastRing(Ring):
                 )
             space = open_semaphore(name, create=False)
             opened.append(space)
+            bell: Doorbell | _FanOut
             if reader is None:
                 for bell_name in bell_names:
                     opened.append(Doorbell.standalone(bell_name, create=False))

@@ -13,10 +13,18 @@ array header, 0x90-0x9f or 0xdc-0xdd), so the receiver can tell them apart.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 import msgspec
 
 from fdcore.ipc.codec import ENCODER, decoder_for
 from fdcore.ipc.ring_layout import RingCorrupted
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Sequence
+
+    from fdcore.ipc.inbox import Inbox
+    from fdcore.ipc.ring import Ring
 
 BATCH = 0x01
 _BATCH_PREFIX = bytes([BATCH])
@@ -29,22 +37,22 @@ class ProtocolError(ValueError):
 class Sender:
     """Sends Structs of one union type over a :class:`~fdcore.ipc.ring.Ring`."""
 
-    def __init__(self, ring):
+    def __init__(self, ring: Ring) -> None:
         self.ring = ring
         self._buffer = bytearray(256)
         self._batch_buffer = bytearray([BATCH])
         self._encode_into = ENCODER.encode_into
 
-    def send(self, message, timeout: float | None = None) -> None:
+    def send(self, message: object, timeout: float | None = None) -> None:
         """Encode and put one message, waiting up to ``timeout`` for room."""
         self._encode_into(message, self._buffer)
         self.ring.put(self._buffer, timeout)
 
-    def send_nowait(self, message) -> None:
+    def send_nowait(self, message: object) -> None:
         self._encode_into(message, self._buffer)
         self.ring.put_nowait(self._buffer)
 
-    def send_many(self, messages, timeout: float | None = None) -> None:
+    def send_many(self, messages: Sequence[object], timeout: float | None = None) -> None:
         """Send a list of messages as one record (one copy, one publish, one wake-up)."""
         self._encode_into(messages, self._batch_buffer, 1)
         self.ring.put(self._batch_buffer, timeout)
@@ -56,13 +64,13 @@ class Sender:
 class Receiver:
     """Receives Structs of ``union`` from a ring or an inbox."""
 
-    def __init__(self, source, union):
+    def __init__(self, source: Ring | Inbox, union: Any) -> None:
         self.source = source
         self._decode = decoder_for(union).decode
-        self._decode_batch = decoder_for(list[union]).decode
-        self._pending: list = []  # rest of a batch that recv() is handing out one by one
+        self._decode_batch: Callable[[bytes | memoryview], list[Any]] = decoder_for(list[union]).decode
+        self._pending: list[Any] = []  # rest of a batch that recv() is handing out one by one
 
-    def _decoded(self, raw: bytes) -> list:
+    def _decoded(self, raw: bytes) -> list[Any]:
         """The messages of one record (a batch record holds several)."""
         try:
             if raw[:1] == _BATCH_PREFIX:
@@ -73,18 +81,18 @@ class Receiver:
                 f"{self.source.name}: undecodable record ({exc}); first bytes {bytes(raw[:16])!r}"
             ) from None
 
-    def recv(self, timeout: float | None = None):
+    def recv(self, timeout: float | None = None) -> Any:
         """One message, waiting up to ``timeout`` seconds (None: forever)."""
         while not self._pending:
             self._pending = self._decoded(self.source.get(timeout))[::-1]
         return self._pending.pop()
 
-    def recv_nowait(self):
+    def recv_nowait(self) -> Any:
         while not self._pending:
             self._pending = self._decoded(self.source.get_nowait())[::-1]
         return self._pending.pop()
 
-    def recv_many(self, timeout: float | None = None, max_records: int = 64) -> list:
+    def recv_many(self, timeout: float | None = None, max_records: int = 64) -> list[Any]:
         """Wait up to ``timeout`` for at least one message, then what is available.
 
         At most ``max_records`` records (each a message or a batch) per link and
@@ -95,11 +103,11 @@ class Receiver:
             return self.recv_many_nowait(max_records)
         return self._flatten(self.source.get_many(max_records, timeout))
 
-    def recv_many_nowait(self, max_records: int = 64) -> list:
+    def recv_many_nowait(self, max_records: int = 64) -> list[Any]:
         out, self._pending = self._pending[::-1], []
         return out + self._flatten(self.source.get_many_nowait(max_records))
 
-    def _flatten(self, records) -> list:
+    def _flatten(self, records: list[bytes]) -> list[Any]:
         if len(records) == 1:
             return self._decoded(records[0])
         return [message for raw in records for message in self._decoded(raw)]
@@ -114,10 +122,11 @@ class LinkReceiver:
     those (garbage, or a message out of place) comes back as a :class:`ProtocolError` for that link
     instead of being raised, so one bad producer cannot stop the consumer."""
 
-    def __init__(self, inbox, unions: dict[str, object]):
+    def __init__(self, inbox: Inbox, unions: dict[str, Any]) -> None:
         self.source = inbox
         self._decoders = {
-            link: (decoder_for(union).decode, decoder_for(list[union]).decode) for link, union in unions.items()
+            link: (decoder_for(union).decode, decoder_for(list[union]).decode)  # type: ignore[valid-type]
+            for link, union in unions.items()  # (above: a union held in a variable, not a type alias)
         }
 
     def recv_many(self, timeout: float | None = None, max_records: int = 64) -> list[tuple[str, object]]:
@@ -128,7 +137,7 @@ class LinkReceiver:
             for item in self._decoded(link, raw)
         ]
 
-    def _decoded(self, link: str, raw) -> list[tuple[str, object]]:
+    def _decoded(self, link: str, raw: bytes | RingCorrupted) -> list[tuple[str, object]]:
         if isinstance(raw, RingCorrupted):  # (the inbox has emptied the link)
             return [(link, ProtocolError(f"{self.source.name}.{link}: corrupted ring ({raw})"))]
         decode, decode_batch = self._decoders[link]

@@ -24,11 +24,15 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from fdcore.ipc.broadcast import BroadcastRing
 from fdcore.ipc.doorbell import Doorbell
 from fdcore.ipc.ring import Ring
 from fdcore.ipc.ring_layout import DEFAULT_CAPACITY, DEFAULT_SPIN, RingCorrupted, RingEmpty, RingStatistics
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Container, Iterable
 
 BELL_WAITING_OFF = 0
 
@@ -55,7 +59,9 @@ class Inbox:
         self._sleeps = 0
 
     @classmethod
-    def create(cls, name: str, producers=(), *, capacity: int = DEFAULT_CAPACITY, spin: float = DEFAULT_SPIN) -> Inbox:
+    def create(
+        cls, name: str, producers: Iterable[str] = (), *, capacity: int = DEFAULT_CAPACITY, spin: float = DEFAULT_SPIN
+    ) -> Inbox:
         """Create the doorbell and one ring per producer; this handle owns them all."""
         inbox = cls(name, Doorbell.standalone(name, create=True), True, capacity, spin)
         try:
@@ -68,7 +74,9 @@ class Inbox:
         return inbox
 
     @classmethod
-    def attach(cls, name: str, producers=(), *, spin: float = DEFAULT_SPIN, untrusted=()) -> Inbox:
+    def attach(
+        cls, name: str, producers: Iterable[str] = (), *, spin: float = DEFAULT_SPIN, untrusted: Container[str] = ()
+    ) -> Inbox:
         """Open an existing inbox as its consumer, with the named links. The links of ``untrusted``
         producers (clients) are opened as the creator made them: nothing such a producer writes into
         its ring can stop the attach (the ring's invariant 6)."""
@@ -184,11 +192,15 @@ class Inbox:
                 out.append((producer, exc))
         return out
 
-    def get_many_by_link(self, max_records: int | None = None, timeout: float | None = None) -> list[tuple[str, bytes]]:
+    def get_many_by_link(
+        self, max_records: int | None = None, timeout: float | None = None
+    ) -> list[tuple[str, bytes | RingCorrupted]]:
         """Like :meth:`get_many`, each record with its link."""
         return self._wait_for(self.get_many_by_link_nowait, max_records, timeout)
 
-    def _wait_for(self, take, max_records: int | None, timeout: float | None) -> list:
+    def _wait_for(
+        self, take: Callable[[int | None], list[Any]], max_records: int | None, timeout: float | None
+    ) -> list[Any]:
         """``take(max_records)`` until it returns something, sleeping on the doorbell between tries."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
@@ -250,7 +262,7 @@ class Inbox:
     def __enter__(self) -> Inbox:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
         if self.owner:
             self.unlink()

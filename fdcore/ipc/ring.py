@@ -38,6 +38,7 @@ from __future__ import annotations
 import mmap
 import struct
 import time
+from typing import TYPE_CHECKING, NoReturn, cast
 
 import posix_ipc
 
@@ -71,6 +72,9 @@ from fdcore.ipc.ring_layout import (
 )
 from fdcore.ipc.ring_producer import Producer
 from fdcore.ipc.shm import map_segment, open_semaphore, unlink_quietly
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
 
 class Ring(Producer):
@@ -135,7 +139,7 @@ class Ring(Producer):
         capacity = round_capacity(capacity)
         name = name or names.object_name(names.new_instance_id(), "ring")
         mm = map_segment(name, HEADER_SIZE + capacity)
-        created = [lambda: posix_ipc.unlink_shared_memory(name)]
+        created: list[Callable[[], None]] = [lambda: posix_ipc.unlink_shared_memory(name)]
         try:
             space = open_semaphore(name, create=True)
             created.append(lambda: posix_ipc.unlink_semaphore(name))
@@ -184,7 +188,7 @@ class Ring(Producer):
             if doorbell is None and bell_name == name + ".bell":
                 doorbell = Doorbell.embedded(mm, CONSUMER_WAITING_OFF, bell_name, create=False)
             elif doorbell is None:
-                doorbell = Doorbell.standalone(bell_name, create=False)
+                doorbell = Doorbell.standalone(bell_name, create=False)  # type: ignore[arg-type]  # (an attach without a doorbell names its bell)
         except BaseException:
             mm.close()
             raise
@@ -281,7 +285,7 @@ class Ring(Producer):
             return []
         mm, cap, mask, unpack = self._mm, self._capacity, self._mask, RECORD_STRUCT.unpack_from
         limit = (1 << 62) if max_records is None else max_records
-        out = []
+        out: list[bytes] = []
         while head < tail and len(out) < limit:
             pos = head & mask
             off = HEADER_SIZE + pos
@@ -329,7 +333,7 @@ class Ring(Producer):
         self._consumer_waits += 1
         return self._bell.wait(self.readable, deadline)
 
-    def _try_get(self):
+    def _try_get(self) -> bytes | None:
         """Read one record; None when empty. The hot path: kept flat."""
         head = self._head
         if head == self._tail_seen and head == self._read_tail():
@@ -358,7 +362,7 @@ class Ring(Producer):
         mm = self._mm
         return mm[HEADER_SIZE + start : HEADER_SIZE + self._capacity] + mm[HEADER_SIZE : HEADER_SIZE + n - first]
 
-    def _raise_corrupted(self, head: int, n: int, check: int):
+    def _raise_corrupted(self, head: int, n: int, check: int) -> NoReturn:
         raise RingCorrupted(
             f"{self.name}: bad record header at data offset {head & self._mask} (length {n}, "
             f"check {check:#x}, expected {(head >> 3) & CHECK_MASK:#x}; "
@@ -410,7 +414,7 @@ class Ring(Producer):
         self._space.close()
         if self._close_bell:
             self._bell.close()
-        self._words.release()
+        cast("memoryview[int]", self._words).release()  # (not closed yet: still the memoryview)
         self._mm.close()
         # Any later call trips over these instead of touching unmapped memory.
         self._words = _Closed(self.name)
@@ -429,7 +433,7 @@ class Ring(Producer):
     def __enter__(self) -> Ring:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
         if self.owner:
             self.unlink()
@@ -444,7 +448,7 @@ class _Closed:
     def __init__(self, name: str):
         self.name = name
 
-    def __getitem__(self, index):
+    def __getitem__(self, index: int) -> NoReturn:
         raise RingClosed(f"{self.name}: the handle is closed")
 
-    __setitem__ = __getitem__
+    __setitem__: Callable[..., NoReturn] = __getitem__  # (called with a value too: raises either way)

@@ -112,6 +112,8 @@ class RingEmpty(RingError, queue.Empty):
 class RingFull(RingError, queue.Full):
     """No room for the record (``put_nowait``, or ``put`` past its timeout)."""
 
+    written: int  # put_many: how many records were written (set where it raises)
+
 
 class RecordTooLarge(RingError, ValueError):
     """A record larger than the ring can ever hold."""

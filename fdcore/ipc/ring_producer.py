@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 from fdcore.ipc.doorbell import full_barrier, sleep_until
 from fdcore.ipc.ring_layout import (
@@ -18,18 +19,45 @@ from fdcore.ipc.ring_layout import (
     RingFull,
 )
 
+if TYPE_CHECKING:
+    import mmap
+    from collections.abc import Sequence
+
+    import posix_ipc
+
+    from fdcore.ipc.doorbell import Doorbell
+    from fdcore.ipc.ring import _Closed
+
 
 class Producer:
     """A ring's producer end (a mixin of fdcore.ipc.ring.Ring, whose fields these methods read and set): records
     written below the tail and published by one tail store; a full ring waits on its space semaphore."""
 
+    # The ring's fields these methods use (set by Ring.__init__; declared here for the type checker).
+    name: str
+    spin: float
+    max_record: int
+    _mm: mmap.mmap
+    _words: memoryview[int] | _Closed  # _Closed once the handle is closed
+    _bell: Doorbell
+    _bell_mm: mmap.mmap | bytes  # the bell's ``waiting`` byte (a broadcast producer's: a constant)
+    _bell_off: int
+    _space: posix_ipc.Semaphore
+    _capacity: int
+    _mask: int
+    _closed: bool
+    _tail: int
+    _head_seen: int
+    _puts: int
+    _producer_waits: int
+
     # --------------------------------------------------------------- producer
-    def put_nowait(self, data) -> None:
+    def put_nowait(self, data: bytes | bytearray | memoryview) -> None:
         """Append one record or raise :class:`RingFull` at once."""
         if not self._try_put(data):
             raise RingFull(f"{self.name}: no room for a {len(data)}-byte record")
 
-    def put(self, data, timeout: float | None = None) -> None:
+    def put(self, data: bytes | bytearray | memoryview, timeout: float | None = None) -> None:
         """Append one record, waiting up to ``timeout`` seconds (None: forever) for room."""
         if self._try_put(data):
             return
@@ -38,7 +66,7 @@ class Producer:
             if not self._wait_for_space(deadline):
                 raise RingFull(f"{self.name}: no room for a {len(data)}-byte record within {timeout} s")
 
-    def put_many(self, records, timeout: float | None = None) -> int:
+    def put_many(self, records: Sequence[bytes | bytearray | memoryview], timeout: float | None = None) -> int:
         """Append every record of the sequence ``records``, publishing once per batch.
 
         Returns how many were written; raises :class:`RingFull` (with
@@ -54,7 +82,7 @@ class Producer:
                 raise err
         return written
 
-    def _try_put(self, data) -> bool:
+    def _try_put(self, data: bytes | bytearray | memoryview) -> bool:
         """Write one record (and ring the doorbell); False when there is no room now.
 
         The hot path: kept flat, every extra call here costs ~5% of throughput.
@@ -80,14 +108,14 @@ class Producer:
             self._bell.ring()
         return True
 
-    def _write_split(self, start: int, data) -> None:
+    def _write_split(self, start: int, data: bytes | bytearray | memoryview) -> None:
         """Write a payload that runs past the end of the data area on at offset 0."""
         first = self._capacity - start
         view = memoryview(data)
         self._mm[HEADER_SIZE + start : HEADER_SIZE + self._capacity] = view[:first]
         self._mm[HEADER_SIZE : HEADER_SIZE + len(view) - first] = view[first:]
 
-    def _try_put_batch(self, records, start: int) -> int:
+    def _try_put_batch(self, records: Sequence[bytes | bytearray | memoryview], start: int) -> int:
         """Write records from ``start`` until one does not fit; publish and ring once.
 
         ``_try_put`` inlined: this loop is the engine's per-step hot path.
