@@ -6,7 +6,7 @@ numpy with a fixed seed, saved in float32, bfloat16 or float16 safetensors
 file or several shards. The bundled tiny tokenizer (vocabulary 4096) goes with
 each. ``tools/make_reference.py`` writes each variant with this module (in the
 project's environment) and records transformers' greedy tokens for it;
-tests/test_checkpoints.py makes the same bytes and compares fdcore's tokens.
+tests/checkpoint/test_checkpoints.py makes the same bytes and compares fdcore's tokens.
 
     python -m tests.checkpoints DIR VARIANT      # write one variant
 """

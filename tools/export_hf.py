@@ -133,7 +133,7 @@ print(json.dumps([ref.chat_case(tokenizer, model, messages) for messages in chat
 def _fdcore_greedy(path: str, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
     from fdcore.checkpoint import load_checkpoint
     from fdcore.models.llama import LlamaModel
-    from tests.test_model import run_greedy
+    from tests.models.test_model import run_greedy
 
     model = LlamaModel(load_checkpoint(path, progress=lambda *_: None))
     return run_greedy(model, prompts, new_tokens)

@@ -7,7 +7,7 @@ without ``{% generation %}``, a documents template, one exercising the sandbox's
 rendered by transformers' ``apply_chat_template(..., tokenize=False)`` and tokenized with it, with
 the bundled tiny tokenizer; and a few checkpoint layouts (``chat_template.jinja``,
 ``additional_chat_templates/``, tokenizer_config.json's string or list) are loaded by
-``AutoTokenizer`` to record which templates it finds. tests/test_chat_template.py checks fdcore's
+``AutoTokenizer`` to record which templates it finds. tests/checkpoint/test_chat_template.py checks fdcore's
 renderer and template discovery against this file, without installing transformers. Runs without
 fdcore (its own venv has no msgspec): the tokenizer file is read by path.
 """

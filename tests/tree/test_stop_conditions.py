@@ -17,10 +17,11 @@ import pytest
 from fdcore import LLM, SamplingParams
 from fdcore.checkpoint import tiny
 from fdcore.config import parse_config
+from tests import DATA
 
 pytestmark = pytest.mark.tree
 
-REFERENCE = json.load(open(os.path.join(os.path.dirname(__file__), "data", "reference.json")))
+REFERENCE = json.load(open(os.path.join(DATA, "reference.json")))
 CASE = REFERENCE["checkpoints"]["llama-gqa"]["cases"]["short"]  # the bundled tiny model's greedy tokens
 PROMPT, GREEDY_TOKENS = CASE["prompt"], CASE["output"]
 EOS_AT = 5

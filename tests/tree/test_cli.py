@@ -11,8 +11,8 @@ import sys
 import httpx
 import pytest
 
+from tests.server.test_server import free_port
 from tests.supervised import ROOT, Tree
-from tests.test_server import free_port
 
 pytestmark = pytest.mark.tree
 

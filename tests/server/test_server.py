@@ -17,6 +17,7 @@ import msgspec
 import openai
 import pytest
 
+from tests import DATA
 from tests.supervised import Tree
 
 pytestmark = pytest.mark.tree
@@ -553,7 +554,7 @@ def test_tool_choice_auto_parses_what_the_model_writes(client):
 
 
 def _vllm_fields():
-    with open(os.path.join(os.path.dirname(__file__), "data", "vllm_request_fields.json")) as f:
+    with open(os.path.join(DATA, "vllm_request_fields.json")) as f:
         table = json.load(f)
     return [
         (path, name, default)

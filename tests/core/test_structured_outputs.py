@@ -23,7 +23,7 @@ from fdcore.core.token_mask import allowed_tokens, pack_allowed
 from fdcore.core.tokenizer import load_tokenizer
 from fdcore.core.validation import RequestError
 from fdcore.models.sampling import SamplerRequest, sample
-from tests.test_crash_resume import actor_pid, config, stream_all
+from tests.tree.test_crash_resume import actor_pid, config, stream_all
 
 pytestmark = [pytest.mark.tree, pytest.mark.kernels]
 

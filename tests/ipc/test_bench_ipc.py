@@ -8,9 +8,9 @@ import sys
 
 import pytest
 
-pytestmark = pytest.mark.tree
+from tests import ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+pytestmark = pytest.mark.tree
 
 
 def test_bench_ipc_quick_prints_a_table_with_ratios():

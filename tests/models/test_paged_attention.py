@@ -49,7 +49,7 @@ _ON_AVX2 = """
 import sys
 import numpy as np
 from fdcore.models import kernels
-from tests.test_paged_attention import CASES, _check
+from tests.models.test_paged_attention import CASES, _check
 assert kernels.kernel_path("float32") == "AVX2"
 for case in CASES:
     _check(case)

@@ -30,7 +30,7 @@ from fdcore.protocol import (
     Welcome,
 )
 from fdcore.supervisor import actor_pid
-from tests.test_crash_resume import config, requests, stream_all
+from tests.tree.test_crash_resume import config, requests, stream_all
 
 pytestmark = pytest.mark.tree
 

@@ -14,10 +14,11 @@ from fdcore.models.kv_cache import PagedKVCache
 from fdcore.models.llama import LlamaModel
 from fdcore.models.sampling import SamplerRequest, sample
 from fdcore.protocol import SamplingParams
+from tests import DATA
 
 pytestmark = pytest.mark.kernels
 
-REFERENCE = json.load(open(os.path.join(os.path.dirname(__file__), "data", "reference.json")))
+REFERENCE = json.load(open(os.path.join(DATA, "reference.json")))
 BLOCK = 16
 
 

@@ -19,11 +19,11 @@ from fdcore.checkpoint import tiny
 from fdcore.client import EngineDeadError
 from fdcore.config import parse_config
 from fdcore.supervisor import actor_pid
+from tests import ROOT
 from tests.supervised import tree_config
 
 pytestmark = pytest.mark.tree
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
 
 

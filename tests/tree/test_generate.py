@@ -8,9 +8,9 @@ import sys
 
 import pytest
 
-pytestmark = pytest.mark.tree
+from tests import ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+pytestmark = pytest.mark.tree
 
 
 def test_generate_makes_the_tiny_model_and_prints_one_line_per_prompt(tmp_path):

@@ -14,10 +14,11 @@ from fdcore.models.engine_core import EngineCore
 from fdcore.models.kv_cache import PagedKVCache
 from fdcore.models.llama import LlamaModel
 from fdcore.protocol import SamplingParams
+from tests import DATA
 
 pytestmark = pytest.mark.kernels
 
-REFERENCE = json.load(open(os.path.join(os.path.dirname(__file__), "data", "reference.json")))
+REFERENCE = json.load(open(os.path.join(DATA, "reference.json")))
 CASES = REFERENCE["checkpoints"]["llama-gqa"]["cases"]
 GREEDY = SamplingParams(temperature=0, max_tokens=REFERENCE["new_tokens"], ignore_eos=True)
 BLOCK = 16

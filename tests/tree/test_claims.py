@@ -14,6 +14,7 @@ import pytest
 
 from fdcore import LLM
 from fdcore.client import EngineError
+from tests import ROOT
 from tests.supervised import Tree, make_model_dir
 
 pytestmark = pytest.mark.tree
@@ -245,7 +246,7 @@ def test_actors_talk_only_through_shared_memory(start_tree):
         llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
         sockets = {cid: psutil.Process(pid).net_connections(kind="all") for cid, pid in tree.pids.items()}
     assert sockets == {cid: [] for cid in tree.pids}, sockets
-    package = pathlib.Path(__file__).resolve().parent.parent / "fdcore"
+    package = pathlib.Path(ROOT) / "fdcore"
     forbidden = re.compile(r"^\s*(?:import|from)\s+(pickle|multiprocessing|socket|zmq)\b", re.M)
     offenders = {
         str(path.relative_to(package)): forbidden.findall(path.read_text())

@@ -11,6 +11,7 @@ import pytest
 
 from fdcore.models.kernels import kernel_flags, kernel_path, linear_bf16, missing_cpu_feature
 from fdcore.models.matrices import Int4Matrix, Int8Matrix
+from tests import DATA
 
 pytestmark = [pytest.mark.tree, pytest.mark.kernels]
 
@@ -332,7 +333,7 @@ def test_low_precision_picks_float32s_token_wherever_float32_is_not_at_a_near_ti
     from fdcore.core.batch import BatchInput
     from fdcore.models.llama import LlamaModel
 
-    reference = json.load(open(os.path.join(os.path.dirname(__file__), "data", "gguf_reference.json")))
+    reference = json.load(open(os.path.join(DATA, "gguf_reference.json")))
     path = fetch_smollm2()
     models = {
         "exact": LlamaModel(load_checkpoint(path, progress=lambda *_: None)),

@@ -27,10 +27,11 @@ from fdcore.checkpoint.gguf import read_gguf
 from fdcore.checkpoint.gguf_file import GgufFile
 from fdcore.checkpoint.gguf_tokenizer import gguf_tokenizer
 from fdcore.models.kernels import kernel_path
+from tests import DATA
 
 pytestmark = pytest.mark.kernels
 
-with open(os.path.join(os.path.dirname(__file__), "data", "gguf_reference.json"), encoding="utf-8") as _f:
+with open(os.path.join(DATA, "gguf_reference.json"), encoding="utf-8") as _f:
     REFERENCE = json.load(_f)
 
 
@@ -58,7 +59,7 @@ def model(smollm2):
 @pytest.fixture(scope="module")
 def greedy(model):
     """fdcore's greedy tokens for every reference chat, all in one batch."""
-    from tests.test_model import run_greedy
+    from tests.models.test_model import run_greedy
 
     return run_greedy(model, [chat["prompt"] for chat in REFERENCE["chats"]], REFERENCE["new_tokens"])
 

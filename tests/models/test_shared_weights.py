@@ -18,10 +18,11 @@ from fdcore.core.batch import BatchInput
 from fdcore.models.kv_cache import PagedKVCache
 from fdcore.models.llama import LlamaModel
 from fdcore.models.shared_weights import EMPTY, PRIVATE, PUBLISHED, WeightFile
+from tests import DATA
 
 pytestmark = [pytest.mark.tree, pytest.mark.kernels]
 
-REFERENCE = json.load(open(os.path.join(os.path.dirname(__file__), "data", "reference.json")))
+REFERENCE = json.load(open(os.path.join(DATA, "reference.json")))
 BLOCK = 16
 RESERVE = 1 << 30
 

@@ -298,7 +298,7 @@ def test_sigkill_of_a_rank_restarts_the_group_and_changes_no_token(checkpoints, 
     from fdcore import AsyncLLM
     from fdcore.actors import topology
     from fdcore.supervisor import actor_census, actor_pid
-    from tests.test_crash_resume import requests, stream_all
+    from tests.tree.test_crash_resume import requests, stream_all
 
     config = group_config(checkpoints["llama-gqa"], 2)
     prompts, params = requests()

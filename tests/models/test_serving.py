@@ -18,11 +18,11 @@ from fdcore.core.scheduler import BatchLimits, Request, Scheduler
 from fdcore.models.engine_core import EngineCore
 from fdcore.models.kv_cache import PagedKVCache
 from fdcore.models.llama import LlamaModel
+from tests import ROOT
 from tests.supervised import tree_config
 
 pytestmark = [pytest.mark.tree, pytest.mark.kernels]
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REFERENCE = json.load(open(os.path.join(ROOT, "tests", "data", "reference.json")))
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 

@@ -18,12 +18,13 @@ import pytest
 
 from fdcore.checkpoint import CheckpointError, load_checkpoint
 from fdcore.models.llama import LlamaModel
+from tests import DATA
 from tests.checkpoints import VARIANTS, make_checkpoint
-from tests.test_model import run_greedy
+from tests.models.test_model import run_greedy
 
 pytestmark = [pytest.mark.tree, pytest.mark.kernels]
 
-REFERENCE = json.load(open(os.path.join(os.path.dirname(__file__), "data", "checkpoint_reference.json")))
+REFERENCE = json.load(open(os.path.join(DATA, "checkpoint_reference.json")))
 
 
 def transformers_checkpoint(path: str, name: str) -> str:

@@ -1,0 +1,1 @@
+"""Tests of what computes, and the kernels."""

@@ -1,0 +1,1 @@
+"""Tests of the actor tree: supervisor, crash-resume, clients, command line."""
