@@ -125,6 +125,11 @@ class WorkerActor(Actor):
 
         path, started = model_path(self.config), time.monotonic()
         args = inspect_checkpoint(path)
+        if args.keys.unknown and self.rank == 0 and not self.standby:
+            _log.warning(
+                f"{self.child_id}: config.json keys no transformers model reads, not used: "
+                f"{', '.join(args.keys.unknown)}"
+            )
         self.step_cost = StepCost.unmeasured(
             parameter_count(  # (until a pass is timed: the warm-up's, or the first)
                 args.hidden_size,

@@ -1,5 +1,5 @@
-"""A checkpoint's config.json as the model's arguments (``ModelArgs``), and the rule that every key is read,
-known to change nothing, or refused.
+"""A checkpoint's config.json as the model's arguments (``ModelArgs``); every key is read (the table below),
+known to change nothing, or refused (fdcore.checkpoint.config_keys).
 
 Every problem is a :class:`CheckpointError` naming the file and what is wrong
 with it (missing, unknown architecture, a key whose value fdcore does not
@@ -8,7 +8,7 @@ file), so the supervisor can report it instead of restarting a worker that can
 never start. A model served with a setting silently dropped answers wrong
 without a word, the worst failure an inference engine can have: so every key
 of ``config.json`` is either read (the table below), known to change nothing
-at inference (``IGNORED``), or an error naming it.
+at inference, or an error naming it (fdcore.checkpoint.config_keys).
 
 config.json keys read (transformers' names; "arch" = every architecture unless noted):
 
@@ -43,10 +43,14 @@ plus one tensor and the shard being read).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+from fdcore.checkpoint.config_keys import KeyReport, classify_keys
+from fdcore.checkpoint.errors import CheckpointError
 from fdcore.checkpoint.rope import ROPE_TYPES, RopeSpec
+
+__all__ = ["CheckpointError", "ModelArgs"]
 
 SUPPORTED = {
     "LlamaForCausalLM": "llama",
@@ -55,113 +59,6 @@ SUPPORTED = {
     "Qwen3ForCausalLM": "qwen3",
 }
 
-# Keys that change nothing when serving: bookkeeping, training-only settings, token ids
-# read elsewhere (the tokenizer and generation_config.json), and generation settings that
-# older transformers wrote into config.json.
-IGNORED = frozenset(
-    {
-        "_name_or_path",
-        "architectures",
-        "model_type",
-        "transformers_version",
-        "dtype",
-        "torch_dtype",
-        "bos_token_id",
-        "pad_token_id",
-        "initializer_range",
-        "use_cache",
-        "attention_dropout",
-        "output_attentions",
-        "output_hidden_states",
-        "return_dict",
-        "problem_type",
-        "id2label",
-        "label2id",
-        "chunk_size_feed_forward",
-        "is_encoder_decoder",
-        "is_decoder",
-        "add_cross_attention",
-        "tie_encoder_decoder",
-        "cross_attention_hidden_size",
-        "torchscript",
-        "use_bfloat16",
-        "tf_legacy_loss",
-        "pruned_heads",
-        "pretraining_tp",
-        "tokenizer_class",
-        "prefix",
-        "sep_token_id",
-        "decoder_start_token_id",
-        "task_specific_params",
-        "finetuning_task",
-        "fdcore_tiny_version",
-        "max_length",
-        "min_length",
-        "do_sample",
-        "early_stopping",
-        "num_beams",
-        "num_beam_groups",
-        "diversity_penalty",
-        "temperature",
-        "top_k",
-        "top_p",
-        "typical_p",
-        "repetition_penalty",
-        "length_penalty",
-        "no_repeat_ngram_size",
-        "encoder_no_repeat_ngram_size",
-        "bad_words_ids",
-        "num_return_sequences",
-        "output_scores",
-        "return_dict_in_generate",
-        "forced_bos_token_id",
-        "forced_eos_token_id",
-        "remove_invalid_values",
-        "exponential_decay_length_penalty",
-        "suppress_tokens",
-        "begin_suppress_tokens",
-        # exporters' own notes (SmolLM2's nanotron export, transformers.js, unsloth)
-        "is_llama_config",
-        "transformers.js_config",
-        "unsloth_version",
-        "unsloth_fixed",
-    }
-)
-READ = frozenset(
-    {
-        "hidden_size",
-        "intermediate_size",
-        "num_hidden_layers",
-        "num_attention_heads",
-        "num_key_value_heads",
-        "head_dim",
-        "vocab_size",
-        "max_position_embeddings",
-        "rms_norm_eps",
-        "hidden_act",
-        "rope_parameters",
-        "rope_theta",
-        "rope_scaling",
-        "partial_rotary_factor",
-        "tie_word_embeddings",
-        "attention_bias",
-        "mlp_bias",
-        "sliding_window",
-        "use_sliding_window",
-        "max_window_layers",
-        "layer_types",
-        "eos_token_id",
-        "original_max_position_embeddings",
-    }
-)
-# What each architecture has beyond the common keys (a key of another family is refused:
-# e.g. transformers' Llama has no sliding window, so a Llama config asking for one is not served).
-FAMILY_KEYS = {
-    "llama": {"attention_bias", "mlp_bias"},
-    "mistral": {"sliding_window"},
-    "qwen2": {"attention_bias", "sliding_window", "use_sliding_window", "max_window_layers", "layer_types"},
-    "qwen3": {"attention_bias", "sliding_window", "use_sliding_window", "max_window_layers", "layer_types"},
-}
 ROPE_FIELDS = {  # rope parameter keys each type reads (beyond rope_type / type and rope_theta)
     "default": set(),
     "linear": {"factor"},
@@ -178,10 +75,6 @@ ROPE_FIELDS = {  # rope parameter keys each type reads (beyond rope_type / type 
     },
     "llama3": {"factor", "original_max_position_embeddings", "low_freq_factor", "high_freq_factor"},
 }
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be loaded, with the file and the reason."""
 
 
 @dataclass(frozen=True)
@@ -205,6 +98,7 @@ class ModelArgs:
     mlp_bias: bool = False
     qk_norm: bool = False
     sliding_windows: tuple[int, ...] = ()  # per layer: keys a query sees (0: all)
+    keys: KeyReport = field(default=KeyReport(), compare=False)  # how config.json's keys were taken (config_keys)
 
     @property
     def family(self) -> str:
@@ -226,7 +120,7 @@ class ModelArgs:
                 f"{source}: architecture {archs or 'missing'} is not supported; supported: {', '.join(SUPPORTED)}"
             )
         family = SUPPORTED[arch]
-        _refuse_unknown_keys(config, family, source)
+        report = classify_keys(config, family, source)
         heads = _field(config, "num_attention_heads", source)
         hidden = _field(config, "hidden_size", source)
         layers = _field(config, "num_hidden_layers", source)
@@ -251,6 +145,7 @@ class ModelArgs:
             mlp_bias=_flag(config, "mlp_bias", source),
             qk_norm=family == "qwen3",
             sliding_windows=sliding_windows(config, family, layers, source),
+            keys=report,
         )
         if args.num_heads % args.num_kv_heads:
             raise CheckpointError(
@@ -306,19 +201,6 @@ class ModelArgs:
         if not self.tie_word_embeddings:
             shapes["lm_head.weight"] = (self.vocab_size, h)
         return shapes
-
-
-def _refuse_unknown_keys(config: dict[str, Any], family: str, source: str) -> None:
-    common = READ - set().union(*FAMILY_KEYS.values())
-    allowed = IGNORED | common | FAMILY_KEYS[family]
-    for key, value in config.items():
-        if key not in allowed and not (value is None or value is False):
-            raise CheckpointError(f"{source}: key {key!r} = {value!r} is not implemented by fdcore for {family} models")
-    act = config.get("hidden_act", "silu")
-    if act != "silu":
-        raise CheckpointError(f"{source}: key 'hidden_act' = {act!r} is not implemented (only 'silu')")
-    # rope_interleaved (nanotron): false is HF's rotate-half, which fdcore runs (and transformers
-    # ignores the key); true asks for another rotary layout, refused by the rule above.
 
 
 def rope_spec(config: dict[str, Any], head_dim: int, max_positions: int, source: str) -> RopeSpec:

@@ -128,9 +128,13 @@ def describe_model(config: Config) -> str:
         f"# {args.architecture}: {args.num_layers} layers, hidden {args.hidden_size}, {args.num_heads} heads "
         f"({args.num_kv_heads} kv), vocab {args.vocab_size}; config and tensor headers checked"
     )
+    keys = args.keys
     lines = [
         f"# model {path}",
         shape,
+        f"# config keys read: {', '.join(keys.read) or 'none'}",
+        f"# config keys known to change nothing: {', '.join(keys.inert) or 'none'}",
+        f"# config keys no transformers model reads (warned, not used): {', '.join(keys.unknown) or 'none'}",
         f"# chat templates: {templates or 'none'}",
         f"# sampling defaults for requests that leave them unset ({source}):" + ("" if defaults else " none"),
     ]

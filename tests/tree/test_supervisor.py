@@ -405,6 +405,9 @@ def test_check_prints_the_effective_configuration(tmp_path):
     assert result.returncode == 0, result.stderr
     assert "[engine]\nmax_clients = 3" in result.stdout and "[server]\nenabled = false" in result.stdout
     assert "# LlamaForCausalLM: 4 layers, hidden 256" in result.stdout  # the checkpoint was inspected
+    assert "# config keys read: " in result.stdout and "hidden_size" in result.stdout  # the three sets
+    assert "# config keys known to change nothing: " in result.stdout and "fdcore_tiny_version" in result.stdout
+    assert "# config keys no transformers model reads (warned, not used): none" in result.stdout
 
 
 def test_the_readme_example_config_starts_the_tree_and_ctrl_c_stops_it(tmp_path):
