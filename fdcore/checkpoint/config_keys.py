@@ -124,7 +124,14 @@ READ = frozenset(
 FAMILY_KEYS = {
     "llama": {"attention_bias", "mlp_bias"},
     "mistral": {"sliding_window"},
-    "qwen2": {"attention_bias", "sliding_window", "use_sliding_window", "max_window_layers", "layer_types"},
+    "qwen2": {
+        "attention_bias",
+        "sliding_window",
+        "use_sliding_window",
+        "max_window_layers",
+        "layer_types",
+        "dual_chunk_attention_config",  # (Qwen2.5-1M: the context capped at its chunk size, model_args)
+    },
     "qwen3": {"attention_bias", "sliding_window", "use_sliding_window", "max_window_layers", "layer_types"},
 }
 

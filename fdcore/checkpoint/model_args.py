@@ -125,7 +125,7 @@ class ModelArgs:
         hidden = _field(config, "hidden_size", source)
         layers = _field(config, "num_hidden_layers", source)
         head_dim = _optional_int(config, "head_dim", hidden // heads, source)
-        max_positions = _optional_int(config, "max_position_embeddings", 2048, source)
+        max_positions = context_length(config, source)
         attention_bias = _flag(config, "attention_bias", source)
         args = cls(
             architecture=arch,
@@ -201,6 +201,22 @@ class ModelArgs:
         if not self.tie_word_embeddings:
             shapes["lm_head.weight"] = (self.vocab_size, h)
         return shapes
+
+
+def context_length(config: dict[str, Any], source: str) -> int:
+    """The positions the model is served with: ``max_position_embeddings``, capped at a
+    ``dual_chunk_attention_config``'s ``chunk_size`` (Qwen2.5-1M: below it, dual-chunk attention is ordinary
+    full attention, which fdcore runs; vLLM's rotary caps there too)."""
+    positions = _optional_int(config, "max_position_embeddings", 2048, source)
+    dual = config.get("dual_chunk_attention_config")
+    if dual:
+        chunk = dual.get("chunk_size") if isinstance(dual, dict) else None
+        if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk <= 0:
+            raise CheckpointError(
+                f"{source}: key 'dual_chunk_attention_config.chunk_size' = {chunk!r} must be a positive integer"
+            )
+        positions = min(positions, chunk)
+    return positions
 
 
 def rope_spec(config: dict[str, Any], head_dim: int, max_positions: int, source: str) -> RopeSpec:

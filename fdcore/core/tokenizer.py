@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, cast
 from tokenizers import Tokenizer
 
 from fdcore.checkpoint import CheckpointError, eos_ids, is_gguf, read_config, read_json_object
+from fdcore.checkpoint.model_args import context_length
 from fdcore.core.chat_template import ChatOptions, ChatTemplates, prepare_messages, render
 from fdcore.core.validation import (
     SPECIAL_TOKENS,
@@ -53,7 +54,7 @@ class ModelTokenizer:
         self.tokenizer, settings, legacy_map = _tokenizer_files(path)
         config = read_config(path)
         self.vocab_size = int(config["vocab_size"])
-        self.max_position_embeddings = int(config.get("max_position_embeddings", 2048))
+        self.max_position_embeddings = context_length(config, path)
         self.eos_token_ids = eos_ids(path, config)
         self.special_tokens = special_tokens(settings, legacy_map)
         self.control_texts = [t.content for t in self.tokenizer.get_added_tokens_decoder().values() if t.special]

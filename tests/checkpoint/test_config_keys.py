@@ -79,3 +79,18 @@ def test_the_known_inert_keys_are_in_no_other_set():
     from fdcore.checkpoint.config_keys import FAMILY_KEYS, READ
 
     assert not KNOWN_INERT & (READ | set().union(*FAMILY_KEYS.values()) | set(NOT_IMPLEMENTED))
+
+
+def test_dual_chunk_attention_is_served_as_full_attention_below_its_chunk():
+    """Qwen2.5-1M's key: accepted, the context capped at its chunk size (vLLM's rotary caps there too)."""
+    qwen2 = _config(architectures=["Qwen2ForCausalLM"], model_type="qwen2", max_position_embeddings=1010000)
+    qwen2["dual_chunk_attention_config"] = {
+        "chunk_size": 262144,
+        "local_size": 8192,
+        "original_max_position_embeddings": 262144,
+    }
+    args = ModelArgs.from_config(qwen2, "config.json")
+    assert args.max_position_embeddings == 262144 and "dual_chunk_attention_config" in args.keys.read
+    qwen2["dual_chunk_attention_config"] = {"local_size": 8192}
+    with pytest.raises(CheckpointError, match=r"'dual_chunk_attention_config.chunk_size' = None must be a positive"):
+        ModelArgs.from_config(qwen2, "config.json")
