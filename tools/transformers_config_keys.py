@@ -3,7 +3,8 @@ attributes its configuration classes set by default, and their __init__ paramete
 key no transformers model reads (a warning) from one that changes some model's maths (an error unless fdcore
 implements it or knows it changes nothing).
 
-Run with a python that has transformers (the vLLM peer's): /tmp/vllm-peer/venv/bin/python tools/transformers_config_keys.py
+Run with a python that has transformers (the vLLM peer's):
+    /tmp/vllm-peer/venv/bin/python tools/transformers_config_keys.py
 """
 
 from __future__ import annotations
@@ -12,7 +13,9 @@ import inspect
 import os
 import sys
 
-OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "fdcore", "checkpoint", "transformers_config_keys.txt")
+OUT = os.path.join(
+    os.path.dirname(os.path.abspath(__file__)), "..", "fdcore", "checkpoint", "transformers_config_keys.txt"
+)
 
 
 def main() -> int:
@@ -40,7 +43,10 @@ def main() -> int:
                 pass
     keys -= base  # (PretrainedConfig's own: bookkeeping and generation settings, listed in model_args.IGNORED)
     with open(OUT, "w") as f:
-        f.write(f"# config keys transformers {transformers.__version__} model classes read (tools/transformers_config_keys.py)\n")
+        f.write(
+            f"# config keys transformers {transformers.__version__} model classes read "
+            "(tools/transformers_config_keys.py)\n"
+        )
         f.write("\n".join(sorted(keys)) + "\n")
     print(f"{len(keys)} keys -> {OUT}")
     return 0
