@@ -451,4 +451,5 @@ class _Closed:
     def __getitem__(self, index: int) -> NoReturn:
         raise RingClosed(f"{self.name}: the handle is closed")
 
-    __setitem__: Callable[..., NoReturn] = __getitem__  # (called with a value too: raises either way)
+    def __setitem__(self, index: int, value: int) -> NoReturn:
+        raise RingClosed(f"{self.name}: the handle is closed")

@@ -144,6 +144,8 @@ def test_only_the_owner_unlinks_and_closed_handles_refuse_work(ring):
         other.put_nowait(b"x")
     with pytest.raises(RingClosed):
         other.get_nowait()
+    with pytest.raises(RingClosed):  # a write to the closed handle's words too (it raised TypeError)
+        other._words[0] = 1
 
 
 # ------------------------------------------------------------------ corruption
