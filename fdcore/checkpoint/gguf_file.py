@@ -2,11 +2,11 @@
 
 NOTE: ``gguf.GGUFReader`` (the format's reference reader, still used for its enums, block sizes and
 ``dequantize``) builds a numpy view object for every element of every metadata array: for
-SmolLM2's 49,152-token vocabulary and 48,900 merges that is ~250,000 views, 3 s and 168 MB per
-open on a 2-core EPYC, and the engine opens the file three times at start (config, eos ids,
-tokenizer) — seconds of every engine restart's pause. Here the metadata is decoded straight into
-Python values (the vocabulary with one ``struct`` call per string), and tensors are only located
-(their data is a view of the memory map, made when asked for), as the reference reader lays them out.
+SmolLM2's 49,152-token vocabulary and 48,900 merges that is ~250,000 views, seconds per open, and
+the engine opens the file three times at start (config, eos ids, tokenizer): every engine restart's
+pause. Here the metadata is decoded straight into Python values (the vocabulary with one ``struct`` call
+per string), and tensors are only located (their data is a view of the memory map, made when asked for),
+as the reference reader lays them out.
 """
 
 from __future__ import annotations

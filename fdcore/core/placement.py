@@ -4,10 +4,8 @@ Why: a worker's matrix products run on OpenMP threads that meet at a barrier sev
 so one of them descheduled for a moment stalls them all. Every token also wakes the control plane
 (scheduler, engine, client, a few hundred microseconds of CPU between them), and on a machine whose
 cores all run math threads Linux lets a woken actor preempt whichever thread is on the CPU it picks:
-often the worker's main thread, in the middle of its step. Measured on a 2-core Zen 4 EPYC, SmolLM2
-at batch 1 through the tree, requests alternating between placements in one tree: wint8 +6.6 %,
-bfloat16 +5.1 % with the worker's main thread alone on one CPU and everything else on the other (on
-an AVX2 EPYC: wint8 +2.9 to +6.6 %, float32 +4.7 %).
+often the worker's main thread, in the middle of its step. The worker's main thread alone on one CPU
+and everything else on the other decodes a few percent faster at batch 1 (DESIGN.md, "CPU placement").
 
 The plan, from the CPUs the supervisor may use, the worker ranks and each rank's math threads:
 

@@ -1,11 +1,10 @@
 """Math-library settings that must be in the environment before Paddle is imported.
 
 NOTE: Paddle's CPU wheel does its matrix products with Intel's MKL, which on a
-non-Intel CPU (this machine: AMD EPYC) picks its generic SSE code path and runs
-3-4x slower than OpenBLAS on the same shapes (measured: 64x256 @ 256x1536 takes
-2.5 ms vs 0.63 ms). ``MKL_DEBUG_CPU_TYPE=5`` makes that MKL use its AVX2 path:
-0.61 ms. It is only set on AMD CPUs (on Intel it would cap AVX-512 machines at
-AVX2) and never overrides a value the user chose.
+non-Intel CPU picks its generic SSE code path, several times slower than its AVX2
+one; ``MKL_DEBUG_CPU_TYPE=5`` makes that MKL use its AVX2 path. It is only set on
+AMD CPUs (on Intel it would cap AVX-512 machines at AVX2) and never overrides a value
+the user chose.
 
 Two OpenMP runtimes share the worker: MKL's (Intel's libiomp5) and the one fdcore's
 kernels are built with (GCC's libgomp). Intel's keeps its threads spinning for

@@ -22,17 +22,9 @@ class F32Matrix:
     embedding reads its rows from here (``take_rows``) instead of keeping a second copy.
 
     NOTE: used for every float32 projection and the LM head at every batch size, where the CPU has
-    AVX-512F: no row count was found where MKL's matmul is faster, so there is no threshold to
-    dispatch on (and a fallback would need the unpacked copy too: twice the memory). Measured
-    (benchmarks/bench_linear_f32.py: SmolLM2-135M's 30 layers' products and its 49152-row head, 538 MB,
-    ms per token step, MKL / kernel; EPYC Zen 4, 2 cores):
-
-        rows of x        1      4      8     16     32     64    512
-        1 thread     37/19  63/21  72/25  91/45 126/84 210/166 1352/1292  (kernel faster 1.9-3.0x to 1.05x)
-        2 threads    37/16  47/17  53/17  63/29  81/53 119/87   682/654   (2.2-3.1x to 1.04x)
-
-    At 2048 rows (a step's most, max_num_batched_tokens) each shape alone is within 4% either way
-    (both near the core's peak, ~100 GFLOP/s); the head only ever sees a step's last rows."""
+    AVX-512F or AVX2: no row count was found where MKL's matmul is faster, so there is no threshold to
+    dispatch on (and a fallback would need the unpacked copy too: twice the memory). The figures:
+    DESIGN.md, "Model", and ``benchmarks/bench_linear_f32.py``."""
 
     __slots__ = ("array", "packed", "rows")
 

@@ -21,8 +21,7 @@ def shared_pages_slowdown(args: ModelArgs, fd: int | None = None, budget: int = 
     pages than from private huge pages here (fdcore.models.shared_weights.shared_pages_cost): one float32
     matrix of the model's hidden width, as many bytes as its layers stream up to ``budget``, one row through
     it in one call. One call, not the layers' shapes: a decode step reads its weights as one long stream,
-    and a probe of many small calls measured Python's dispatch beside the memory (7-16 % on a Zen 4 EPYC
-    whose decode step ran 50 % slower on 4 KiB pages; one 256 MiB call: 41-43 %, run after run). None
+    and a probe of many small calls measured Python's dispatch beside the memory, not the pages. None
     without the float32 kernel, and None for a model whose layers stream fewer than ``PAGE_COST_FLOOR``
     bytes: they stay in the caches and the TLB's reach, where the page size costs nothing and a
     measurement would read only the machine's noise."""

@@ -170,9 +170,8 @@ def shared_pages_cost(stream, nbytes: int, fd: int | None = None) -> float:
     borrows its first ``nbytes`` and truncates it back to nothing; None: a memfd of its own) than over
     private huge pages (what a private copy gets): the ratio of medians minus one. The file's own pages are
     what counts: a memfd gets huge pages only where the kernel's shmem setting allows them, a disk file's
-    page cache large folios on most Linux 6 filesystems, and 4 KiB pages cost some CPUs a lot (a Zen 4
-    EPYC: a SmolLM2 float32 decode step 18.5 against 12 ms; an AVX-512 Xeon streamed bfloat16 weights at
-    21.8 GB/s on small pages, 34.4 on huge ones) and others little (an AVX2 EPYC: ~2 % on a decode pass)."""
+    page cache large folios on most Linux 6 filesystems, and 4 KiB pages cost some CPUs a lot and others little
+    (DESIGN.md, "Weights that exist once", under issue 44): so it is measured, here."""
     count = nbytes // 4
     private = zeros_on_huge_pages((count,), np.float32)
     own = fd is None

@@ -66,9 +66,8 @@ HUGE_PAGE = 2 << 20  # x86-64's transparent huge page
 def zeros_on_huge_pages(shape, dtype) -> np.ndarray:
     """A zeroed array in private anonymous memory advised for transparent huge pages (2 MiB), for what
     the kernels stream: packed weights and the KV cache. A 4 KiB page is a TLB miss every 64 cache
-    lines, and the hardware prefetchers stop at its edge: streaming 269 MB of bfloat16 weights with
-    AVX512-BF16 on 2 threads ran at 21.8 GB/s on small pages and 34.4 GB/s on huge ones (a Xeon with
-    AVX-512; SmolLM2's float32 weights: 24.1 -> 20.9 ms a token).
+    lines, and the hardware prefetchers stop at its edge (DESIGN.md, "Huge pages for what the kernels
+    stream", has the figures).
 
     Inside :func:`packing_weights`, arrays are carved one after another from shared 64 MiB regions, so
     a model's small matrices share huge pages too; otherwise an array of at least 2 MiB gets its own

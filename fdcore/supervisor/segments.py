@@ -27,9 +27,8 @@ def nameless_file(directory: str, name: str) -> int:
     """An empty file with no name (``O_TMPFILE``) on ``directory``'s filesystem, else a memfd called ``name``.
     Neither can outlive its last holder, whatever signal ends the tree. A disk filesystem's page cache
     gives a mapped file large folios (Linux 6.x: ext4, xfs), mapped with huge-page TLB entries, where
-    shared memory gets 4 KiB pages unless the kernel's shmem THP setting allows more; on a Zen 4 EPYC
-    a float32 weight stream over such a file ran as fast as over private huge pages, over a memfd 39 %
-    slower. The file's pages are written back to the disk once, like any file's."""
+    shared memory gets 4 KiB pages unless the kernel's shmem THP setting allows more (what that costs:
+    DESIGN.md, "Weights that exist once"). The file's pages are written back to the disk once, like any file's."""
     try:
         os.makedirs(directory, exist_ok=True)
         return os.open(directory, os.O_TMPFILE | os.O_RDWR | os.O_CLOEXEC, 0o600)
