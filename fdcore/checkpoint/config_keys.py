@@ -214,7 +214,7 @@ def classify_keys(config: dict[str, Any], family: str, source: str) -> KeyReport
             raise CheckpointError(
                 f"{source}: key {key!r} = {_short(value)} is not implemented by fdcore ({NOT_IMPLEMENTED[key]})"
             )
-        elif key.startswith("_") or key not in transformers_keys() | READ:
+        elif key.startswith("_") or (key not in READ and key not in transformers_keys()):
             unknown.append(key)
         else:
             raise CheckpointError(
